@@ -1,0 +1,43 @@
+# kvfleet — two set-up commands: `make run` (main job) and `make test` (all tests).
+# Both create .venv and install what they need on first use.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvfleet-deps
+
+.PHONY: install model run test test-fast lint bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: it takes the local CPU wheel, never a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $@
+
+install: $(STAMP)
+
+model: install
+	$(PY) -m engine.default_model
+
+run: model
+	$(PY) -m engine.demo
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy engine
+
+test: lint
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: model
+	$(PY) -m benchmarks.offline_throughput
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

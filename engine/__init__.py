@@ -1,0 +1,32 @@
+"""kvfleet's engine: paged KV cache, continuous batching, and the offline `LLM` API.
+
+Public names are imported lazily so that light modules (e.g. `engine.block_hash`, which the
+router uses) can be imported without pulling in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+_LAZY = {
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module_name), name)

@@ -1,0 +1,108 @@
+"""Per-layer paged attention (PyTorch; the CPU backend).
+
+Invariants: the layer's cache is one tensor [2, num_blocks, block_size, num_kv_heads,
+head_dim] (index 0 = K, 1 = V). This step's K/V is written to every token's slot first; then
+each query attends causally to its request's context read back through the slot lists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, key.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, value.to(flat_v.dtype))
+
+        out = torch.empty_like(query)
+        for seg in meta.prefills:
+            out[seg.query_start : seg.query_end] = self._prefill(
+                query[seg.query_start : seg.query_end],
+                key[seg.query_start : seg.query_end],
+                value[seg.query_start : seg.query_end],
+                flat_k,
+                flat_v,
+                seg.num_context_tokens,
+                seg.context_slots,
+            )
+        if meta.decode is not None:
+            out[meta.decode.query_indices] = self._decode(
+                query[meta.decode.query_indices], flat_k, flat_v, meta
+            )
+        return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        num_context: int,
+        context_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        q_len = q.shape[0]
+        if num_context == 0:
+            # The whole context is this chunk: use the fresh K/V, no gather needed.
+            k, v = k_new, v_new
+        else:
+            k = flat_k.index_select(0, context_slots).to(q.dtype)
+            v = flat_v.index_select(0, context_slots).to(q.dtype)
+        kv_len = k.shape[0]
+        # [1, H, q, D] against [1, KVH, kv, D]
+        qh = q.transpose(0, 1).unsqueeze(0)
+        kh = k.transpose(0, 1).unsqueeze(0)
+        vh = v.transpose(0, 1).unsqueeze(0)
+        if num_context == 0:
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            q_pos = torch.arange(num_context, num_context + q_len).unsqueeze(1)
+            k_pos = torch.arange(kv_len).unsqueeze(0)
+            mask = k_pos <= q_pos
+            o = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [B, H, D]
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert meta.decode is not None
+        slots = meta.decode.context_slots
+        b, max_len = slots.shape
+        k = flat_k.index_select(0, slots.reshape(-1)).view(b, max_len, self.num_kv_heads, -1)
+        v = flat_v.index_select(0, slots.reshape(-1)).view(b, max_len, self.num_kv_heads, -1)
+        qh = q.unsqueeze(2)  # [B, H, 1, D]
+        kh = k.transpose(1, 2).to(q.dtype)  # [B, KVH, L, D]
+        vh = v.transpose(1, 2).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=meta.decode.context_mask, scale=self.scale, enable_gqa=True
+        )
+        return o.squeeze(2)

@@ -1,0 +1,91 @@
+"""Turns a scheduler step into the flat tensors one forward pass needs.
+
+For each scheduled request the step computes tokens [num_computed, num_computed + n). Their ids
+and positions are concatenated into one flat batch; every token gets a cache slot
+(block_id * block_size + offset) from the request's block table. Requests computing one token
+form the decode batch; the rest are prefill segments. `sample_indices` are the flat positions
+whose hidden states produce logits: the last token of each request that reaches the end of its
+known tokens this step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from engine.core.scheduler import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: torch.Tensor
+    sampled_requests: list[ScheduledRequest]
+
+
+def _context_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    table = torch.tensor(block_ids, dtype=torch.int64)
+    slots = (table.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
+    return slots[:num_tokens]
+
+
+def build_model_input(
+    scheduled: list[ScheduledRequest],
+    block_ids: dict[str, list[int]],
+    block_size: int,
+) -> ModelInput:
+    ids: list[int] = []
+    positions: list[torch.Tensor] = []
+    slot_parts: list[torch.Tensor] = []
+    prefills: list[PrefillSegment] = []
+    decode_idx: list[int] = []
+    decode_slots: list[torch.Tensor] = []
+    sample_indices: list[int] = []
+    sampled: list[ScheduledRequest] = []
+    offset = 0
+    for item in scheduled:
+        request, n = item.request, item.num_new_tokens
+        start = request.num_computed_tokens
+        ids.extend(request.all_token_ids[start : start + n])
+        positions.append(torch.arange(start, start + n))
+        context = _context_slots(block_ids[request.request_id], start + n, block_size)
+        slot_parts.append(context[start:])
+        if n == 1:
+            decode_idx.append(offset)
+            decode_slots.append(context)
+        else:
+            prefills.append(PrefillSegment(offset, offset + n, start, context))
+        offset += n
+        if item.samples:
+            sample_indices.append(offset - 1)
+            sampled.append(item)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slot_parts),
+        prefills=tuple(prefills),
+        decode=_decode_batch(decode_idx, decode_slots),
+        num_tokens=offset,
+    )
+    return ModelInput(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.cat(positions),
+        meta=meta,
+        sample_indices=torch.tensor(sample_indices, dtype=torch.int64),
+        sampled_requests=sampled,
+    )
+
+
+def _decode_batch(indices: list[int], slots: list[torch.Tensor]) -> DecodeBatch | None:
+    if not indices:
+        return None
+    lengths = torch.tensor([s.numel() for s in slots])
+    padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True, padding_value=0)
+    mask = torch.arange(padded.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    return DecodeBatch(
+        query_indices=torch.tensor(indices, dtype=torch.int64),
+        context_slots=padded,
+        context_mask=mask[:, None, None, :],
+    )

@@ -1,0 +1,237 @@
+"""The engine: one step = schedule -> run the model -> update requests.
+
+`LLMEngine` validates and queues requests, sizes the KV cache, and after each step reports the
+KV events (block hashes cached / evicted) to an optional hook, which the engine service publishes
+to Redis. It is synchronous; the async service runs `step()` off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
+from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine.models.config import ModelConfig
+from engine.models.loader import load_model, resolve_dtype
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer, load_generation_eos_ids
+
+logger = logging.getLogger("kvfleet.engine")
+
+KVEventHook = Callable[[KVCacheEvents], None]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_blocks: int
+    bytes_per_block: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, kv_event_hook: KVEventHook | None = None) -> None:
+        model_dir = Path(config.model)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(
+                f"model {config.model!r} is not a Hugging Face-format directory with config.json"
+            )
+        self.config = config
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        torch.manual_seed(config.seed)
+        self.model, _ = load_model(model_dir, self.dtype)
+        self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
+        self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
+        self.max_model_len = self._resolve_max_model_len()
+        self.kv_layout = self._size_kv_cache()
+        self.kv = KVCacheManager(
+            self.kv_layout.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.model_config,
+            self.kv_layout.num_blocks,
+            config.block_size,
+            self.dtype,
+            config.seed,
+        )
+        self.kv_event_hook = kv_event_hook
+        self._arrival_seq = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._log_kv_cache()
+
+    # ------------------------------------------------------------------ start-up
+    def _resolve_max_model_len(self) -> int:
+        derived = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            # Sliding-window attention is not implemented; stay inside the window.
+            derived = min(derived, self.model_config.sliding_window)
+        requested = self.config.max_model_len
+        if requested is not None and requested > derived:
+            raise ValueError(
+                f"max_model_len ({requested}) is larger than the model allows ({derived})"
+            )
+        max_len = requested or derived
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({max_len}); enable chunked prefill or raise the budget"
+            )
+        return max_len
+
+    def _size_kv_cache(self) -> KVCacheLayout:
+        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        else:
+            budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes ({budget}) is smaller than one KV block "
+                    f"({per_block} bytes)"
+                )
+        return KVCacheLayout(num_blocks, per_block)
+
+    def _log_kv_cache(self) -> None:
+        blocks = self.kv_layout.num_blocks
+        tokens = blocks * self.config.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
+            "max concurrency %.2fx at max_model_len %d",
+            blocks,
+            self.config.block_size,
+            tokens,
+            blocks * self.kv_layout.bytes_per_block / 2**20,
+            str(self.dtype).removeprefix("torch."),
+            tokens / self.max_model_len,
+            self.max_model_len,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> int:
+        """Check a request before it is queued; returns its resolved max_tokens."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        if max_tokens < 1 or num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if not self.kv.can_fit(num_prompt + max_tokens):
+            needed = -(-(num_prompt + max_tokens) // self.config.block_size)
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} "
+                f"KV blocks but the cache has only {self.kv.num_blocks}"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary")
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
+        max_tokens = self.validate_request(prompt_token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            max_tokens=max_tokens,
+            block_size=self.config.block_size,
+            arrival_seq=self._arrival_seq,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+        )
+        self._arrival_seq += 1
+        self.scheduler.add_request(request)
+        self.runner.add_request(request_id, params.seed)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        if self.scheduler.abort_request(request_id) is not None:
+            self.runner.remove_request(request_id)
+            self._emit_kv_events()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestUpdate]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.has_unfinished_requests() and not out.preempted:
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
+                     for s in out.scheduled}
+        sampled = self.runner.execute(out.scheduled, block_ids)
+        updates = self.scheduler.update_from_output(out, sampled)
+        for update in updates:
+            request = update.request
+            if request.num_output_tokens == 1:
+                self.prompt_tokens += request.num_prompt_tokens
+            self.generation_tokens += len(update.new_token_ids)
+            if update.finished:
+                self.runner.remove_request(request.request_id)
+        self._emit_kv_events()
+        return updates
+
+    def _emit_kv_events(self) -> None:
+        events = self.kv.take_events()
+        if self.kv_event_hook is not None and (events.stored or events.removed):
+            self.kv_event_hook(events)
+
+    # ------------------------------------------------------------------ introspection
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset_prefix_cache()
+        self._emit_kv_events()
+        return ok
+
+    def get_stats(self) -> dict[str, int | float]:
+        return {
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_cache_usage": self.kv.usage,
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "prefix_cache_queries": self.kv.stats.queries,
+            "prefix_cache_hits": self.kv.stats.hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+        }

@@ -1,0 +1,69 @@
+"""Runs one engine step on the model: flat batch in, one sampled token per finishing request out.
+
+Owns the paged KV cache tensors (one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor
+per layer, in the model's dtype), the sampler and the per-request generators of seeded requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.core.scheduler import ScheduledRequest
+from engine.input_batch import build_model_input
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import Sampler, SamplingRow
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    return per_token * block_size * itemsize
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype) for _ in range(model_config.num_hidden_layers)
+        ]
+        self.sampler = Sampler(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def add_request(self, request_id: str, seed: int | None) -> None:
+        if seed is not None:
+            self._generators[request_id] = torch.Generator().manual_seed(seed)
+
+    def remove_request(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
+    ) -> dict[str, int]:
+        batch = build_model_input(scheduled, block_ids, self.block_size)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sampled_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.sample_indices])
+        rows = [
+            SamplingRow(
+                item.request.sampling_params, self._generators.get(item.request.request_id)
+            )
+            for item in batch.sampled_requests
+        ]
+        tokens = self.sampler(logits, rows)
+        return {
+            item.request.request_id: token
+            for item, token in zip(batch.sampled_requests, tokens, strict=True)
+        }

@@ -1,0 +1,229 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2), our own implementation.
+
+Shapes: the batch is flattened — `input_ids`/`positions` are [T] for all requests of a step
+together, and attention finds each request's tokens through `AttentionMetadata`; there is
+no batch dimension and no padding.
+
+Invariants:
+- Numerics follow transformers' modeling_llama op for op (RMSNorm in float32 with the same
+  order of operations, rotate-half RoPE, SiLU-gated MLP, residual adds), so float32 logits
+  match transformers to ~1e-6; the only deliberate difference is that q/k/v and gate/up
+  are each one fused matmul, which changes GEMM blocking but not the math.
+- Parameter names are ours (`qkv_proj`, `gate_up_proj`); `load_weights` maps Hugging Face
+  names onto them and fails loudly on unknown or missing tensors.
+- Tied embeddings have no separate lm_head parameter: `compute_logits` reads the embedding
+  matrix, so tying survives meta-device construction and dtype casts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.models.config import ModelConfig
+from engine.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(input_dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+# HF projection names -> (our fused parameter, shard index within it).
+_QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP_SHARDS = {"gate_proj": 0, "up_proj": 1}
+_FUSED_NAME = re.compile(r"^(layers\.\d+\.)(self_attn|mlp)\.(\w+)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack + final norm; `compute_logits` applies the LM head separately so the
+    runner only projects the rows it samples from."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm; writes this step's K/V to the caches."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab]; computed in the model dtype, then upcast, as HF does."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our parameters (casting to their dtype).
+
+        Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = self._map_hf_name(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no parameter ({name!r})")
+            self._copy_shard(params[name], shard, tensor, hf_name)
+            loaded.add(name if shard is None else f"{name}#{shard[1]}")
+        self._check_all_loaded(params, loaded)
+
+    def _map_hf_name(self, hf_name: str) -> tuple[str, tuple[str, int] | None] | None:
+        """(our parameter name, (fused kind, shard index) or None), or None to skip."""
+        name = hf_name.removeprefix("model.")
+        if name.endswith("rotary_emb.inv_freq"):
+            return None  # recomputed, never loaded
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: some checkpoints still carry a copy of the embedding
+        match = _FUSED_NAME.match(name)
+        if match is None:
+            return name, None
+        prefix, block, proj, kind = match.groups()
+        if proj in _QKV_SHARDS:
+            return f"{prefix}self_attn.qkv_proj.{kind}", ("qkv", _QKV_SHARDS[proj])
+        if proj in _GATE_UP_SHARDS:
+            return f"{prefix}mlp.gate_up_proj.{kind}", ("gate_up", _GATE_UP_SHARDS[proj])
+        return name, None
+
+    def _shard_rows(self, kind: str, index: int) -> tuple[int, int]:
+        cfg = self.config
+        if kind == "qkv":
+            starts = (0, cfg.q_size, cfg.q_size + cfg.kv_size)
+            sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+            return starts[index], sizes[index]
+        return index * cfg.intermediate_size, cfg.intermediate_size
+
+    def _copy_shard(
+        self,
+        param: torch.Tensor,
+        shard: tuple[str, int] | None,
+        tensor: torch.Tensor,
+        hf_name: str,
+    ) -> None:
+        dest = param if shard is None else param.narrow(0, *self._shard_rows(*shard))
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
+                f"model {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+
+    def _check_all_loaded(self, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
+        missing: list[str] = []
+        for name in params:
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                shards = [f"{name}#{i}" for i in range(3)]
+            elif name.endswith("gate_up_proj.weight"):
+                shards = [f"{name}#{i}" for i in range(2)]
+            else:
+                shards = [name]
+            missing.extend(s for s in shards if s not in loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")

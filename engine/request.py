@@ -1,0 +1,108 @@
+"""A request inside the engine: its tokens, how many are computed, and its block hashes.
+
+There is no prefill or decode phase: `num_computed_tokens` of `all_token_ids` have KV in the
+cache and the rest still have to be computed. `block_hashes` covers every full block of
+`all_token_ids` and grows as output tokens fill blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, hash_token_blocks
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Resolved by the engine: max_tokens with None replaced by the remaining context.
+    max_tokens: int
+    block_size: int
+    arrival_seq: int
+    priority: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    lora_id: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prefix-cache hit on first admission; None until the request is first scheduled.
+    num_cached_tokens: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: lower priority value first, then first come first served."""
+        return (self.priority, self.arrival_seq)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        start = len(self.block_hashes)
+        if (start + 1) * self.block_size > self.num_tokens:
+            return
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        self.block_hashes.extend(
+            hash_token_blocks(
+                self.all_token_ids,
+                self.block_size,
+                cache_salt=self.cache_salt,
+                lora_id=self.lora_id,
+                parent=parent,
+                start_block=start,
+            )
+        )

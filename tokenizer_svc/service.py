@@ -1,0 +1,179 @@
+"""TokenizerServicer: the kvfleet.v1.Tokenizer gRPC service over `engine.tokenizer.Tokenizer`.
+
+Role: a thin adapter. Validation happens here and raises ValueError with a message naming
+the offending field; `kvfleet.interceptors.ErrorMappingInterceptor` turns that into
+INVALID_ARGUMENT. Results are exactly `engine.tokenizer.Tokenizer`'s (the engine and the
+service can never disagree on ids).
+
+Invariants:
+- Unset optional fields take vLLM's defaults: add_special_tokens is true for text and
+  false for chat (templates emit their own BOS), add_generation_prompt and
+  skip_special_tokens are true.
+- Whole-prompt work (template rendering, encoding, full decodes) runs in a worker thread so
+  one long prompt never stalls other streams on the event loop; the per-token streaming
+  path decodes small windows inline (a thread hop would cost more than the work).
+- The servicer keeps no state between RPCs; each DetokenizeStream owns its detokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc.aio
+import jinja2
+from google.protobuf.message import Message
+
+from engine.tokenizer import Tokenizer, load_generation_eos_ids
+from kvfleet.grpc_server import Service
+from kvfleet.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.incremental import IncrementalDetokenizer
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+# OpenAI's chat roles ("developer" is the newer name for "system").
+CHAT_ROLES = ("assistant", "developer", "system", "tool", "user")
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, tokenizer: Tokenizer, info: tokenizer_pb2.TokenizerInfo) -> None:
+        self._tokenizer = tokenizer
+        self._info = info
+        self._vocab_size = tokenizer.vocab_size
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, model_name: str | None = None
+    ) -> TokenizerServicer:
+        model_dir = Path(model_dir)
+        tokenizer = Tokenizer.from_dir(model_dir)
+        info = build_info(tokenizer, load_generation_eos_ids(model_dir), model_name or model_dir.name)
+        return cls(tokenizer, info)
+
+    def as_service(self) -> Service:
+        """This servicer as a `kvfleet.grpc_server.Service` to host."""
+        return Service(
+            SERVICE_NAME,
+            lambda server: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(self, server),
+        )
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            if not request.text:
+                raise ValueError("text must not be empty")
+            add_special = _flag(request, "add_special_tokens", default=True)
+            ids = await asyncio.to_thread(self._tokenizer.encode, request.text, add_special)
+            return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt=request.text)
+        if kind == "messages":
+            messages = validate_messages(request.messages.messages)
+            prompt, ids = await asyncio.to_thread(
+                self._render_and_encode,
+                messages,
+                _flag(request, "add_generation_prompt", default=True),
+                _flag(request, "add_special_tokens", default=False),
+            )
+            return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt=prompt)
+        raise ValueError("input must be set: either text or messages")
+
+    async def Detokenize(
+        self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.DetokenizeResponse:
+        ids = list(request.token_ids)
+        self._check_token_ids(ids, "token_ids")
+        skip = _flag(request, "skip_special_tokens", default=True)
+        text = await asyncio.to_thread(self._tokenizer.decode, ids, skip)
+        return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    async def DetokenizeStream(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeStreamResponse]:
+        detokenizer: IncrementalDetokenizer | None = None
+        async for request in request_iterator:
+            if detokenizer is None:
+                detokenizer = self._start_stream(request)
+            elif request.HasField("skip_special_tokens") or request.prompt_token_ids:
+                raise ValueError(
+                    "skip_special_tokens and prompt_token_ids may only be set on the first message"
+                )
+            ids = list(request.token_ids)
+            self._check_token_ids(ids, "token_ids")
+            yield tokenizer_pb2.DetokenizeStreamResponse(text_delta=detokenizer.add_tokens(ids))
+        if detokenizer is not None:
+            tail = detokenizer.flush()
+            if tail:
+                yield tokenizer_pb2.DetokenizeStreamResponse(text_delta=tail)
+
+    async def GetInfo(
+        self, request: tokenizer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizerInfo:
+        return self._info
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _start_stream(
+        self, first: tokenizer_pb2.DetokenizeStreamRequest
+    ) -> IncrementalDetokenizer:
+        prompt_ids = list(first.prompt_token_ids)
+        self._check_token_ids(prompt_ids, "prompt_token_ids")
+        skip = _flag(first, "skip_special_tokens", default=True)
+        return IncrementalDetokenizer(self._tokenizer, skip, prompt_ids)
+
+    def _render_and_encode(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, add_special: bool
+    ) -> tuple[str, list[int]]:
+        try:
+            prompt = self._tokenizer.apply_chat_template(messages, add_generation_prompt)
+        except jinja2.TemplateSyntaxError:
+            raise  # the model's template is broken: a server problem, not the request's
+        except jinja2.TemplateError as e:
+            # raise_exception() in templates, e.g. "roles must alternate user/assistant".
+            raise ValueError(f"the chat template rejected the messages: {e}") from e
+        return prompt, self._tokenizer.encode(prompt, add_special)
+
+    def _check_token_ids(self, ids: Sequence[int], field: str) -> None:
+        # max() runs in C; only a failing request pays for finding the index.
+        if ids and max(ids) >= self._vocab_size:
+            index, bad = next((i, t) for i, t in enumerate(ids) if t >= self._vocab_size)
+            raise ValueError(
+                f"{field}[{index}] = {bad} is outside the vocabulary (size {self._vocab_size})"
+            )
+
+
+def _flag(message: Message, field: str, default: bool) -> bool:
+    """An `optional bool` field's value, or its documented default when unset."""
+    return bool(getattr(message, field)) if message.HasField(field) else default
+
+
+def validate_messages(messages: Sequence[common_pb2.ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as template input; ValueError naming the first bad message."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    for index, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}; "
+                f"got {message.role!r}"
+            )
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def build_info(
+    tokenizer: Tokenizer, eos_token_ids: Sequence[int], model_name: str
+) -> tokenizer_pb2.TokenizerInfo:
+    info = tokenizer_pb2.TokenizerInfo(
+        model_name=model_name,
+        vocab_size=tokenizer.vocab_size,
+        eos_token_ids=list(eos_token_ids),
+        all_special_ids=tokenizer.all_special_ids,
+        has_chat_template=tokenizer.chat_template is not None,
+    )
+    if tokenizer.bos_token_id is not None:
+        info.bos_token_id = tokenizer.bos_token_id
+    if tokenizer.pad_token_id is not None:
+        info.pad_token_id = tokenizer.pad_token_id
+    return info
