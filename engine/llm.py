@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -66,7 +66,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [cast(ChatMessages, messages)] if single else list(
+            cast(Sequence[ChatMessages], messages)
+        )
         prompts: list[PromptInput] = []
         for conversation in conversations:
             text = self.engine.tokenizer.apply_chat_template(

@@ -12,6 +12,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.input_batch import build_model_input
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.request import Request
 from engine.sampler import Sampler, SamplingRow
 
 
@@ -47,6 +48,15 @@ class ModelRunner:
     def remove_request(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        params = request.sampling_params
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            # Like vLLM: before min_tokens, EOS and stop tokens cannot be sampled at all.
+            eos = () if params.ignore_eos else tuple(request.eos_token_ids)
+            banned = tuple(params.stop_token_ids) + eos
+        return SamplingRow(params, self._generators.get(request.request_id), banned)
+
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
@@ -56,12 +66,7 @@ class ModelRunner:
         if not batch.sampled_requests:
             return {}
         logits = self.model.compute_logits(hidden[batch.sample_indices])
-        rows = [
-            SamplingRow(
-                item.request.sampling_params, self._generators.get(item.request.request_id)
-            )
-            for item in batch.sampled_requests
-        ]
+        rows = [self._sampling_row(item.request) for item in batch.sampled_requests]
         tokens = self.sampler(logits, rows)
         return {
             item.request.request_id: token

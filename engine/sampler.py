@@ -20,6 +20,8 @@ class SamplingRow:
     params: SamplingParams
     # A per-request generator for seeded requests; None uses the engine's generator.
     generator: torch.Generator | None
+    # Tokens that must not be sampled now (EOS and stop tokens before min_tokens).
+    banned_token_ids: tuple[int, ...] = ()
 
 
 class Sampler:
@@ -28,6 +30,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         logits = logits.float()
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, list(row.banned_token_ids)] = float("-inf")
         greedy = torch.tensor([row.params.greedy for row in rows])
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):

@@ -47,7 +47,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     ) -> TokenizerServicer:
         model_dir = Path(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
-        info = build_info(tokenizer, load_generation_eos_ids(model_dir), model_name or model_dir.name)
+        eos_token_ids = load_generation_eos_ids(model_dir)
+        info = build_info(tokenizer, eos_token_ids, model_name or model_dir.name)
         return cls(tokenizer, info)
 
     def as_service(self) -> Service:
@@ -115,9 +116,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _start_stream(
-        self, first: tokenizer_pb2.DetokenizeStreamRequest
-    ) -> IncrementalDetokenizer:
+    def _start_stream(self, first: tokenizer_pb2.DetokenizeStreamRequest) -> IncrementalDetokenizer:
         prompt_ids = list(first.prompt_token_ids)
         self._check_token_ids(prompt_ids, "prompt_token_ids")
         skip = _flag(first, "skip_special_tokens", default=True)
