@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfleet-deps
 
-.PHONY: install model run test test-fast lint bench clean
+.PHONY: install model run test test-fast lint bench proto clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,9 +28,12 @@ model: install
 run: model
 	$(PY) -m engine.demo
 
+proto: install
+	$(PY) scripts/gen_proto.py
+
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy engine
+	$(VENV)/bin/mypy engine kvfleet tokenizer_svc
 
 test: lint
 	$(PY) -m pytest -q

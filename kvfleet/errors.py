@@ -52,7 +52,7 @@ def status_for_exception(exc: BaseException) -> tuple[grpc.StatusCode, str, bool
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "overloaded", False
     if isinstance(exc, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc) or "unavailable", False
-    if isinstance(exc, grpc.aio.AioRpcError | grpc.RpcError):
+    if isinstance(exc, grpc.RpcError):  # grpc.aio.AioRpcError included
         code, details = _rpc_error_status(exc)
         if code is not None and code is not grpc.StatusCode.OK:
             return code, details, code is grpc.StatusCode.INTERNAL

@@ -204,8 +204,11 @@ class GrpcServer:
         forced.cancel()
         if not drained.done() or not drained.result():
             drained.cancel()
-            logger.warning("cancelling %d in-flight RPC(s) after the grace period", self.in_flight)
-        await hook
+            reason = "on a second signal" if self._force_stop.is_set() else "after the grace period"
+            logger.warning("cancelling %d in-flight RPC(s) %s", self.in_flight, reason)
+        if self._force_stop.is_set():
+            hook.cancel()  # "stop now" includes the deregistration hook
+        await asyncio.gather(hook, return_exceptions=True)
         remaining_s = self.grace_s - (asyncio.get_running_loop().time() - started)
         flush_s = 0.0 if self._force_stop.is_set() else min(STATUS_FLUSH_S, max(0.0, remaining_s))
         await self._server.stop(flush_s)

@@ -8,7 +8,8 @@ refuse new work with UNAVAILABLE while health checks still answer NOT_SERVING.
 
 Invariants:
 - Works for all four handler kinds of grpc.aio (unary/streaming requests and responses),
-  whether a streaming handler is an async generator or uses `context.write`.
+  whether a streaming handler is an async generator or uses `context.write`. Handlers
+  must be `async` (a plain function would run on, and block, the event loop).
 - `context.abort(...)` called by a servicer (grpc.aio.AbortError), cancellation and
   generator close pass through untouched: only `Exception`s raised by handler code are
   mapped, and never twice.
@@ -22,7 +23,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -163,8 +164,11 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, scope: RpcScope) -
         async def streaming_response(
             request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
-            async with scope(method, context):
-                async for response in _responses(inner(request, context)):
+            # aclosing: if grpc stops iterating early, the handler's own cleanup (finally
+            # blocks, e.g. aborting an engine request) runs now, not when the GC finds it.
+            responses = contextlib.aclosing(_responses(inner(request, context)))
+            async with scope(method, context), responses as stream:
+                async for response in stream:
                     yield response
 
         factory = (
@@ -180,11 +184,9 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, scope: RpcScope) -
     )
 
 
-async def _responses(result: Any) -> AsyncIterator[Any]:
+async def _responses(result: Any) -> AsyncGenerator[Any, None]:
     """Responses of a streaming handler: async generator, sync iterator or writer coroutine."""
     if hasattr(result, "__aiter__"):
-        # aclosing: if our caller stops early, the handler's own cleanup (finally blocks,
-        # e.g. aborting an engine request) runs now, not whenever the GC finds it.
         try:
             async for response in result:
                 yield response

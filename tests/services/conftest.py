@@ -128,4 +128,3 @@ def smollm2_tokenizer_server(smollm2_dir: Path) -> Iterator[ThreadedServer]:
 def smollm2_channel(smollm2_tokenizer_server: ThreadedServer) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(smollm2_tokenizer_server.address) as channel:
         yield channel
-

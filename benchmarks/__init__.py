@@ -1,0 +1,1 @@
+"""Benchmarks for kvfleet: run with `python -m benchmarks.<name>` (e.g. `make bench`)."""
