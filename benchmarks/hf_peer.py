@@ -5,8 +5,9 @@ Two ways of serving a batch of token-id prompts greedily for a fixed number of n
 - `generate_batch`: transformers' own continuous batching (paged KV cache, 16-token pages via
   `ContinuousBatchingConfig.page_size`; `block_size` there is a deprecated alias). On CPU no flash
   kernel exists, so the manager keeps the model's `sdpa` attention with explicit masks (it would
-  only switch to flash when available); the KV budget and the per-step token budget are passed
-  explicitly so the cache is not sized from 90% of the host's RAM.
+  only switch to flash when available); the KV budget, the per-step token budget and the batch
+  width are passed explicitly, so the cache is not sized from 90% of the host's RAM and the batch
+  width is not taken from the warm-up's workload hints. Prefix sharing is off (see below).
 - `generate`: classic static batching, left padding plus an attention mask, EOS blocked by
   `min_new_tokens == max_new_tokens` so every row yields exactly `max_new_tokens` tokens.
 
@@ -78,7 +79,9 @@ def generate_batch(
         max_batch_tokens=max_batch_tokens,
         # Explicit: otherwise it is taken from the first call's workload (the small warm-up).
         max_requests_per_batch=max_requests_per_batch,
-        allow_block_sharing=True,
+        # Off: random prompts share no prefix, and with it on a repeated round would hit the
+        # persistent manager's cache from the previous round (kvfleet resets its cache per round).
+        allow_block_sharing=False,
     )
     start = time.perf_counter()
     results = model.generate_batch(

@@ -26,6 +26,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # "auto": the compiled CPU decode-attention kernel when it builds, else PyTorch;
+    # "torch": always the PyTorch path; "kernel": the kernel or fail.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -44,6 +47,10 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "torch", "kernel"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or kernel; got {self.attention_backend!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"

@@ -37,13 +37,15 @@ def build_model_input(
     scheduled: list[ScheduledRequest],
     block_ids: dict[str, list[int]],
     block_size: int,
+    use_decode_kernel: bool = False,
 ) -> ModelInput:
     ids: list[int] = []
     positions: list[torch.Tensor] = []
-    slot_parts: list[torch.Tensor] = []
+    slots: list[int] = []
     prefills: list[PrefillSegment] = []
     decode_idx: list[int] = []
-    decode_slots: list[torch.Tensor] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
     sample_indices: list[int] = []
     sampled: list[ScheduledRequest] = []
     offset = 0
@@ -52,22 +54,26 @@ def build_model_input(
         start = request.num_computed_tokens
         ids.extend(request.all_token_ids[start : start + n])
         positions.append(torch.arange(start, start + n))
-        context = _context_slots(block_ids[request.request_id], start + n, block_size)
-        slot_parts.append(context[start:])
+        table = block_ids[request.request_id]
         if n == 1:
             decode_idx.append(offset)
-            decode_slots.append(context)
+            decode_tables.append(table)
+            decode_lens.append(start + 1)
+            slots.append(table[start // block_size] * block_size + start % block_size)
         else:
+            context = _context_slots(table, start + n, block_size)
+            slots.extend(context[start:].tolist())
             prefills.append(PrefillSegment(offset, offset + n, start, context))
         offset += n
         if item.samples:
             sample_indices.append(offset - 1)
             sampled.append(item)
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(slot_parts),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
         prefills=tuple(prefills),
-        decode=_decode_batch(decode_idx, decode_slots),
+        decode=_decode_batch(decode_idx, decode_tables, decode_lens, block_size),
         num_tokens=offset,
+        use_decode_kernel=use_decode_kernel,
     )
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -78,14 +84,16 @@ def build_model_input(
     )
 
 
-def _decode_batch(indices: list[int], slots: list[torch.Tensor]) -> DecodeBatch | None:
+def _decode_batch(
+    indices: list[int], tables: list[list[int]], lens: list[int], block_size: int
+) -> DecodeBatch | None:
     if not indices:
         return None
-    lengths = torch.tensor([s.numel() for s in slots])
-    padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True, padding_value=0)
-    mask = torch.arange(padded.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
     return DecodeBatch(
         query_indices=torch.tensor(indices, dtype=torch.int64),
-        context_slots=padded,
-        context_mask=mask[:, None, None, :],
+        block_tables=torch.tensor(padded, dtype=torch.int32),
+        context_lens=torch.tensor(lens, dtype=torch.int32),
+        block_size=block_size,
     )

@@ -70,6 +70,7 @@ class LLMEngine:
             config.block_size,
             self.dtype,
             config.seed,
+            config.attention_backend,
         )
         self.kv_event_hook = kv_event_hook
         self._arrival_seq = 0
@@ -182,10 +183,13 @@ class LLMEngine:
         self.runner.add_request(request_id, params.seed)
         return request
 
-    def abort_request(self, request_id: str) -> None:
-        if self.scheduler.abort_request(request_id) is not None:
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request; returns it (for its usage), or None if unknown."""
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
             self.runner.remove_request(request_id)
             self._emit_kv_events()
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -31,8 +31,10 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         seed: int,
+        attention_backend: str = "auto",
     ) -> None:
         self.model = model
+        self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
         self.block_size = block_size
         shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
@@ -40,6 +42,17 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def _choose_decode_kernel(backend: str) -> bool:
+        if backend == "torch":
+            return False
+        from kernels.cpu import load
+
+        ok = load()
+        if backend == "kernel" and not ok:
+            raise RuntimeError("attention_backend='kernel' but the CPU kernel failed to build")
+        return ok
 
     def add_request(self, request_id: str, seed: int | None) -> None:
         if seed is not None:
@@ -61,7 +74,7 @@ class ModelRunner:
     def execute(
         self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
     ) -> dict[str, int]:
-        batch = build_model_input(scheduled, block_ids, self.block_size)
+        batch = build_model_input(scheduled, block_ids, self.block_size, self.use_decode_kernel)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sampled_requests:
             return {}

@@ -12,6 +12,7 @@ and attended together.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -28,13 +29,31 @@ class PrefillSegment:
     context_slots: torch.Tensor  # [num_context_tokens + chunk_len] int64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DecodeBatch:
-    """Single-token queries, attended together over padded context slot lists."""
+    """Single-token queries, attended together.
+
+    The kernel path reads K/V in place through `block_tables`; the PyTorch fallback gathers
+    each request's context through `context_slots` (padded) and masks the padding.
+    """
 
     query_indices: torch.Tensor  # [B] int64 positions in the flat batch
-    context_slots: torch.Tensor  # [B, max_len] int64 (padding points at slot 0)
-    context_mask: torch.Tensor  # [B, 1, 1, max_len] bool, True where a real token is
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padding: block 0)
+    context_lens: torch.Tensor  # [B] int32, this step's token included
+    block_size: int
+
+    @cached_property
+    def context_slots(self) -> torch.Tensor:  # [B, max_len] int64 (padding points at slot 0)
+        tables = self.block_tables.long()
+        slots = tables.unsqueeze(2) * self.block_size + torch.arange(self.block_size)
+        max_len = int(self.context_lens.max())
+        return slots.flatten(1)[:, :max_len] * self.context_mask[:, 0, 0, :]
+
+    @cached_property
+    def context_mask(self) -> torch.Tensor:  # [B, 1, 1, max_len] bool, True at real tokens
+        max_len = int(self.context_lens.max())
+        mask = torch.arange(max_len).unsqueeze(0) < self.context_lens.unsqueeze(1)
+        return mask[:, None, None, :]
 
 
 @dataclass(frozen=True)
@@ -43,3 +62,5 @@ class AttentionMetadata:
     prefills: tuple[PrefillSegment, ...]
     decode: DecodeBatch | None
     num_tokens: int
+    # Whether decode attention uses the compiled CPU kernel (else the PyTorch gather path).
+    use_decode_kernel: bool = False

@@ -47,9 +47,16 @@ class PagedAttention(nn.Module):
                 seg.context_slots,
             )
         if meta.decode is not None:
-            out[meta.decode.query_indices] = self._decode(
-                query[meta.decode.query_indices], flat_k, flat_v, meta
-            )
+            q = query[meta.decode.query_indices]
+            if meta.use_decode_kernel:
+                decoded = torch.empty_like(q)
+                torch.ops.kvfleet_cpu.paged_decode_attention(
+                    decoded, q, kv_cache[0], kv_cache[1], meta.decode.block_tables,
+                    meta.decode.context_lens, self.scale,
+                )
+            else:
+                decoded = self._decode(q, flat_k, flat_v, meta)
+            out[meta.decode.query_indices] = decoded
         return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
 
     def _prefill(

@@ -69,6 +69,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
         pytest.param({"max_num_batched_tokens": 32}, id="chunked-32"),
         pytest.param({"max_num_seqs": 3}, id="max-seqs-3"),
         pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
+        pytest.param({"attention_backend": "torch"}, id="torch-attention"),
     ],
 )
 def test_greedy_matches_transformers(tiny_model_dir, prompts, reference, engine_args):

@@ -67,10 +67,13 @@ def prefill_meta(num_tokens: int) -> AttentionMetadata:
 
 def decode_meta(position: int) -> AttentionMetadata:
     context = position + 1
+    # Blocks 0, 1, 2, ... in order: slot == position, as in prefill_meta.
+    num_blocks = -(-context // BLOCK_SIZE)
     decode = DecodeBatch(
         query_indices=torch.tensor([0]),
-        context_slots=torch.arange(context).unsqueeze(0),
-        context_mask=torch.ones(1, 1, 1, context, dtype=torch.bool),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0),
+        context_lens=torch.tensor([context], dtype=torch.int32),
+        block_size=BLOCK_SIZE,
     )
     return AttentionMetadata(
         slot_mapping=torch.tensor([position]), prefills=(), decode=decode, num_tokens=1

@@ -1,0 +1,376 @@
+"""`AsyncEngine`: the synchronous `LLMEngine` driven by a dedicated thread, for asyncio servers.
+
+Role: gRPC handlers call `generate()` (an async iterator of per-step token deltas) and
+`abort()`; the engine thread runs `step()` whenever requests are unfinished and sleeps on a
+condition variable otherwise (no busy loop, and the event loop never runs a model step).
+
+Threading model (why no lock around the engine is needed):
+- Only the engine thread touches `LLMEngine` mutable state. Everything else reaches it through
+  a command queue drained by the engine thread *between* steps (`_submit`,
+  `call_in_engine_thread`). `LLMEngine.validate_request` is the one exception: it reads only
+  values fixed at start-up (vocabulary, max_model_len, pool size), so `generate()` calls it on
+  the event loop to refuse bad input before anything is queued.
+- Outputs go back with one `loop.call_soon_threadsafe` per step; per-request asyncio queues
+  live on the event loop only.
+- `load` is an immutable snapshot replaced after each engine iteration: safe to read anywhere.
+
+Invariants:
+- A stream ends with exactly one final item (`finished=True`) or one exception.
+- If a consumer stops iterating early (break, cancellation, generator close), its request is
+  aborted in the engine, which frees its KV blocks.
+- One request's failure never stops the loop: a failed add fails that request only; an
+  unexpected error inside `step()` (cannot be pinned on one request) fails the requests in
+  flight and the loop keeps serving new ones.
+- Outputs are tagged with a per-stream sequence number, so a request id reused right after
+  a cancelled stream never receives the old request's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import functools
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from engine.block_hash import BlockHash
+from engine.core.kv_cache_manager import KVCacheEvents
+from engine.llm_engine import LLMEngine
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from kvfleet.errors import UnavailableError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Called on the engine thread after every iteration that did work, with the KV events of
+# that iteration (possibly empty: load changed). Must not block.
+StepListener = Callable[[KVCacheEvents], None]
+_Command = Callable[[], object]
+# (request id, stream sequence number, output or the exception that ends the stream)
+_Delivery = tuple[str, int, "GenerateOutput | BaseException"]
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One step's new tokens for one request; the last one has finished=True and the totals."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last item
+    stop_reason: int | str | None = None  # the stop_token_ids entry that matched, if any
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: Sequence[int], finished: bool) -> GenerateOutput:
+        # Built on the engine thread: a snapshot, since the Request keeps changing there.
+        return cls(
+            request_id=request.request_id,
+            token_ids=list(new_token_ids),
+            finished=finished,
+            finish_reason=request.status.finish_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """Load and KV occupancy at one instant (cached free blocks count as free)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_blocks_free: int
+    kv_blocks_total: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineLoad:
+        stats = engine.get_stats()
+        return cls(
+            num_running=int(stats["num_requests_running"]),
+            num_waiting=int(stats["num_requests_waiting"]),
+            kv_cache_usage=float(stats["kv_cache_usage"]),
+            kv_blocks_free=int(stats["kv_blocks_free"]),
+            kv_blocks_total=int(stats["kv_blocks_total"]),
+        )
+
+
+class _Call(Generic[T]):
+    """A command whose result (or exception) goes to a concurrent Future."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.fn = fn
+        self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def __call__(self) -> None:
+        if self.future.set_running_or_notify_cancel():
+            try:
+                self.future.set_result(self.fn())
+            except BaseException as exc:  # delivered to the caller, never kills the loop
+                self.future.set_exception(exc)
+
+
+@dataclass
+class _Stream:
+    seq: int
+    queue: asyncio.Queue[GenerateOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+
+class AsyncEngine:
+    """Owns an `LLMEngine` (and its kv_event_hook) and drives it from one thread."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._cond = threading.Condition()
+        self._commands: collections.deque[_Command] = collections.deque()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listeners: tuple[StepListener, ...] = ()
+        # Event-loop side: live streams by request id.
+        self._streams: dict[str, _Stream] = {}
+        self._seq = itertools.count()
+        # Engine-thread side: request id -> stream seq of requests inside the engine, and
+        # the KV events collected since the last listener call.
+        self._live: dict[str, int] = {}
+        self._stored: list[BlockHash] = []
+        self._removed: list[BlockHash] = []
+        self._load = EngineLoad.of(engine)
+        engine.kv_event_hook = self._collect_kv_events
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The wrapped engine. Its mutable state belongs to the engine thread."""
+        return self._engine
+
+    @property
+    def load(self) -> EngineLoad:
+        return self._load
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; streams still open end with UnavailableError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(UnavailableError("engine is shutting down"))
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        # Copy-on-write: the engine thread iterates the tuple without a lock.
+        self._listeners = (*self._listeners, listener)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[GenerateOutput]:
+        """Queue a request and yield its outputs; ValueError (nothing queued) if invalid."""
+        self._check_running()
+        prompt = list(prompt_token_ids)
+        self._engine.validate_request(prompt, params)
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = _Stream(next(self._seq))
+        self._streams[request_id] = stream
+        self._submit(
+            functools.partial(
+                self._add, request_id, stream.seq, prompt, params, priority, cache_salt
+            )
+        )
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine no longer holds this request
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not finished:  # consumer left early: free the request's blocks
+                self._submit(functools.partial(self._abort, request_id, stream.seq))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a live request (its stream ends with finish_reason "abort"); False if none."""
+        self._check_running()
+        future = self.call_in_engine_thread(functools.partial(self._abort, request_id, None))
+        return await asyncio.wrap_future(future)
+
+    def call_in_engine_thread(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread between steps (may be called from any thread)."""
+        call = _Call(fn)
+        if not self._submit(call):
+            call.future.set_exception(RuntimeError("engine is not running"))
+        return call.future
+
+    def cached_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache. Engine thread only (see call_in_engine_thread)."""
+        return list(self._engine.kv.pool.cached)
+
+    # -- event-loop side helpers -----------------------------------------------------------
+
+    def _check_running(self) -> None:
+        if self._thread is None or self._stopping:
+            raise UnavailableError("engine is not running")
+
+    def _submit(self, command: _Command) -> bool:
+        with self._cond:
+            if self._stopping:
+                return False
+            self._commands.append(command)
+            self._cond.notify()
+        return True
+
+    def _dispatch(self, deliveries: list[_Delivery]) -> None:
+        for request_id, seq, item in deliveries:
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.seq == seq:
+                stream.queue.put_nowait(item)
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or self._has_work()):
+                    self._cond.wait()
+                if self._stopping:
+                    self._cancel_calls()
+                    return
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                try:
+                    command()
+                except Exception:  # a command's failure is its own; the loop carries on
+                    logger.exception("engine command failed")
+            if self._has_work():
+                self._step()
+            self._after_iteration()
+
+    def _cancel_calls(self) -> None:
+        # Callers of call_in_engine_thread must not wait forever on a stopped engine.
+        for command in self._commands:
+            if isinstance(command, _Call):
+                command.future.cancel()
+        self._commands.clear()
+
+    def _has_work(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def _step(self) -> None:
+        try:
+            updates = self._engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the %d request(s) in flight",
+                             len(self._live))
+            self._fail_all(exc)
+            return
+        deliveries: list[_Delivery] = []
+        for update in updates:
+            request_id = update.request.request_id
+            seq = self._live.get(request_id)
+            if seq is None:
+                continue
+            if update.finished:
+                del self._live[request_id]
+            deliveries.append(
+                (request_id, seq, GenerateOutput.of(update.request, update.new_token_ids,
+                                                    update.finished))
+            )
+        self._deliver(deliveries)
+
+    def _fail_all(self, exc: Exception) -> None:
+        deliveries: list[_Delivery] = []
+        for request_id, seq in list(self._live.items()):
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                logger.exception("could not abort %s after a failed step", request_id)
+            deliveries.append((request_id, seq, RuntimeError(f"engine step failed: {exc}")))
+        self._live.clear()
+        self._deliver(deliveries)
+
+    def _add(
+        self,
+        request_id: str,
+        seq: int,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+    ) -> None:
+        try:
+            self._engine.add_request(
+                request_id, prompt, params, priority=priority, cache_salt=cache_salt
+            )
+        except Exception as exc:
+            if not isinstance(exc, ValueError):
+                logger.exception("could not add request %s", request_id)
+            self._deliver([(request_id, seq, exc)])
+            return
+        self._live[request_id] = seq
+
+    def _abort(self, request_id: str, seq: int | None) -> bool:
+        live_seq = self._live.get(request_id)
+        if live_seq is None or (seq is not None and seq != live_seq):
+            return False
+        del self._live[request_id]
+        request = self._engine.abort_request(request_id)
+        if request is None:
+            return False
+        self._deliver([(request_id, live_seq, GenerateOutput.of(request, [], finished=True))])
+        return True
+
+    def _deliver(self, deliveries: list[_Delivery]) -> None:
+        if not deliveries or self._loop is None:
+            return
+        # RuntimeError: the event loop is closed, so nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._dispatch, deliveries)
+
+    def _collect_kv_events(self, events: KVCacheEvents) -> None:
+        self._stored.extend(events.stored)
+        self._removed.extend(events.removed)
+
+    def _after_iteration(self) -> None:
+        events = KVCacheEvents(stored=self._stored, removed=self._removed)
+        self._stored, self._removed = [], []
+        self._load = EngineLoad.of(self._engine)
+        for listener in self._listeners:
+            try:
+                listener(events)
+            except Exception:  # a broken listener must not stop serving
+                logger.exception("step listener failed")

@@ -1,0 +1,243 @@
+"""Run an engine: `python -m engine.service.server --model DIR --engine-id ID --redis-url URL`.
+
+Role: process entry point. `EngineServer` wires the parts: `LLMEngine` (model + KV cache) →
+`AsyncEngine` (step thread) → `EngineServicer` on a `kvfleet.grpc_server.GrpcServer`
+(health, reflection, error mapping, drain) and a `RedisPublisher` (registry, load, block
+index). Engine flags carry vLLM's names.
+
+Start-up order: model loaded, engine thread running, gRPC bound, then Redis registration
+with the advertised host and the *bound* port (so port 0 works), then the port file: its
+existence means ready. Redis being down does not stop the engine from serving.
+
+Shutdown (SIGTERM/SIGINT): health NOT_SERVING and new work refused, deregistration from
+Redis runs while in-flight streams finish within the grace period, the server stops, the
+engine thread stops, exit 0.
+
+Invariants: configuration comes from arguments only (no environment reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis.connection import parse_url
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.service.async_engine import AsyncEngine
+from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
+from engine.service.servicer import EngineIdentity, EngineServicer
+from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
+from kvfleet.options import ServerOptions, add_server_arguments, configure_logging
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50052
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+@dataclass(frozen=True)
+class EngineServerOptions:
+    engine: EngineConfig
+    engine_id: str
+    redis_url: str
+    server: ServerOptions
+    # Name routers match requests against; default: the model directory's name.
+    model_name: str | None = None
+    # Host written to Redis for routers to dial; default: --host, or this machine's
+    # hostname when --host is a wildcard address.
+    advertise_host: str | None = None
+
+    def advertised_address(self, port: int) -> str:
+        host = self.advertise_host or self.server.host
+        if host in WILDCARD_HOSTS:
+            host = socket.gethostname()
+        return format_address(host, port)
+
+
+class EngineServer:
+    """One engine process's parts, started and stopped in the right order."""
+
+    def __init__(self, options: EngineServerOptions, engine: LLMEngine | None = None) -> None:
+        validate_engine_id(options.engine_id)
+        self.options = options
+        self.epoch = uuid.uuid4().hex
+        self._llm_engine = engine
+        self._async_engine: AsyncEngine | None = None
+        self._grpc: GrpcServer | None = None
+        self._publisher: RedisPublisher | None = None
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        if self._async_engine is None:
+            raise RuntimeError("engine server not started")
+        return self._async_engine
+
+    @property
+    def grpc_server(self) -> GrpcServer:
+        if self._grpc is None:
+            raise RuntimeError("engine server not started")
+        return self._grpc
+
+    @property
+    def publisher(self) -> RedisPublisher:
+        if self._publisher is None:
+            raise RuntimeError("engine server not started")
+        return self._publisher
+
+    async def start(self) -> int:
+        """Load the model (off the event loop), serve, register; returns the bound port."""
+        options = self.options
+        llm_engine = self._llm_engine
+        if llm_engine is None:
+            llm_engine = await asyncio.to_thread(LLMEngine, options.engine)
+            self._llm_engine = llm_engine
+        self._async_engine = AsyncEngine(llm_engine)
+        self._async_engine.start()
+        model_name = options.model_name or Path(options.engine.model).name
+        identity = EngineIdentity(
+            engine_id=options.engine_id,
+            model_name=model_name,
+            block_size=llm_engine.config.block_size,
+            max_model_len=llm_engine.max_model_len,
+            epoch=self.epoch,
+        )
+        servicer = EngineServicer(self._async_engine, identity)
+        self._grpc = GrpcServer(
+            [servicer.as_service()],
+            host=options.server.host,
+            port=options.server.port,
+            grace_s=options.server.grace_s,
+        )
+        port = await self._grpc.start()
+        registration = EngineRegistration(
+            engine_id=options.engine_id,
+            address=options.advertised_address(port),
+            model=model_name,
+            block_size=identity.block_size,
+            max_model_len=identity.max_model_len,
+        )
+        self._publisher = RedisPublisher(
+            options.redis_url, registration, self._async_engine, epoch=self.epoch
+        )
+        self._async_engine.add_step_listener(self._publisher.on_step)
+        self._publisher.start()
+        if options.server.port_file is not None:
+            write_port_file(options.server.port_file, port)
+        return port
+
+    async def serve_until_signal(self) -> int:
+        """Serve until SIGTERM/SIGINT, then drain and stop (main thread only); exit code."""
+        code = await self.grpc_server.serve_until_signal(self._deregister)
+        await self.async_engine.shutdown()
+        return code
+
+    async def shutdown(self, *, deregister: bool = True) -> None:
+        """Graceful stop. deregister=False leaves the Redis keys to expire, like a crash."""
+        if deregister:
+            await self.grpc_server.shutdown(self._deregister)
+        else:
+            self.publisher.close()
+            await self.grpc_server.shutdown()
+        await self.async_engine.shutdown()
+
+    async def _deregister(self) -> None:
+        logger.info("deregistering from Redis while %d RPC(s) finish",
+                    self.grpc_server.in_flight)
+        await asyncio.to_thread(self.publisher.deregister)
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvfleet serve engine",
+        description="Serve a model over gRPC (kvfleet.v1.Engine) and publish to Redis.",
+    )
+    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    parser.add_argument("--served-model-name", default=None, help="default: the model dir name")
+    parser.add_argument(
+        "--engine-id", required=True, help="stable id of this engine ([A-Za-z0-9._-])"
+    )
+    parser.add_argument("--redis-url", required=True, help="e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--advertise-host", default=None, help="host routers dial (default: --host or hostname)"
+    )
+    add_server_arguments(parser, default_port=DEFAULT_PORT)
+    engine = parser.add_argument_group("engine (vLLM names)")
+    engine.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--max-model-len", type=_positive_int, default=None)
+    engine.add_argument("--block-size", type=_positive_int, default=16)
+    engine.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    engine.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None)
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True)
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=True)
+    engine.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
+    """Config from parsed arguments; ValueError (with a message) when inconsistent."""
+    engine = EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+    )
+    parse_url(args.redis_url)  # ValueError now rather than after the model loaded
+    return EngineServerOptions(
+        engine=engine,
+        engine_id=validate_engine_id(args.engine_id),
+        redis_url=args.redis_url,
+        server=ServerOptions.from_args(args),
+        model_name=args.served_model_name,
+        advertise_host=args.advertise_host,
+    )
+
+
+async def serve(options: EngineServerOptions) -> int:
+    server = EngineServer(options)
+    await server.start()
+    return await server.serve_until_signal()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        options = options_from_args(args)
+        return asyncio.run(serve(options))
+    except ValueError as exc:  # bad flags or model directory: a usage error, not a crash
+        logger.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""`EngineServicer`: the kvfleet.v1.Engine gRPC service over an `AsyncEngine`.
+
+Role: a thin adapter. It converts protos to engine types and back; every problem with a
+request is raised as ValueError naming the field, and `kvfleet.interceptors` maps it to
+INVALID_ARGUMENT (UnavailableError -> UNAVAILABLE, anything else -> INTERNAL).
+
+Invariants:
+- proto3 `optional` presence is respected: an unset field takes the default documented in
+  common.proto (which may differ from the engine's offline defaults, e.g. max_tokens unset
+  means "up to the remaining context"), an explicit zero stays zero.
+- Fields the engine cannot honour yet (n > 1, penalties, logprobs, LoRA) are refused rather
+  than silently ignored. `stop` and `include_stop_str_in_output` are ignored, as the engine
+  proto specifies: stop strings are the router's job.
+- Cancelling a Generate call closes the `AsyncEngine.generate` iterator, which aborts the
+  request and frees its KV blocks (the interceptor closes handler generators promptly).
+- Every Generate message carries engine_id; the last one carries finish_reason,
+  stop_reason, usage and num_cached_tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc.aio
+
+from engine.sampling_params import SamplingParams
+from engine.service.async_engine import AsyncEngine, GenerateOutput
+from kvfleet.grpc_server import Service
+from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+MAX_REQUEST_ID_LEN = 256
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What GetLoad reports besides load: fixed for the life of the process."""
+
+    engine_id: str
+    model_name: str
+    block_size: int
+    max_model_len: int
+    epoch: str
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine: AsyncEngine, identity: EngineIdentity) -> None:
+        self._engine = engine
+        self._identity = identity
+
+    def as_service(self) -> Service:
+        return Service(
+            SERVICE_NAME, lambda server: engine_pb2_grpc.add_EngineServicer_to_server(self, server)
+        )
+
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        _check_request_id(request.request_id)
+        if request.lora_id:
+            raise ValueError("lora_id: LoRA adapters are not supported by this engine yet")
+        params = to_sampling_params(request.sampling_params)
+        outputs = self._engine.generate(
+            request.request_id,
+            request.prompt_token_ids,
+            params,
+            priority=request.priority,
+            cache_salt=request.cache_salt or None,
+        )
+        async for output in outputs:
+            yield self._response(output)
+
+    async def Abort(
+        self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.AbortResponse:
+        _check_request_id(request.request_id)
+        return engine_pb2.AbortResponse(found=await self._engine.abort(request.request_id))
+
+    async def GetLoad(
+        self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.LoadInfo:
+        load, identity = self._engine.load, self._identity
+        return engine_pb2.LoadInfo(
+            engine_id=identity.engine_id,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            kv_cache_usage=load.kv_cache_usage,
+            kv_blocks_total=load.kv_blocks_total,
+            kv_blocks_free=load.kv_blocks_free,
+            block_size=identity.block_size,
+            epoch=identity.epoch,
+            model_name=identity.model_name,
+            max_model_len=identity.max_model_len,
+        )
+
+    def _response(self, output: GenerateOutput) -> engine_pb2.GenerateResponse:
+        response = engine_pb2.GenerateResponse(
+            token_ids=output.token_ids, engine_id=self._identity.engine_id
+        )
+        if not output.finished:
+            return response
+        response.finish_reason = output.finish_reason or "stop"
+        if isinstance(output.stop_reason, int):
+            response.stop_reason.token_id = output.stop_reason
+        elif isinstance(output.stop_reason, str):
+            response.stop_reason.stop_string = output.stop_reason
+        response.usage.prompt_tokens = output.num_prompt_tokens
+        response.usage.completion_tokens = output.num_output_tokens
+        response.usage.total_tokens = output.num_prompt_tokens + output.num_output_tokens
+        response.num_cached_tokens = output.num_cached_tokens
+        return response
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise ValueError("request_id must not be empty")
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+
+
+def to_sampling_params(proto: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto → engine params, with common.proto's defaults for unset optional fields.
+
+    Raises ValueError naming the field for unsupported or invalid values.
+    """
+    _refuse_unsupported(proto)
+    top_k = -1
+    if proto.HasField("top_k"):
+        if proto.top_k < 1:
+            raise ValueError(f"top_k must be at least 1 when set (unset disables it), "
+                             f"got {proto.top_k}")
+        top_k = proto.top_k
+    return SamplingParams(
+        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
+        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
+        top_k=top_k,
+        min_p=proto.min_p,
+        seed=proto.seed if proto.HasField("seed") else None,
+        max_tokens=proto.max_tokens if proto.HasField("max_tokens") else None,
+        min_tokens=proto.min_tokens,
+        stop_token_ids=list(proto.stop_token_ids),
+        ignore_eos=proto.ignore_eos,
+        skip_special_tokens=(
+            proto.skip_special_tokens if proto.HasField("skip_special_tokens") else True
+        ),
+    )
+
+
+def _refuse_unsupported(proto: common_pb2.SamplingParams) -> None:
+    if proto.HasField("n") and proto.n != 1:
+        raise ValueError(f"n: only n=1 is supported by this engine yet, got {proto.n}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(proto, name) != 0.0:
+            raise ValueError(f"{name}: penalties are not supported by this engine yet")
+    if proto.HasField("repetition_penalty") and proto.repetition_penalty != 1.0:
+        raise ValueError("repetition_penalty: penalties are not supported by this engine yet")
+    for name in ("logprobs", "top_logprobs"):
+        if proto.HasField(name):
+            raise ValueError(f"{name}: log-probabilities are not supported by this engine yet")

@@ -1,0 +1,67 @@
+"""Builds and loads the C++ CPU kernels (`torch.ops.kvfleet_cpu.*`) on first use.
+
+The build is cached under the kvfleet cache directory, keyed by the source, the compiler flags
+and the CPU's feature flags (the code is compiled with -march=native, so a cache shared between
+different CPUs must not hand one machine another's binary). If anything fails — no compiler, no
+ninja — `load()` returns False and callers use the PyTorch fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("kvfleet.kernels")
+
+_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        flags = next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = "unknown"
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("KVFLEET_CACHE_DIR") or str(Path.home() / ".cache" / "kvfleet")
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:10]
+    path = Path(root) / "torch_extensions" / f"{key}-{_cpu_fingerprint()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load() -> bool:
+    """Compile (once per machine) and load the CPU ops; True when they are usable."""
+    with _lock:
+        if "loaded" in _state:
+            return _state["loaded"]
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            load_extension(
+                name="kvfleet_cpu_ops",
+                sources=[str(_SOURCE)],
+                extra_cflags=_FLAGS,
+                build_directory=str(_build_dir()),
+                is_python_module=False,
+                verbose=False,
+            )
+            ok = hasattr(torch.ops.kvfleet_cpu, "paged_decode_attention")
+        except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
+            logger.warning("CPU attention kernel unavailable, using PyTorch fallback: %s", exc)
+            ok = False
+        _state["loaded"] = ok
+        return ok

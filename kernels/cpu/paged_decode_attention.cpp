@@ -1,0 +1,116 @@
+// Paged decode attention for CPU: one query token per request, K/V read in place from the
+// block-paged cache through each request's block table (no gather copy of the context).
+//
+// Shapes: q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (contiguous);
+// block_tables [B, max_blocks] int32; context_lens [B] int32; out [B, H, D].
+// Work is split over (request, kv head); each task handles the H / KVH query heads that share
+// one KV head (GQA), so every K/V row is loaded once per task. Accumulation is in float32 with
+// a numerically safe softmax (max subtracted).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += q[i] * static_cast<float>(k[i]);
+  return acc;
+}
+
+template <typename T>
+inline void axpy(float a, const T* __restrict v, float* __restrict out, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] += a * static_cast<float>(v[i]);
+}
+
+template <typename T>
+void decode_task(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                 int32_t ctx_len, T* out, int64_t kvh, int64_t num_kv_heads, int64_t group,
+                 int64_t d, int64_t block_size, float scale) {
+  std::vector<float> qf(group * d), scores(group * ctx_len), acc(group * d, 0.f);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d; ++i)
+      qf[g * d + i] = static_cast<float>(q[(kvh * group + g) * d + i]) * scale;
+  const int64_t row = num_kv_heads * d;
+  for (int32_t t = 0; t < ctx_len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* k = k_cache + slot * row + kvh * d;
+    for (int64_t g = 0; g < group; ++g) scores[g * ctx_len + t] = dot(&qf[g * d], k, d);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = &scores[g * ctx_len];
+    float m = -std::numeric_limits<float>::infinity();
+    for (int32_t t = 0; t < ctx_len; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.f;
+    for (int32_t t = 0; t < ctx_len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    for (int32_t t = 0; t < ctx_len; ++t) s[t] *= inv;
+  }
+  for (int32_t t = 0; t < ctx_len; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    const T* v = v_cache + slot * row + kvh * d;
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * ctx_len + t], v, &acc[g * d], d);
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d; ++i) out[(kvh * group + g) * d + i] = static_cast<T>(acc[g * d + i]);
+}
+
+template <typename T>
+void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+         const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
+         double scale) {
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = h / num_kv_heads, max_blocks = tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, b * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / num_kv_heads, kvh = task % num_kv_heads;
+      decode_task<T>(qp + r * h * d, kp, vp, tp + r * max_blocks, lp[r], op + r * h * d, kvh,
+                     num_kv_heads, group, d, block_size, static_cast<float>(scale));
+    }
+  });
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  if (q.scalar_type() == at::kFloat) {
+    run<float>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvfleet_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

@@ -1,0 +1,254 @@
+"""The `kvfleet` command: one entry point for the local fleet, each service, and a client.
+
+    kvfleet up [--engines N] [--model DIR] [--redis-url URL] [--demo]   local fleet
+    kvfleet demo [...]                                                  = up --demo
+    kvfleet serve router|engine|tokenizer ARGS...                       one service
+    kvfleet client --router HOST:PORT [--api-key K] "prompt"            stream one request
+
+Role: argument parsing and process lifecycle only; the work lives in `kvfleet.fleet` (the
+local fleet), `router.client` (the client) and each service's own `main(argv)`. `serve`
+imports a service lazily (the engine pulls in torch; the router and tokenizer must not).
+
+Invariants: `up` prints `router: HOST:PORT` (flushed) once every service is ready, serves until
+SIGINT/SIGTERM, then stops router, engines, tokenizer and Redis in that order and exits 0.
+`client` prints the streamed text, then one JSON line (engine_id, num_cached_tokens,
+finish_reason, usage); a failed call prints the status to stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from kvfleet.fleet import Fleet, FleetConfig, FleetError
+from kvfleet.v1 import common_pb2, router_pb2_grpc
+from router import client as router_client
+
+SERVICES = {
+    "router": "router.server",
+    "engine": "engine.service.server",
+    "tokenizer": "tokenizer_svc.server",
+}
+DEMO_PROMPTS = ("Hi, my name is", "Today is a beautiful summer day", "Hello there")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args.service, args.service_args)
+    if args.command == "client":
+        return run_client(args)
+    return run_up(args, demo=args.command == "demo" or args.demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfleet", description="kvfleet LLM serving")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("up", "run a local fleet until Ctrl-C"),
+                            ("demo", "run a local fleet, send the demo prompts, keep serving")):
+        _add_up_arguments(commands.add_parser(name, help=help_text))
+    serve_parser = commands.add_parser("serve", help="run one service (what Helm runs)")
+    serve_parser.add_argument("service", choices=sorted(SERVICES))
+    serve_parser.add_argument("service_args", nargs=argparse.REMAINDER,
+                              help="the service's own arguments (see `serve SERVICE --help`)")
+    _add_client_arguments(commands.add_parser("client", help="stream one request"))
+    return parser
+
+
+def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=int, default=2, help="number of engines")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--redis-url", default=None,
+                        help="use this Redis (default: start one on a free port)")
+    parser.add_argument("--policy", default="prefix",
+                        choices=["prefix", "round_robin", "least_load"])
+    parser.add_argument("--api-keys", type=Path, default=None, help="router API key file")
+    parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    parser.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="service logs (default: a temporary directory)")
+    parser.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
+                        metavar="ARG", help="extra engine flag, e.g. --engine-arg=--max-num-seqs=8")
+    parser.add_argument("--engine-threads", type=int, default=None,
+                        help="torch threads per engine (default: cores / engines)")
+    parser.add_argument("--demo", action="store_true",
+                        help="send the demo prompts twice once the fleet is up")
+
+
+def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--router", required=True, help="router HOST:PORT")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user turn")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument("prompt")
+
+
+def serve(service: str, service_args: Sequence[str]) -> int:
+    module = importlib.import_module(SERVICES[service])
+    result = module.main(list(service_args))
+    return int(result or 0)
+
+
+def sampling_params(max_tokens: int | None = None, temperature: float | None = None,
+                    top_p: float | None = None, seed: int | None = None
+                    ) -> common_pb2.SamplingParams:
+    params = common_pb2.SamplingParams()
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    if temperature is not None:
+        params.temperature = temperature
+    if top_p is not None:
+        params.top_p = top_p
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+def run_client(args: argparse.Namespace) -> int:
+    params = sampling_params(args.max_tokens, args.temperature, args.top_p, args.seed)
+    if args.chat:
+        request = router_client.build_request(messages=[("user", args.prompt)], params=params)
+    else:
+        request = router_client.build_request(args.prompt, params=params)
+
+    async def call() -> router_client.Completion:
+        async with router_client.channel(args.router) as channel:
+            return await router_client.generate(
+                router_pb2_grpc.RouterStub(channel), request, api_key=args.api_key,
+                on_text=_print_text, timeout_s=args.timeout,
+            )
+
+    try:
+        completion = asyncio.run(call())
+    except grpc.aio.AioRpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print()
+    print(json.dumps(completion.summary()), flush=True)
+    return 0
+
+
+def _print_text(text: str) -> None:
+    print(text, end="", flush=True)
+
+
+def run_up(args: argparse.Namespace, demo: bool) -> int:
+    model_dir = args.model
+    if model_dir is None:
+        from engine.default_model import prepare_default_model
+
+        model_dir = prepare_default_model()
+    config = FleetConfig(
+        model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
+        host=args.host, router_port=args.port, policy=args.policy, api_keys=args.api_keys,
+        engine_args=tuple(args.engine_args), log_dir=args.log_dir,
+        engine_threads=args.engine_threads or default_engine_threads(args.engines),
+    )
+    fleet = Fleet(config)
+    signals = _Signals(fleet)
+    signals.install()
+    code = 0
+    try:
+        print(f"starting {args.engines} engine(s) on {model_dir} ...", flush=True)
+        fleet.start()
+        print(f"router: {fleet.router_address}", flush=True)
+        print(f"redis: {fleet.redis_url}  logs: {fleet.log_dir}", flush=True)
+        if demo:
+            asyncio.run(run_demo(fleet.router_address))
+        print("serving; press Ctrl-C to stop", flush=True)
+        signals.phase = "serving"
+        _serve_until(signals.stop, fleet)
+    except KeyboardInterrupt:
+        code = 130  # interrupted before serving
+    except FleetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
+    finally:
+        signals.phase = "stopping"
+        print("stopping: router, engines, tokenizer, redis", flush=True)
+        fleet.stop()
+    print("stopped", flush=True)
+    return code
+
+
+def default_engine_threads(num_engines: int) -> int:
+    """Share the cores: N engines each taking every core would thrash on a small machine."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_engines))
+
+
+class _Signals:
+    """SIGINT/SIGTERM by phase: starting -> abort the start (KeyboardInterrupt); serving ->
+    stop in order; stopping -> kill what is left (a second Ctrl-C never leaves a traceback
+    behind and never orphans a service)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.stop = threading.Event()
+        self.phase = "starting"
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.phase == "starting":
+            self.phase = "stopping"
+            raise KeyboardInterrupt
+        if self.phase == "serving":
+            self.stop.set()
+        else:
+            self.fleet.force_stop()
+
+
+def _serve_until(stop: threading.Event, fleet: Fleet) -> None:
+    reported: set[str] = set()
+    while not stop.wait(1.0):
+        for service in fleet.processes():
+            code = service.process.poll()
+            if code is not None and service.name not in reported:
+                reported.add(service.name)
+                print(f"warning: {service.name} exited with {code}; see {service.log_path}",
+                      file=sys.stderr, flush=True)
+
+
+async def run_demo(router_address: str) -> None:
+    """Three chat prompts streamed, then the same again to show prefix hits per engine."""
+    params = sampling_params(max_tokens=50, temperature=0.8, top_p=0.95)
+    async with router_client.channel(router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        rounds: list[list[router_client.Completion]] = []
+        for round_index in (1, 2):
+            print(f"\n=== round {round_index} ===", flush=True)
+            results = []
+            for prompt in DEMO_PROMPTS:
+                print(f"\n> {prompt}\n", end="", flush=True)
+                request = router_client.build_request(messages=[("user", prompt)], params=params)
+                results.append(await router_client.generate(
+                    stub, request, on_text=_print_text, timeout_s=600))
+                print(flush=True)
+            rounds.append(results)
+    print("\nprompt                             round  engine     cached  prompt  finish")
+    for round_index, results in enumerate(rounds, start=1):
+        for prompt, c in zip(DEMO_PROMPTS, results, strict=True):
+            print(f"{prompt:<34} {round_index:>5}  {c.engine_id:<9} {c.num_cached_tokens:>7}"
+                  f"  {c.usage.get('prompt_tokens', 0):>6}  {c.finish_reason}")
+    print(flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""A local kvfleet: Redis, a tokenizer, N engines and a router, each its own process.
+
+Role: what `kvfleet up` (and the tests and the serving benchmark) run. Every service is
+started with `--port 0 --port-file F`, so ports are discovered, never guessed; a service is
+ready once its port file exists and the gRPC health check answers SERVING.
+
+Invariants:
+- Start order: Redis (a real `redis-server` on a free port unless a URL is given), tokenizer,
+  engines (launched together, then awaited), router. A failure at any step stops what was
+  started and raises `FleetError` with the failing service's log tail.
+- Stop order: router, engines, tokenizer, Redis: each gets SIGTERM (graceful drain), then
+  SIGKILL after `stop_timeout_s`. Engines deregister from Redis while it is still up.
+- No orphans: children are in their own process group (a terminal's Ctrl-C reaches only
+  `kvfleet up`, which then stops them in order) and, on Linux, get SIGTERM if the process
+  that started them dies (PR_SET_PDEATHSIG).
+- Each service's stdout/stderr go to `<log_dir>/<name>.log`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvfleet.redis_server import RedisServer
+
+DEFAULT_START_TIMEOUT_S = 300.0
+DEFAULT_STOP_TIMEOUT_S = 15.0
+_PR_SET_PDEATHSIG = 1
+_POLL_S = 0.05
+
+
+class FleetError(RuntimeError):
+    """A service did not come up (the message carries its log tail)."""
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    model_dir: Path
+    num_engines: int = 2
+    redis_url: str | None = None
+    host: str = "127.0.0.1"
+    router_port: int = 0
+    policy: str = "prefix"
+    api_keys: Path | None = None
+    # Extra engine flags, e.g. ("--num-kv-blocks", "256").
+    engine_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    # Torch threads per engine (OMP_NUM_THREADS); None: torch's default (every core).
+    engine_threads: int | None = None
+    log_dir: Path | None = None
+    log_level: str = "INFO"
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ValueError(f"a fleet needs at least one engine, got {self.num_engines}")
+
+
+@dataclass
+class ServiceProcess:
+    """One started service: its process, its port file and log."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    port_file: Path
+    log_path: Path
+    host: str
+    port: int | None = None
+
+    @property
+    def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{self.name} is not ready")
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return "(no log)"
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+
+    def wait(self, timeout_s: float, force: threading.Event | None = None) -> None:
+        """Wait for exit; SIGKILL after `timeout_s`, or as soon as `force` is set."""
+        deadline = time.monotonic() + timeout_s
+        while self.process.poll() is None:
+            if time.monotonic() >= deadline or (force is not None and force.is_set()):
+                self.process.kill()
+                break
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(_POLL_S)
+        self.process.wait()
+
+
+@dataclass
+class Fleet:
+    """Start with `start()` (or `with Fleet(config) as fleet:`), stop with `stop()`."""
+
+    config: FleetConfig
+    redis: RedisServer | None = None
+    tokenizer: ServiceProcess | None = None
+    engines: list[ServiceProcess] = field(default_factory=list)
+    router: ServiceProcess | None = None
+    # More routers on the same engines (e.g. one per policy in the serving benchmark).
+    extra_routers: list[ServiceProcess] = field(default_factory=list)
+    _log_dir: Path | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+    _force: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def redis_url(self) -> str:
+        if self.config.redis_url:
+            return self.config.redis_url
+        if self.redis is None:
+            raise RuntimeError("fleet not started")
+        return self.redis.url
+
+    @property
+    def router_address(self) -> str:
+        if self.router is None:
+            raise RuntimeError("fleet not started")
+        return self.router.address
+
+    @property
+    def log_dir(self) -> Path:
+        if self._log_dir is None:
+            raise RuntimeError("fleet not started")
+        return self._log_dir
+
+    def start(self) -> Fleet:
+        self._prepare_dirs()
+        try:
+            if not self.config.redis_url:
+                self.redis = RedisServer(host=self.config.host).start()
+            self.tokenizer = self._launch("tokenizer", tokenizer_command(self.config))
+            self._wait_ready([self.tokenizer])
+            self.engines = [self.start_engine_process(i) for i in range(self.config.num_engines)]
+            self._wait_ready(self.engines)
+            self.start_router()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_engine_process(self, index: int) -> ServiceProcess:
+        """Launch engine `index` (not awaited; see `wait_ready`). Tests restart engines so."""
+        command = engine_command(self.config, engine_id(index), self.redis_url)
+        env = None
+        if self.config.engine_threads is not None:
+            threads = str(self.config.engine_threads)
+            env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        return self._launch(engine_id(index), command, env)
+
+    def start_router(self) -> ServiceProcess:
+        """(Re)start the router process and wait until it serves."""
+        self.router = self._start_router_process("router", self.config.policy,
+                                                 self.config.router_port)
+        return self.router
+
+    def add_router(self, name: str, policy: str) -> ServiceProcess:
+        """Another router with its own policy over the same engines; stopped with the fleet."""
+        router = self._start_router_process(name, policy, 0)
+        self.extra_routers.append(router)
+        return router
+
+    def _start_router_process(self, name: str, policy: str, port: int) -> ServiceProcess:
+        assert self.tokenizer is not None
+        command = router_command(
+            self.config, self.tokenizer.address, self.redis_url, policy, port
+        )
+        router = self._launch(name, command)
+        self._wait_ready([router])
+        return router
+
+    def wait_ready(self, services: Sequence[ServiceProcess]) -> None:
+        self._wait_ready(services)
+
+    def stop(self) -> None:
+        """Stop router, engines, tokenizer, Redis, in that order; idempotent."""
+        timeout = self.config.stop_timeout_s
+        for group in ([self.router, *self.extra_routers], self.engines, [self.tokenizer]):
+            services = [s for s in group if s is not None]
+            for service in services:
+                service.terminate()
+            for service in services:
+                service.wait(timeout, self._force)
+        if self.redis is not None:
+            self.redis.stop()
+
+    def force_stop(self) -> None:
+        """Make a running `stop()` kill what is left instead of waiting (second Ctrl-C)."""
+        self._force.set()
+
+    def processes(self) -> list[ServiceProcess]:
+        services = (self.router, *self.extra_routers, *self.engines, self.tokenizer)
+        return [s for s in services if s is not None]
+
+    def __enter__(self) -> Fleet:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _prepare_dirs(self) -> None:
+        if self.config.log_dir is not None:
+            self._log_dir = self.config.log_dir
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvfleet-")
+            self._log_dir = Path(self._tmp.name)
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _launch(
+        self, name: str, command: list[str], env: dict[str, str] | None = None
+    ) -> ServiceProcess:
+        port_file = self.log_dir / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [*command, "--port-file", str(port_file), "--log-level", self.config.log_level],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=(
+                    functools.partial(_die_with_parent, os.getpid())
+                    if sys.platform == "linux"
+                    else None
+                ),
+            )
+        return ServiceProcess(name, process, port_file, log_path, self.config.host)
+
+    def _wait_ready(self, services: Sequence[ServiceProcess]) -> None:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        for service in services:
+            wait_until_serving(service, deadline)
+
+
+def wait_until_serving(service: ServiceProcess, deadline: float) -> None:
+    """Port file, then health SERVING; FleetError if the process dies or time runs out."""
+    while True:
+        if service.process.poll() is not None:
+            raise FleetError(
+                f"{service.name} exited with {service.process.returncode}:\n{service.log_tail()}"
+            )
+        if service.port is None and service.port_file.exists():
+            with contextlib.suppress(ValueError):
+                service.port = int(service.port_file.read_text().strip())
+        if service.port is not None and health_serving(service.address):
+            return
+        if time.monotonic() > deadline:
+            raise FleetError(f"{service.name} did not become ready:\n{service.log_tail()}")
+        time.sleep(_POLL_S)
+
+
+def health_serving(address: str, timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def engine_id(index: int) -> str:
+    return f"engine-{index}"
+
+
+def tokenizer_command(config: FleetConfig) -> list[str]:
+    return [sys.executable, "-m", "tokenizer_svc.server", "--model", str(config.model_dir),
+            "--host", config.host, "--port", "0"]
+
+
+def engine_command(config: FleetConfig, name: str, redis_url: str) -> list[str]:
+    return [sys.executable, "-m", "engine.service.server", "--model", str(config.model_dir),
+            "--engine-id", name, "--redis-url", redis_url, "--host", config.host,
+            "--port", "0", *config.engine_args]
+
+
+def router_command(
+    config: FleetConfig, tokenizer_address: str, redis_url: str, policy: str, port: int
+) -> list[str]:
+    command = [sys.executable, "-m", "router.server", "--tokenizer", tokenizer_address,
+               "--redis-url", redis_url, "--policy", policy, "--host", config.host,
+               "--port", str(port), *config.router_args]
+    if config.api_keys is not None:
+        command += ["--api-keys", str(config.api_keys)]
+    return command
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)

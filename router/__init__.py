@@ -1,0 +1,20 @@
+"""kvfleet's router: the public gRPC entry point that picks an engine for every request.
+
+Request path (one module per job):
+
+- `auth`            API key in gRPC metadata -> tenant (the tenant is the cache salt).
+- `tokenizer_client` text / chat -> token ids, and streamed detokenization, via tokenizer_svc.
+- `prefix_index`    one Redis round trip: every live engine's leading cached blocks + load.
+- `policy`          pure ranking functions: `prefix` (default), `round_robin`, `least_load`.
+- `routing`         glues index, pool and policy into a ranked list of engines (with the
+                    load-only fallback when Redis is unreachable).
+- `engine_pool`     gRPC channels to engines, this replica's in-flight counts, suspects.
+- `forward`         sends the request to the best engine, retrying others before the first
+                    token, and relays the engine's token stream.
+- `stop_strings`    stop-string matching on streamed text.
+- `servicer`        the kvfleet.v1.Router servicer; `server` is the process entry point.
+
+Invariant: a router holds no state that routing correctness depends on. Everything it
+caches (channels, the block size hint, the last engine list, suspects) is rebuilt from Redis
+or from engine RPCs, so any number of replicas can run side by side and restart freely.
+"""

@@ -1,0 +1,111 @@
+"""Engine token stream -> client text stream, one response per engine message.
+
+Role: for each engine message, detokenize the new ids incrementally (tokenizer_svc), apply
+stop strings, and build the router's response; the engine's last message becomes the
+router's last message (finish_reason, usage, num_cached_tokens, engine_id).
+
+Invariants:
+- The first response carries the request id; the last one carries finish_reason.
+- A stop string ends the stream at once: the engine request is aborted (its blocks freed)
+  and the client gets finish_reason "stop" with `stop_reason.stop_string`; usage then counts
+  the tokens received so far. Text after the stop string never reaches the client.
+- Stop strings are only checked once `min_tokens` tokens exist (vLLM's semantics).
+- An engine stream that ends without a final message is an error (UNAVAILABLE), never a
+  silently truncated answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from kvfleet.errors import UnavailableError
+from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
+from router.forward import EngineStream
+from router.stop_strings import StopStringMatcher
+from router.tokenizer_client import StreamingDetokenizer
+
+
+class ResponseRelay:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        min_tokens: int,
+        stream: EngineStream,
+        detokenizer: StreamingDetokenizer,
+        matcher: StopStringMatcher,
+    ) -> None:
+        self._request_id = request_id
+        self._num_prompt_tokens = len(prompt_ids)
+        self._min_tokens = min_tokens
+        self._stream = stream
+        self._detokenizer = detokenizer
+        self._matcher = matcher
+        self._num_completion_tokens = 0
+
+    async def responses(self) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        first = True
+        while (message := await self._stream.read()) is not None:
+            response = await self._convert(message)
+            if first:
+                response.request_id = self._request_id
+                first = False
+            yield response
+            if response.HasField("finish_reason"):
+                return
+        raise UnavailableError(
+            f"engine {self._stream.engine.engine_id} ended the stream without finishing"
+        )
+
+    async def _convert(
+        self, message: engine_pb2.GenerateResponse
+    ) -> router_pb2.RouterGenerateResponse:
+        ids = list(message.token_ids)
+        self._num_completion_tokens += len(ids)
+        final = message.HasField("finish_reason")
+        text = await self._detokenizer.add(ids)
+        if final:
+            text += await self._detokenizer.finish()
+        check = self._num_completion_tokens >= self._min_tokens
+        emitted = self._matcher.add(text, check)
+        response = router_pb2.RouterGenerateResponse(token_ids=ids, logprobs=message.logprobs)
+        if self._matcher.matched is not None:
+            last = message if final else await self._stream.abort(self._request_id)
+            self._finish_on_stop_string(response, last, self._matcher.matched)
+        elif final:
+            emitted += self._matcher.flush()
+            _copy_final(response, message, self._stream.engine.engine_id)
+        response.text_delta = emitted
+        return response
+
+    def _finish_on_stop_string(
+        self,
+        response: router_pb2.RouterGenerateResponse,
+        last: engine_pb2.GenerateResponse | None,
+        stop_string: str,
+    ) -> None:
+        response.finish_reason = "stop"
+        response.stop_reason.stop_string = stop_string
+        response.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=self._num_prompt_tokens,
+                completion_tokens=self._num_completion_tokens,
+                total_tokens=self._num_prompt_tokens + self._num_completion_tokens,
+            )
+        )
+        response.engine_id = self._stream.engine.engine_id
+        if last is not None:
+            response.num_cached_tokens = last.num_cached_tokens
+
+
+def _copy_final(
+    response: router_pb2.RouterGenerateResponse,
+    message: engine_pb2.GenerateResponse,
+    engine_id: str,
+) -> None:
+    response.finish_reason = message.finish_reason
+    if message.HasField("stop_reason"):
+        response.stop_reason.CopyFrom(message.stop_reason)
+    response.usage.CopyFrom(message.usage)
+    response.num_cached_tokens = message.num_cached_tokens
+    response.engine_id = message.engine_id or engine_id

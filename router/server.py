@@ -1,0 +1,164 @@
+"""Run the router: `kvfleet serve router --tokenizer HOST:PORT --redis-url URL` (or
+`python -m router.server ...`).
+
+Role: process entry point. Parses arguments once into `RouterConfig`, builds the servicer
+(auth, tokenizer client, Redis prefix index, engine pool, selector) on a
+`kvfleet.grpc_server.GrpcServer` (health, reflection, error mapping, graceful drain) and
+serves until SIGTERM/SIGINT; exits 0 after a graceful shutdown.
+
+Invariants: configuration comes from arguments only (no environment reads); the port file is
+written only once the server accepts RPCs (its existence means ready); client channels and
+the Redis connection close only after in-flight streams have drained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfleet.grpc_server import GrpcServer, write_port_file
+from kvfleet.options import ServerOptions, add_server_arguments, configure_logging
+from router.auth import Authenticator, load_api_keys
+from router.engine_pool import EnginePool
+from router.policy import Policy, PrefixPolicyConfig
+from router.prefix_index import PrefixIndex
+from router.routing import EngineSelector, RoutingConfig
+from router.servicer import DEFAULT_MAX_ATTEMPTS, RouterServicer
+from router.tokenizer_client import TokenizerClient
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50050
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    tokenizer_address: str
+    redis_url: str | None
+    routing: RoutingConfig
+    api_keys_path: Path | None = None
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        prefix = PrefixPolicyConfig(
+            load_slack_abs=args.load_slack_abs,
+            load_slack_rel=args.load_slack_rel,
+            kv_usage_limit=args.kv_usage_limit,
+        )
+        return cls(
+            tokenizer_address=args.tokenizer,
+            redis_url=args.redis_url,
+            routing=RoutingConfig(policy=Policy(args.policy), prefix=prefix),
+            api_keys_path=args.api_keys,
+            max_attempts=args.max_attempts,
+        )
+
+
+@dataclass
+class RouterApp:
+    """A built (not started) router: the server plus what must be closed after it."""
+
+    server: GrpcServer
+    tokenizer: TokenizerClient
+    pool: EnginePool
+    index: PrefixIndex | None
+
+    async def close(self) -> None:
+        await self.pool.close()
+        await self.tokenizer.close()
+        if self.index is not None:
+            await self.index.close()
+
+
+def load_authenticator(config: RouterConfig) -> Authenticator:
+    """The key file's authenticator, or auth off; ValueError/OSError for a bad file."""
+    return load_api_keys(config.api_keys_path) if config.api_keys_path else Authenticator()
+
+
+def build_router(
+    config: RouterConfig,
+    host: str = "0.0.0.0",
+    port: int = 0,
+    grace_s: float = 30.0,
+    auth: Authenticator | None = None,
+) -> RouterApp:
+    """Everything a router needs, wired; call inside the event loop that will serve it."""
+    auth = auth if auth is not None else load_authenticator(config)
+    tokenizer = TokenizerClient(config.tokenizer_address)
+    index = PrefixIndex(config.redis_url) if config.redis_url else None
+    pool = EnginePool()
+    selector = EngineSelector(config.routing, index, pool)
+    servicer = RouterServicer(auth, tokenizer, selector, pool, config.max_attempts)
+    server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
+    logger.info(
+        "router: policy %s, tokenizer %s, redis %s, auth %s",
+        config.routing.policy.value,
+        config.tokenizer_address,
+        config.redis_url or "off",
+        f"on ({auth.num_keys} keys)" if auth.enabled else "off (tenant 'anonymous')",
+    )
+    return RouterApp(server, tokenizer, pool, index)
+
+
+async def serve(config: RouterConfig, options: ServerOptions, auth: Authenticator) -> int:
+    """Serve until SIGTERM/SIGINT (main thread only); returns the exit code."""
+    app = build_router(config, options.host, options.port, options.grace_s, auth)
+    try:
+        bound_port = await app.server.start()
+        if options.port_file is not None:
+            write_port_file(options.port_file, bound_port)
+        return await app.server.serve_until_signal()
+    finally:
+        await app.close()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="kvfleet serve router",
+        description="Route generation requests to engines by prefix-cache hits and load.",
+    )
+    parser.add_argument("--tokenizer", required=True, help="tokenizer service HOST:PORT")
+    parser.add_argument(
+        "--redis-url", default=None, help="Redis holding the engine registry (none: no engines)"
+    )
+    parser.add_argument(
+        "--policy", choices=[p.value for p in Policy], default=Policy.PREFIX.value
+    )
+    parser.add_argument(
+        "--api-keys", type=Path, default=None,
+        help="JSON/YAML file of API keys -> tenants (none: auth off, tenant 'anonymous')",
+    )
+    defaults = PrefixPolicyConfig()
+    parser.add_argument("--load-slack-abs", type=int, default=defaults.load_slack_abs,
+                        help="prefix bound: extra requests a cache hit may wait behind")
+    parser.add_argument("--load-slack-rel", type=float, default=defaults.load_slack_rel,
+                        help="prefix bound: the same, as a fraction of the least load")
+    parser.add_argument("--kv-usage-limit", type=float, default=defaults.kv_usage_limit,
+                        help="engines at or above this KV usage are avoided")
+    parser.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
+                        help="engines tried per request before the first token")
+    add_server_arguments(parser, default_port=DEFAULT_PORT)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    options = ServerOptions.from_args(args)
+    configure_logging(options.log_level)
+    try:
+        config = RouterConfig.from_args(args)
+        auth = load_authenticator(config)  # a bad key file fails at start, not per request
+    except (ValueError, OSError) as e:
+        logger.error("bad configuration: %s", e)
+        return 2
+    return asyncio.run(serve(config, options, auth))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

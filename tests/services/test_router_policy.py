@@ -1,0 +1,150 @@
+"""Routing policies, auth and stop strings as pure functions: exact expected choices."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from router.auth import ANONYMOUS_TENANT, AuthenticationError, Authenticator, load_api_keys
+from router.policy import (
+    EngineView,
+    Policy,
+    PrefixPolicyConfig,
+    rank,
+    rank_least_load,
+    rank_prefix,
+    rank_round_robin,
+    rendezvous_weight,
+)
+from router.stop_strings import StopStringMatcher
+
+BOUND = PrefixPolicyConfig(load_slack_abs=4, load_slack_rel=0.5, kv_usage_limit=0.95)
+KEY = b"tie-key"
+
+
+def view(engine_id: str, matched: int = 0, running: int = 0, waiting: int = 0,
+         usage: float = 0.0, cached: int = 0, in_flight: int = 0) -> EngineView:
+    return EngineView(engine_id, f"{engine_id}:1", matched, running, waiting, usage, cached,
+                      in_flight)
+
+
+def ids(ranking: list[EngineView]) -> list[str]:
+    return [e.engine_id for e in ranking]
+
+
+def test_prefix_prefers_the_engine_holding_the_prefix() -> None:
+    engines = [view("a", matched=0), view("b", matched=32), view("c", matched=8)]
+    assert ids(rank_prefix(engines, KEY, BOUND)) == ["b", "c", "a"]
+
+
+def test_prefix_hit_wins_while_within_the_load_bound() -> None:
+    # min load 0 -> bound max(4, 0) = 4: b at load 4 still wins on its cache.
+    engines = [view("a", running=0), view("b", matched=32, running=3, waiting=1)]
+    assert ids(rank_prefix(engines, KEY, BOUND)) == ["b", "a"]
+
+
+def test_hot_prefix_spills_to_the_idle_engine_beyond_the_bound() -> None:
+    # b holds the prefix but is 5 requests busier than a (> slack 4): a gets it.
+    engines = [view("a", running=0), view("b", matched=32, running=5)]
+    assert ids(rank_prefix(engines, KEY, BOUND)) == ["a", "b"]
+
+
+def test_relative_slack_grows_with_load() -> None:
+    # min load 20 -> bound 20 + max(4, 10) = 30: b at 29 keeps its prefix, at 31 it does not.
+    near = [view("a", running=20), view("b", matched=10, running=29)]
+    far = [view("a", running=20), view("b", matched=10, running=31)]
+    assert ids(rank_prefix(near, KEY, BOUND)) == ["b", "a"]
+    assert ids(rank_prefix(far, KEY, BOUND)) == ["a", "b"]
+
+
+def test_local_in_flight_counts_when_redis_lags() -> None:
+    # Redis says b is idle, but this router has 6 requests streaming from it.
+    engines = [view("a"), view("b", matched=32, in_flight=6)]
+    assert ids(rank_prefix(engines, KEY, BOUND)) == ["a", "b"]
+
+
+def test_full_kv_cache_is_avoided_while_another_has_room() -> None:
+    engines = [view("a"), view("b", matched=32, usage=0.97)]
+    assert ids(rank_prefix(engines, KEY, BOUND)) == ["a", "b"]
+    both_full = [view("a", usage=0.99), view("b", matched=32, usage=0.97)]
+    assert ids(rank_prefix(both_full, KEY, BOUND)) == ["b", "a"]
+
+
+def test_new_prefix_goes_to_the_less_loaded_then_the_smaller_cache() -> None:
+    assert ids(rank_prefix([view("a", running=1), view("b")], KEY, BOUND)) == ["b", "a"]
+    assert ids(rank_prefix([view("a", cached=40), view("b", cached=8)], KEY, BOUND)) == [
+        "b", "a"
+    ]
+
+
+def test_full_ties_follow_the_rendezvous_hash() -> None:
+    engines = [view("a"), view("b"), view("c")]
+    expected = sorted(ids(engines), key=lambda i: -rendezvous_weight(KEY, i))
+    assert ids(rank_prefix(engines, KEY, BOUND)) == expected
+    assert ids(rank_prefix(list(reversed(engines)), KEY, BOUND)) == expected
+
+
+def test_least_load_orders_by_load_then_kv_usage() -> None:
+    engines = [view("a", running=2), view("b", running=1, usage=0.5), view("c", running=1)]
+    assert ids(rank_least_load(engines, KEY)) == ["c", "b", "a"]
+
+
+def test_round_robin_rotates_by_counter() -> None:
+    engines = [view("b"), view("a"), view("c")]
+    assert [ids(rank_round_robin(engines, n))[0] for n in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_every_policy_returns_a_permutation() -> None:
+    engines = [view("a", matched=3, running=9), view("b", usage=0.99), view("c", running=1)]
+    for policy in Policy:
+        ranking = rank(policy, engines, tie_key=KEY, counter=7, config=BOUND)
+        assert sorted(ids(ranking)) == ["a", "b", "c"]
+    assert rank(Policy.PREFIX, [], tie_key=KEY, counter=0, config=BOUND) == []
+
+
+def test_auth_maps_keys_to_tenants(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"tenants": {"acme": ["k1", "k2"]}, "keys": {"k3": "solo"}}))
+    auth = load_api_keys(path)
+    assert auth.tenant_for([("authorization", "Bearer k2")]) == "acme"
+    assert auth.tenant_for([("x-api-key", "k3")]) == "solo"
+    with pytest.raises(AuthenticationError, match="invalid API key"):
+        auth.tenant_for([("x-api-key", "nope")])
+    with pytest.raises(AuthenticationError, match="missing API key"):
+        auth.tenant_for([])
+    assert Authenticator().tenant_for([("x-api-key", "anything")]) == ANONYMOUS_TENANT
+
+
+def test_auth_yaml_and_bad_files(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "keys.yaml"
+    yaml_file.write_text("tenants:\n  t1: [a-key]\n")
+    assert load_api_keys(yaml_file).tenant_for([("x-api-key", "a-key")]) == "t1"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"keys": {"k": "t1"}, "tenants": {"t2": ["k"]}}))
+    with pytest.raises(ValueError, match="two tenants"):
+        load_api_keys(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="tenants"):
+        load_api_keys(bad)
+
+
+def test_stop_strings_hold_back_and_cut() -> None:
+    matcher = StopStringMatcher(["END", "\n\n"])
+    assert matcher.add("Hello E") == "Hello"  # "E" may start "END"
+    assert matcher.add("N") == " "
+    assert matcher.add("Dmore") == ""
+    assert matcher.matched == "END"
+    assert matcher.add("x") == ""
+
+
+def test_stop_string_included_and_min_tokens_semantics() -> None:
+    matcher = StopStringMatcher(["stop"], include_stop_str_in_output=True)
+    assert matcher.add("a stop b") == "a stop"
+    unchecked = StopStringMatcher(["ab"])
+    # An occurrence before min_tokens is plain text and never matches later.
+    assert unchecked.add("xab", check=False) + unchecked.add("c") + unchecked.flush() == "xabc"
+    assert unchecked.matched is None
+    with pytest.raises(ValueError, match=r"stop\[1\]"):
+        StopStringMatcher(["ok", ""])
