@@ -181,17 +181,23 @@ def build_parser() -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine (vLLM names)")
     engine.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"])
-    engine.add_argument("--max-model-len", type=_positive_int, default=None)
-    engine.add_argument("--block-size", type=_positive_int, default=16)
-    engine.add_argument("--num-kv-blocks", type=_positive_int, default=None)
-    engine.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None)
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    engine.add_argument("--max-model-len", type=_positive_int, default=None,
+                        help="default: the model's context length")
+    engine.add_argument("--block-size", type=_positive_int, default=16,
+                        help="tokens per KV block; routers must agree (default: %(default)s)")
+    engine.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+                        help="KV cache size in blocks (overrides --kv-cache-memory-bytes)")
+    engine.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+                        help="KV cache budget in bytes (default: 1 GiB)")
+    engine.add_argument("--max-num-seqs", type=_positive_int, default=256,
+                        help="default: %(default)s")
+    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                        help="token budget per step (default: %(default)s)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True)
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     return parser
 
 

@@ -157,6 +157,7 @@ def blocks_of(client: redis.Redis, engine_id: str, epoch: str) -> set[bytes]:
 
 
 def wait_all_blocks_free(stub: engine_pb2_grpc.EngineStub) -> engine_pb2.LoadInfo:
+    """Poll GetLoad until no request is queued or running and every KV block is free."""
     def idle() -> engine_pb2.LoadInfo | None:
         load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT_S)
         free = load.kv_blocks_free == load.kv_blocks_total
@@ -168,5 +169,6 @@ def wait_all_blocks_free(stub: engine_pb2_grpc.EngineStub) -> engine_pb2.LoadInf
 
 
 def generated_tokens(harness: EngineHarness) -> int:
+    """Tokens the engine has sampled so far (read on the engine thread)."""
     engine = harness.server.async_engine.engine
     return int(harness.in_engine_thread(engine.get_stats)["generation_tokens"])

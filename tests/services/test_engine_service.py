@@ -15,6 +15,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,6 +185,22 @@ def test_async_consumer_leaving_early_aborts_the_request(stub, shared_engine):
     wait_all_blocks_free(stub)
     assert generated_tokens(shared_engine) - before < 400
     assert not engine.engine.has_unfinished_requests()
+
+
+def thread_cpu_ticks(native_id: int) -> int:
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_idle_engine_thread_sleeps(stub, shared_engine):
+    wait_all_blocks_free(stub)
+    loops = [t.native_id for t in threading.enumerate() if t.name == "engine-loop"]
+    assert loops and all(loops)
+    before = sum(thread_cpu_ticks(tid) for tid in loops if tid is not None)
+    time.sleep(0.5)
+    after = sum(thread_cpu_ticks(tid) for tid in loops if tid is not None)
+    assert after - before <= 2  # a busy loop would burn ~50 ticks (100 Hz) in 0.5 s
 
 
 def test_abort_rpc_ends_the_stream_with_abort(stub):
