@@ -11,6 +11,7 @@ import torch
 from engine.core.scheduler import ScheduledRequest
 from engine.input_batch import build_model_input
 from engine.models.config import ModelConfig
+from engine.models.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SamplingRow
@@ -34,6 +35,7 @@ class ModelRunner:
         attention_backend: str = "auto",
     ) -> None:
         self.model = model
+        prepack_linears(model)
         self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
         self.block_size = block_size
         shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)

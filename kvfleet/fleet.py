@@ -10,17 +10,15 @@ Invariants:
   started and raises `FleetError` with the failing service's log tail.
 - Stop order: router, engines, tokenizer, Redis: each gets SIGTERM (graceful drain), then
   SIGKILL after `stop_timeout_s`. Engines deregister from Redis while it is still up.
-- No orphans: children are in their own process group (a terminal's Ctrl-C reaches only
-  `kvfleet up`, which then stops them in order) and, on Linux, get SIGTERM if the process
-  that started them dies (PR_SET_PDEATHSIG).
+- No orphans: every child (Redis too) runs in its own session, so a terminal's Ctrl-C
+  reaches only `kvfleet up`, which then stops them in order, and on Linux gets SIGTERM if
+  the process that started it dies, even by SIGKILL (PR_SET_PDEATHSIG; see `_CHILD_SHIM`).
 - Each service's stdout/stderr go to `<log_dir>/<name>.log`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
 import signal
 import subprocess
@@ -36,11 +34,28 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvfleet.redis_server import RedisServer
+from kvfleet.redis_server import RedisServer, find_redis_server
 
 DEFAULT_START_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 15.0
-_PR_SET_PDEATHSIG = 1
+# Every child starts through this shim, then execs the real program (same pid):
+# - its own session, so a terminal's Ctrl-C reaches only the fleet's owner, which then stops
+#   the services in order (Redis included: it would otherwise quit first);
+# - on Linux, PR_SET_PDEATHSIG: SIGTERM when the owner dies, even by SIGKILL (no orphans).
+# Done after fork in a fresh interpreter rather than with Popen(preexec_fn=...): running
+# Python between fork and exec in a process with gRPC threads can deadlock.
+_CHILD_SHIM = """\
+import os, signal, sys
+parent = os.getppid()
+os.setsid()
+if sys.platform == "linux":
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    if parent == 1 or os.getppid() != parent:
+        sys.exit(1)  # the owner died before the death signal was armed
+argv = TARGET + sys.argv[1:]
+os.execv(argv[0], argv)
+"""
 _POLL_S = 0.05
 
 
@@ -154,11 +169,19 @@ class Fleet:
             raise RuntimeError("fleet not started")
         return self._log_dir
 
+    @property
+    def started(self) -> bool:
+        return self._log_dir is not None
+
     def start(self) -> Fleet:
+        if self.started:
+            raise RuntimeError("fleet already started")
         self._prepare_dirs()
         try:
             if not self.config.redis_url:
-                self.redis = RedisServer(host=self.config.host).start()
+                self.redis = RedisServer(
+                    host=self.config.host, executable=str(self._redis_shim())
+                ).start()
             self.tokenizer = self._launch("tokenizer", tokenizer_command(self.config))
             self._wait_ready([self.tokenizer])
             self.engines = [self.start_engine_process(i) for i in range(self.config.num_engines)]
@@ -223,7 +246,7 @@ class Fleet:
         return [s for s in services if s is not None]
 
     def __enter__(self) -> Fleet:
-        return self.start()
+        return self if self.started else self.start()
 
     def __exit__(
         self,
@@ -243,6 +266,14 @@ class Fleet:
             self._log_dir = Path(self._tmp.name)
         self._log_dir.mkdir(parents=True, exist_ok=True)
 
+    def _redis_shim(self) -> Path:
+        """An executable that runs redis-server through the child shim (for RedisServer)."""
+        shim = self.log_dir / "redis-server-shim"
+        code = _shim_code([find_redis_server()])
+        shim.write_text(f"#!{sys.executable}\n{code}")
+        shim.chmod(0o755)
+        return shim
+
     def _launch(
         self, name: str, command: list[str], env: dict[str, str] | None = None
     ) -> ServiceProcess:
@@ -251,17 +282,12 @@ class Fleet:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                [*command, "--port-file", str(port_file), "--log-level", self.config.log_level],
+                [sys.executable, "-c", _shim_code([]), *command,
+                 "--port-file", str(port_file), "--log-level", self.config.log_level],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                start_new_session=True,
-                preexec_fn=(
-                    functools.partial(_die_with_parent, os.getpid())
-                    if sys.platform == "linux"
-                    else None
-                ),
             )
         return ServiceProcess(name, process, port_file, log_path, self.config.host)
 
@@ -324,9 +350,5 @@ def router_command(
     return command
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """In the child, before exec: get SIGTERM when the parent dies (Linux)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+def _shim_code(target: list[str]) -> str:
+    return _CHILD_SHIM.replace("TARGET", repr(target))

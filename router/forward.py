@@ -8,7 +8,8 @@ is relayed as an error, never replayed elsewhere.
 
 Invariants:
 - Only failures that say nothing about the request itself are retried; INVALID_ARGUMENT
-  (and any other code) goes straight back to the client.
+  (and any other code) goes straight back to the client. When no engine takes it, the
+  client gets RESOURCE_EXHAUSTED if every engine said it was full, else UNAVAILABLE.
 - An engine that failed with a transport-level code becomes a suspect in the pool, so the
   next decisions avoid it until its registry entry expires or it comes back elsewhere.
 - While an attempt or a stream is open it counts as in flight on its engine (the pool's
@@ -25,7 +26,7 @@ from collections.abc import Sequence
 import grpc
 import grpc.aio
 
-from kvfleet.errors import UnavailableError
+from kvfleet.errors import OverloadedError, UnavailableError
 from kvfleet.v1 import engine_pb2
 from router.engine_pool import EnginePool
 from router.policy import EngineView
@@ -108,20 +109,26 @@ async def open_engine_stream(
     request: engine_pb2.GenerateRequest,
     max_attempts: int,
 ) -> EngineStream:
-    """Start `request` on the first engine of `ranking` that answers; UnavailableError if none."""
-    failures: list[str] = []
+    """Start `request` on the first engine of `ranking` that answers.
+
+    OverloadedError when every engine tried said its queue is full, else UnavailableError.
+    """
+    failures: list[tuple[grpc.StatusCode, str]] = []
     for engine in ranking[:max_attempts]:
         stream = await _attempt(engine, pool, request, failures)
         if stream is not None:
             return stream
-    raise UnavailableError("no engine could take the request: " + "; ".join(failures))
+    summary = "; ".join(text for _, text in failures)
+    if failures and all(code is grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in failures):
+        raise OverloadedError(f"every engine is at capacity: {summary}")
+    raise UnavailableError(f"no engine could take the request: {summary}")
 
 
 async def _attempt(
     engine: EngineView,
     pool: EnginePool,
     request: engine_pb2.GenerateRequest,
-    failures: list[str],
+    failures: list[tuple[grpc.StatusCode, str]],
 ) -> EngineStream | None:
     call = pool.stub(engine.engine_id, engine.address).Generate(request)
     pool.begin(engine.engine_id)
@@ -133,7 +140,7 @@ async def _attempt(
             raise
         if e.code() in SUSPECT_CODES:
             pool.mark_suspect(engine.engine_id, engine.address)
-        failures.append(f"{engine.engine_id}: {e.code().name} {e.details()}")
+        failures.append((e.code(), f"{engine.engine_id}: {e.code().name} {e.details()}"))
         return None
     except BaseException:  # cancelled by the client: the engine must drop the request
         call.cancel()
@@ -141,6 +148,8 @@ async def _attempt(
         raise
     if first is grpc.aio.EOF:
         pool.end(engine.engine_id)
-        failures.append(f"{engine.engine_id}: stream ended without a message")
+        failures.append(
+            (grpc.StatusCode.UNAVAILABLE, f"{engine.engine_id}: stream ended without a message")
+        )
         return None
     return EngineStream(engine, call, first, pool)

@@ -72,6 +72,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request_id = request.request_id or uuid.uuid4().hex
         prompt_ids = await self._prompt_ids(request)
         decision = await self._selector.decide(prompt_ids, tenant, request.model)
+        if logger.isEnabledFor(logging.DEBUG):
+            best = decision.ranking[0]
+            logger.debug("%s tenant=%s prompt=%d best=%s matched=%d load=%d index=%s",
+                         request_id, tenant, len(prompt_ids), best.engine_id,
+                         best.matched_blocks, best.load, decision.used_index)
         engine_request = engine_pb2.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,

@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
+from engine.models.linear import Linear
 from engine.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -53,10 +54,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
@@ -82,8 +83,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

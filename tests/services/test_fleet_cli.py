@@ -88,3 +88,22 @@ def test_serve_dispatches_to_each_service() -> None:
 def test_client_requires_router_and_prompt() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["client", "hello"])
+
+
+def test_services_die_with_a_killed_owner(tiny_model_dir: Path, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "kvfleet.cli", "up", "--engines", "1",
+               "--model", str(tiny_model_dir), "--log-dir", str(tmp_path / "logs")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        read_until(process, "press Ctrl-C", 180)
+        children = child_pids(process.pid)
+        assert len(children) >= 4
+        process.kill()  # no handler runs: only the death signal can clean up
+        process.wait(10)
+        wait_until(lambda: not any(pid_alive(p) for p in children), 20,
+                   what="every service process to exit after its owner was killed")
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
