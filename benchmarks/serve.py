@@ -129,7 +129,8 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[index]
 
 
-def summarize(policy: str, completions: Sequence[Completion], makespan_s: float) -> Row:
+def summarize(policy: str, schedule: Sequence[Arrival], completions: Sequence[Completion],
+              makespan_s: float) -> Row:
     ttfts = [c.ttft_s for c in completions if c.ttft_s is not None]
     prompt_tokens = sum(c.usage.get("prompt_tokens", 0) for c in completions)
     cached = sum(c.num_cached_tokens for c in completions)
@@ -146,7 +147,23 @@ def summarize(policy: str, completions: Sequence[Completion], makespan_s: float)
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
         "per_engine": dict(sorted(Counter(c.engine_id for c in completions).items())),
+        "tenant_engines": tenant_engines(schedule, completions),
+        "requests_detail": [
+            {"tenant": a.tenant, "at_s": round(a.at_s, 3), "engine": c.engine_id,
+             "cached": c.num_cached_tokens, "prompt": c.usage.get("prompt_tokens", 0),
+             "ttft_s": c.ttft_s, "latency_s": round(c.latency_s, 3)}
+            for a, c in zip(schedule, completions, strict=True)
+        ],
     }
+
+
+def tenant_engines(schedule: Sequence[Arrival], completions: Sequence[Completion]
+                   ) -> dict[str, dict[str, int]]:
+    """Per tenant, how many of its requests each engine served (placement stickiness)."""
+    placement: dict[str, Counter[str]] = {}
+    for arrival, completion in zip(schedule, completions, strict=True):
+        placement.setdefault(str(arrival.tenant), Counter())[completion.engine_id] += 1
+    return {t: dict(sorted(c.items())) for t, c in sorted(placement.items())}
 
 
 def print_table(rows: Sequence[Row]) -> None:
@@ -223,7 +240,7 @@ def run(args: argparse.Namespace, model_dir: Path) -> Row:
                   flush=True)
             completions, makespan = asyncio.run(
                 run_policy(addresses[policy], policy, schedule, prompts, args.output_len))
-            rows.append(summarize(policy, completions, makespan))
+            rows.append(summarize(policy, schedule, completions, makespan))
             print_table(rows[-1:])
     return {"rows": rows, "load_before": load_before, "load_after": os.getloadavg()}
 

@@ -37,6 +37,8 @@ class ModelRunner:
         self.model = model
         prepack_linears(model)
         self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
+        # The fused elementwise kernels come from the same build; they are float32-only.
+        model.use_fused_ops(self.use_decode_kernel and dtype == torch.float32)
         self.block_size = block_size
         shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [

@@ -6,18 +6,21 @@ own in-flight counts; `router.forward` tries the ranking in order (retry = next 
 
 Policies:
 
-- `prefix` (default). Every engine's *load* is `max(num_running + num_waiting, in_flight)`:
-  Redis' figures include other routers' requests but lag a little; this router's in-flight
-  count is exact for its own requests, so bursts are not all sent to one stale minimum.
+- `prefix` (default): consistent hashing with bounded loads, where a cache hit beats the
+  hash. Every engine's *load* is `max(num_running + num_waiting, in_flight)`: Redis'
+  figures include other routers' requests but lag a little; this router's in-flight count
+  is exact for its own requests, so a burst is not all sent to one stale minimum.
   The bound: an engine is *eligible* only while its load is at most
-  `min_load + max(load_slack_abs, load_slack_rel * min_load)`, and engines at or above
-  `kv_usage_limit` KV usage are ineligible while any engine is below it. Among eligible
-  engines the one holding the most leading prompt blocks wins; ties go to the lower load,
-  then to the smaller cache footprint (spreads new prefixes so each engine's cache holds a
-  share of them), then to a rendezvous hash of (prompt's first block, engine id), so that
-  router replicas agree without talking. A hot prefix therefore stays on its engine only
-  until that engine is `slack` requests busier than the idlest one; then the idlest engine
-  gets it (and caches it too), so traffic can never pile onto one engine while others idle.
+  `min_load + max(load_slack_abs, load_slack_rel * min_load)`.
+  Among eligible engines the one holding the most leading prompt blocks wins; equal
+  non-zero matches go to the lower load. When no eligible engine holds any block (a new
+  prefix, or one still being prefilled and not yet published), the winner is the highest
+  rendezvous weight of (tenant + prompt start, engine id): every replica, and every
+  concurrent request of that prefix, picks the same engine without talking, so a prefix is
+  computed once rather than on whichever engine looked idlest at each instant.
+  A hot prefix therefore stays on its engine only until that engine is `slack` requests
+  busier than the idlest one; then the next best eligible engine gets it (and caches it
+  too), so traffic never piles onto one engine while others idle.
 - `least_load`: lowest load, then lowest KV usage, then the rendezvous hash.
 - `round_robin`: engines sorted by id, rotated by a counter the caller owns (per replica;
   replicas need not agree for round robin to be fair overall).
@@ -51,8 +54,6 @@ class EngineView:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
-    # Blocks in the engine's prefix-cache index (its cache footprint).
-    num_cached_blocks: int = 0
     # This router's requests currently streaming from the engine.
     in_flight: int = 0
 
@@ -67,13 +68,10 @@ class PrefixPolicyConfig:
 
     load_slack_abs: int = 4
     load_slack_rel: float = 0.5
-    kv_usage_limit: float = 0.95
 
     def __post_init__(self) -> None:
         if self.load_slack_abs < 0 or self.load_slack_rel < 0:
             raise ValueError("load slack must be non-negative")
-        if not 0 < self.kv_usage_limit <= 1:
-            raise ValueError(f"kv_usage_limit must be in (0, 1], got {self.kv_usage_limit}")
 
     def max_load(self, min_load: int) -> float:
         """The highest load an engine may have and still win on cached blocks."""
@@ -92,25 +90,18 @@ def rank_prefix(
     """Best engine first: most cached blocks within the load bound (module docstring)."""
     if not engines:
         return []
-    eligible, rest = _split_eligible(engines, config)
+    max_load = config.max_load(min(e.load for e in engines))
+    eligible = [e for e in engines if e.load <= max_load]
+    rest = [e for e in engines if e.load > max_load]
 
-    def preference(e: EngineView) -> tuple[int, int, int, int]:
-        rendezvous = rendezvous_weight(tie_key, e.engine_id)
-        return (-e.matched_blocks, e.load, e.num_cached_blocks, -rendezvous)
+    def preference(e: EngineView) -> tuple[int, int, int]:
+        # Load only separates engines holding the same non-zero prefix; without a hit
+        # the hash decides, so concurrent requests of a new prefix agree.
+        load = e.load if e.matched_blocks else 0
+        return (-e.matched_blocks, load, -rendezvous_weight(tie_key, e.engine_id))
 
-    # Ineligible engines stay reachable for retries, least loaded first.
+    # Engines beyond the bound stay reachable for retries, least loaded first.
     return sorted(eligible, key=preference) + rank_least_load(rest, tie_key)
-
-
-def _split_eligible(
-    engines: Sequence[EngineView], config: PrefixPolicyConfig
-) -> tuple[list[EngineView], list[EngineView]]:
-    roomy = [e for e in engines if e.kv_cache_usage < config.kv_usage_limit]
-    pool = roomy or list(engines)
-    max_load = config.max_load(min(e.load for e in pool))
-    eligible = [e for e in pool if e.load <= max_load]
-    eligible_ids = {e.engine_id for e in eligible}
-    return eligible, [e for e in engines if e.engine_id not in eligible_ids]
 
 
 def rank_least_load(engines: Sequence[EngineView], tie_key: bytes) -> list[EngineView]:

@@ -132,7 +132,6 @@ class EngineSelector:
                 num_running=r.int_field("num_running"),
                 num_waiting=r.int_field("num_waiting"),
                 kv_cache_usage=r.float_field("kv_cache_usage"),
-                num_cached_blocks=r.num_cached_blocks,
                 in_flight=self._pool.in_flight(r.engine_id),
             )
             for r in records

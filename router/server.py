@@ -49,7 +49,6 @@ class RouterConfig:
         prefix = PrefixPolicyConfig(
             load_slack_abs=args.load_slack_abs,
             load_slack_rel=args.load_slack_rel,
-            kv_usage_limit=args.kv_usage_limit,
         )
         return cls(
             tokenizer_address=args.tokenizer,
@@ -139,8 +138,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="prefix bound: extra requests a cache hit may wait behind")
     parser.add_argument("--load-slack-rel", type=float, default=defaults.load_slack_rel,
                         help="prefix bound: the same, as a fraction of the least load")
-    parser.add_argument("--kv-usage-limit", type=float, default=defaults.kv_usage_limit,
-                        help="engines at or above this KV usage are avoided")
     parser.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
                         help="engines tried per request before the first token")
     add_server_arguments(parser, default_port=DEFAULT_PORT)

@@ -26,38 +26,31 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
+from engine.models.layer_ops import LayerOps
 from engine.models.linear import Linear
-from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    """transformers' LlamaRMSNorm weights; the math lives in `LayerOps` (fused or not)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(input_dtype)
-
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
         self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+            config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
@@ -70,46 +63,52 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.ops.rotary_qkv(
+            self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
+        )
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.ops = ops
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """One layer over the residual stream: `residual` is transformers' hidden state, updated in
+    place; the layer receives the previous block's output `x` still to be added to it."""
+
+    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.ops = ops
+        self.self_attn = LlamaAttention(config, ops)
+        self.mlp = LlamaMLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        x: torch.Tensor | None,
+        residual: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta)
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        norm = self.input_layernorm
+        if x is None:
+            normed = self.ops.rms_norm(residual, norm.weight, norm.eps)
+        else:
+            normed = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        attn_out = self.self_attn(normed, cos, sin, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        return self.mlp(self.ops.add_rms_norm(attn_out, residual, norm.weight, norm.eps))
 
 
 # HF projection names -> (our fused parameter, shard index within it).
@@ -126,8 +125,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.ops = LayerOps()
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, self.ops) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = None
@@ -145,11 +145,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V to the caches."""
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions, hidden.dtype)
+        residual = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions, residual.dtype)
+        x: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, meta)
-        return self.norm(hidden)
+            x = layer(x, residual, cos, sin, kv_cache, meta)
+        assert x is not None
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+
+    def use_fused_ops(self, enabled: bool) -> None:
+        """Switch the elementwise steps to the C++ CPU kernels (float32 only)."""
+        self.ops.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab]; computed in the model dtype, then upcast, as HF does."""

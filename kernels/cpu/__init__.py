@@ -18,7 +18,10 @@ import torch
 
 logger = logging.getLogger("kvfleet.kernels")
 
-_SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
+_SOURCES = [
+    Path(__file__).with_name("paged_decode_attention.cpp"),
+    Path(__file__).with_name("fused_elementwise.cpp"),
+]
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -37,7 +40,10 @@ def _cpu_fingerprint() -> str:
 
 def _build_dir() -> Path:
     root = os.environ.get("KVFLEET_CACHE_DIR") or str(Path.home() / ".cache" / "kvfleet")
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(" ".join(_FLAGS).encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    key = digest.hexdigest()[:10]
     path = Path(root) / "torch_extensions" / f"{key}-{_cpu_fingerprint()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -53,13 +59,16 @@ def load() -> bool:
 
             load_extension(
                 name="kvfleet_cpu_ops",
-                sources=[str(_SOURCE)],
+                sources=[str(s) for s in _SOURCES],
                 extra_cflags=_FLAGS,
                 build_directory=str(_build_dir()),
                 is_python_module=False,
                 verbose=False,
             )
-            ok = hasattr(torch.ops.kvfleet_cpu, "paged_decode_attention")
+            ok = all(
+                hasattr(torch.ops.kvfleet_cpu, op)
+                for op in ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_qk")
+            )
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
             logger.warning("CPU attention kernel unavailable, using PyTorch fallback: %s", exc)
             ok = False

@@ -20,14 +20,18 @@ from router.policy import (
 )
 from router.stop_strings import StopStringMatcher
 
-BOUND = PrefixPolicyConfig(load_slack_abs=4, load_slack_rel=0.5, kv_usage_limit=0.95)
+BOUND = PrefixPolicyConfig(load_slack_abs=4, load_slack_rel=0.5)
 KEY = b"tie-key"
 
 
 def view(engine_id: str, matched: int = 0, running: int = 0, waiting: int = 0,
-         usage: float = 0.0, cached: int = 0, in_flight: int = 0) -> EngineView:
-    return EngineView(engine_id, f"{engine_id}:1", matched, running, waiting, usage, cached,
-                      in_flight)
+         usage: float = 0.0, in_flight: int = 0) -> EngineView:
+    return EngineView(engine_id, f"{engine_id}:1", matched, running, waiting, usage, in_flight)
+
+
+def by_weight(*engine_ids: str) -> list[str]:
+    """Engine ids in rendezvous order for KEY (highest weight first)."""
+    return sorted(engine_ids, key=lambda i: -rendezvous_weight(KEY, i))
 
 
 def ids(ranking: list[EngineView]) -> list[str]:
@@ -65,25 +69,32 @@ def test_local_in_flight_counts_when_redis_lags() -> None:
     assert ids(rank_prefix(engines, KEY, BOUND)) == ["a", "b"]
 
 
-def test_full_kv_cache_is_avoided_while_another_has_room() -> None:
-    engines = [view("a"), view("b", matched=32, usage=0.97)]
-    assert ids(rank_prefix(engines, KEY, BOUND)) == ["a", "b"]
-    both_full = [view("a", usage=0.99), view("b", matched=32, usage=0.97)]
-    assert ids(rank_prefix(both_full, KEY, BOUND)) == ["b", "a"]
+def test_equal_hits_go_to_the_lower_load() -> None:
+    engines = [view("a", matched=6, running=3), view("b", matched=6, running=1), view("c")]
+    assert ids(rank_prefix(engines, KEY, BOUND)) == ["b", "a", "c"]
 
 
-def test_new_prefix_goes_to_the_less_loaded_then_the_smaller_cache() -> None:
-    assert ids(rank_prefix([view("a", running=1), view("b")], KEY, BOUND)) == ["b", "a"]
-    assert ids(rank_prefix([view("a", cached=40), view("b", cached=8)], KEY, BOUND)) == [
-        "b", "a"
-    ]
+def test_a_new_prefix_follows_the_hash_not_the_load() -> None:
+    # Concurrent requests of one new prefix must agree while loads move: the hash decides
+    # within the bound (a at 3 and b at 0 are both within min 0 + slack 4).
+    first, second = by_weight("a", "b")
+    for loads in ((0, 0), (3, 0), (0, 3), (4, 1)):
+        engines = [view("a", running=loads[0]), view("b", running=loads[1])]
+        assert ids(rank_prefix(engines, KEY, BOUND)) == [first, second]
 
 
-def test_full_ties_follow_the_rendezvous_hash() -> None:
+def test_a_new_prefix_still_respects_the_bound() -> None:
+    first, second = by_weight("a", "b")
+    engines = [view(first, running=5), view(second)]
+    assert ids(rank_prefix(engines, KEY, BOUND)) == [second, first]
+
+
+def test_full_ties_are_the_same_for_any_input_order() -> None:
     engines = [view("a"), view("b"), view("c")]
-    expected = sorted(ids(engines), key=lambda i: -rendezvous_weight(KEY, i))
-    assert ids(rank_prefix(engines, KEY, BOUND)) == expected
-    assert ids(rank_prefix(list(reversed(engines)), KEY, BOUND)) == expected
+    assert ids(rank_prefix(engines, KEY, BOUND)) == by_weight("a", "b", "c")
+    assert ids(rank_prefix(engines[::-1], KEY, BOUND)) == by_weight("a", "b", "c")
+    other_key = sorted("abc", key=lambda i: -rendezvous_weight(b"other", i))
+    assert ids(rank_prefix(engines, b"other", BOUND)) == other_key
 
 
 def test_least_load_orders_by_load_then_kv_usage() -> None:
@@ -97,7 +108,7 @@ def test_round_robin_rotates_by_counter() -> None:
 
 
 def test_every_policy_returns_a_permutation() -> None:
-    engines = [view("a", matched=3, running=9), view("b", usage=0.99), view("c", running=1)]
+    engines = [view("a", matched=3, running=9), view("b", usage=0.9), view("c", running=1)]
     for policy in Policy:
         ranking = rank(policy, engines, tie_key=KEY, counter=7, config=BOUND)
         assert sorted(ids(ranking)) == ["a", "b", "c"]

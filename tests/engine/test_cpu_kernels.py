@@ -1,4 +1,5 @@
-"""The compiled CPU decode-attention kernel equals attention over the gathered context."""
+"""The compiled CPU kernels equal their PyTorch counterparts: paged decode attention against
+attention over the gathered context, and the fused elementwise ops against `LayerOps`."""
 
 from __future__ import annotations
 
@@ -49,3 +50,30 @@ def test_kernel_matches_gathered_attention(dtype, tol):
     for row, length in enumerate(lengths):
         expected = reference(q[row], k_cache, v_cache, tables[row], length, 0.125)
         assert torch.allclose(out[row].float(), expected, atol=tol, rtol=tol)
+
+
+def test_fused_elementwise_ops_match_pytorch_path():
+    from engine.models.layer_ops import LayerOps
+
+    gen = torch.Generator().manual_seed(1)
+    fused, plain = LayerOps(fused=True), LayerOps(fused=False)
+    x = torch.randn(37, 96, generator=gen)
+    weight = torch.randn(96, generator=gen)
+    assert torch.allclose(fused.rms_norm(x, weight, 1e-5), plain.rms_norm(x, weight, 1e-5),
+                          atol=1e-5)
+    res_a, res_b = torch.randn(37, 96, generator=gen), None
+    res_b = res_a.clone()
+    out_a = fused.add_rms_norm(x, res_a, weight, 1e-5)
+    out_b = plain.add_rms_norm(x, res_b, weight, 1e-5)
+    assert torch.equal(res_a, res_b)
+    assert torch.allclose(out_a, out_b, atol=1e-5)
+    gate_up = torch.randn(37, 2 * 80, generator=gen)
+    assert torch.allclose(fused.silu_and_mul(gate_up), plain.silu_and_mul(gate_up), atol=1e-6)
+    heads, kv_heads, dim = 4, 2, 16
+    qkv = torch.randn(37, (heads + 2 * kv_heads) * dim, generator=gen)
+    cos = torch.randn(37, 1, dim // 2, generator=gen)
+    sin = torch.randn(37, 1, dim // 2, generator=gen)
+    expected = plain.rotary_qkv(qkv.clone(), heads, kv_heads, dim, cos, sin)
+    got = fused.rotary_qkv(qkv.clone(), heads, kv_heads, dim, cos, sin)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

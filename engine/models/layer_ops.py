@@ -1,0 +1,79 @@
+"""The decoder layer's elementwise steps, fused (C++ CPU kernels) or in plain PyTorch.
+
+Both paths compute the same math in the same order as transformers: the residual stream is
+updated in place (`residual += x`, the same float32 add as `h + x`), then RMSNorm in float32.
+The PyTorch path is op-for-op transformers' and is used for bfloat16, for devices other than
+CPU, and wherever the kernels could not be built; the fused path makes one pass per row
+instead of several passes over the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.rope import apply_rotary
+
+
+class LayerOps:
+    def __init__(self, fused: bool = False) -> None:
+        self.fused = fused
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.fused and x.dtype == torch.float32:
+            out = torch.empty_like(x)
+            torch.ops.kvfleet_cpu.rms_norm(out, x.contiguous(), weight, eps)
+            return out
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += x (in place); returns rms_norm(residual) * weight."""
+        if self.fused and x.dtype == torch.float32:
+            out = torch.empty_like(x)
+            torch.ops.kvfleet_cpu.add_rms_norm(out, x.contiguous(), residual, weight, eps)
+            return out
+        residual.add_(x)
+        return self.rms_norm(residual, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused and gate_up.dtype == torch.float32:
+            out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            torch.ops.kvfleet_cpu.silu_and_mul(out, gate_up)
+            return out
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_qkv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cos: torch.Tensor,  # [T, 1, head_dim / 2]
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split fused qkv [T, (H + 2 KVH) * D] into rotated q, rotated k, and v."""
+        t = qkv.shape[0]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        if self.fused and qkv.dtype == torch.float32:
+            torch.ops.kvfleet_cpu.rotary_qk(
+                qkv, num_heads, num_kv_heads, head_dim, cos[:, 0], sin[:, 0]
+            )
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            return (
+                q.view(t, num_heads, head_dim),
+                k.view(t, num_kv_heads, head_dim),
+                v.view(t, num_kv_heads, head_dim),
+            )
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return (
+            apply_rotary(q.view(t, num_heads, head_dim), cos, sin),
+            apply_rotary(k.view(t, num_kv_heads, head_dim), cos, sin),
+            v.view(t, num_kv_heads, head_dim),
+        )
+
