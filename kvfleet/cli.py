@@ -10,7 +10,8 @@ local fleet), `router.client` (the client) and each service's own `main(argv)`. 
 imports a service lazily (the engine pulls in torch; the router and tokenizer must not).
 
 Invariants: `up` prints `router: HOST:PORT` (flushed) once every service is ready, serves until
-SIGINT/SIGTERM, then stops router, engines, tokenizer and Redis in that order and exits 0.
+SIGINT/SIGTERM, then stops router, engines, tokenizer and Redis in that order and exits 0
+(130 when interrupted while still starting; a second signal kills what is left).
 `client` prints the streamed text, then one JSON line (engine_id, num_cached_tokens,
 finish_reason, usage); a failed call prints the status to stderr and exits 1.
 """
@@ -247,7 +248,9 @@ async def run_demo(router_address: str) -> None:
         for prompt, c in zip(DEMO_PROMPTS, results, strict=True):
             print(f"{prompt:<34} {round_index:>5}  {c.engine_id:<9} {c.num_cached_tokens:>7}"
                   f"  {c.usage.get('prompt_tokens', 0):>6}  {c.finish_reason}")
-    print(flush=True)
+    print("cached = prompt tokens the engine reused from its prefix cache. The chats share the"
+          " chat template's\nsystem prompt, so prefix routing keeps them on the engine that"
+          " holds it.\n", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ class ResponseRelay:
     def __init__(
         self,
         request_id: str,
+        engine_request_id: str,
         prompt_ids: Sequence[int],
         min_tokens: int,
         stream: EngineStream,
@@ -36,6 +37,7 @@ class ResponseRelay:
         matcher: StopStringMatcher,
     ) -> None:
         self._request_id = request_id
+        self._engine_request_id = engine_request_id
         self._num_prompt_tokens = len(prompt_ids)
         self._min_tokens = min_tokens
         self._stream = stream
@@ -70,7 +72,7 @@ class ResponseRelay:
         emitted = self._matcher.add(text, check)
         response = router_pb2.RouterGenerateResponse(token_ids=ids, logprobs=message.logprobs)
         if self._matcher.matched is not None:
-            last = message if final else await self._stream.abort(self._request_id)
+            last = message if final else await self._stream.abort(self._engine_request_id)
             self._finish_on_stop_string(response, last, self._matcher.matched)
         elif final:
             emitted += self._matcher.flush()

@@ -37,7 +37,8 @@ from router.tokenizer_client import TokenizerClient
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-MAX_REQUEST_ID_LEN = 256
+# Engines accept 256 characters; the router appends a 13-character suffix.
+MAX_REQUEST_ID_LEN = 200
 # Engines tried per request (the first choice plus retries before the first token).
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -70,6 +71,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         validate_request(request)
         matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         request_id = request.request_id or uuid.uuid4().hex
+        # Client ids need only be unique per client; engines need them unique per engine.
+        engine_request_id = (
+            f"{request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else request_id
+        )
         prompt_ids = await self._prompt_ids(request)
         decision = await self._selector.decide(prompt_ids, tenant, request.model)
         if logger.isEnabledFor(logging.DEBUG):
@@ -78,7 +83,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                          request_id, tenant, len(prompt_ids), best.engine_id,
                          best.matched_blocks, best.load, decision.used_index)
         engine_request = engine_pb2.GenerateRequest(
-            request_id=request_id,
+            request_id=engine_request_id,
             prompt_token_ids=prompt_ids,
             sampling_params=params,
             priority=request.priority,
@@ -92,7 +97,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         detokenizer = self._tokenizer.detokenizer(prompt_ids, skip_special)
         relay = ResponseRelay(
-            request_id, prompt_ids, params.min_tokens, stream, detokenizer, matcher
+            request_id, engine_request_id, prompt_ids, params.min_tokens, stream, detokenizer,
+            matcher,
         )
         try:
             async for response in relay.responses():

@@ -7,9 +7,11 @@ stopped, an engine killed) come last and restore what later tests need.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,6 +22,9 @@ from kvfleet import redis_schema
 from kvfleet.fleet import Fleet, FleetConfig
 from kvfleet.v1.router_pb2 import RouterGenerateRequest
 from router.client import build_request
+from router.engine_pool import EnginePool
+from router.prefix_index import PrefixIndex
+from router.routing import EngineSelector, RoutingConfig
 from tests.services.router_fleet import (
     API_KEYS,
     NUM_TENANTS,
@@ -80,16 +85,19 @@ def wait_for_blocks(redis_client: redis.Redis, engine_id: str, ids: list[int],
                     tenant: str) -> None:
     """Until the engine's published block set holds the prompt's blocks (router's hashes)."""
     hashes = hash_token_blocks(ids[:-1], BLOCK_SIZE, cache_salt=tenant)
-    fields = redis_client.hgetall(redis_schema.engine_key(engine_id))
-    blocks = redis_schema.blocks_key(engine_id, fields[b"epoch"].decode())
+    blocks = current_blocks_key(redis_client, engine_id)
     wait_until(lambda: all(redis_client.smismember(blocks, hashes)), 10,
                what=f"{engine_id} to publish {len(hashes)} blocks")
 
 
-def wait_for_num_blocks(redis_client: redis.Redis, engine_id: str, num_blocks: int) -> None:
+def current_blocks_key(redis_client: redis.Redis, engine_id: str) -> str:
     epoch = redis_client.hget(redis_schema.engine_key(engine_id), "epoch")
-    assert epoch is not None
-    blocks = redis_schema.blocks_key(engine_id, epoch.decode())
+    assert isinstance(epoch, bytes)
+    return redis_schema.blocks_key(engine_id, epoch.decode())
+
+
+def wait_for_num_blocks(redis_client: redis.Redis, engine_id: str, num_blocks: int) -> None:
+    blocks = current_blocks_key(redis_client, engine_id)
     wait_until(lambda: redis_client.scard(blocks) >= num_blocks, 10,
                what=f"{engine_id} to publish {num_blocks} blocks")
 
@@ -153,6 +161,35 @@ def test_a_restarted_router_routes_as_before(fleet: Fleet, client: RouterClient)
     client.channel = grpc.insecure_channel(fleet.router_address)
 
 
+def test_two_router_replicas_agree_without_talking(fleet: Fleet, client: RouterClient) -> None:
+    replica = fleet.add_router("router-replica", "prefix")
+    with grpc.insecure_channel(replica.address) as channel:
+        other = RouterClient(channel)
+        for i in range(NUM_TENANTS):  # cached prefixes: the replica finds the same engine
+            ours = client.generate_ids(tenant_prefix(i) + user_turn(i, 6), key(i))
+            theirs = other.generate_ids(tenant_prefix(i) + user_turn(i, 7), key(i))
+            assert theirs.engine_id == ours.engine_id
+            assert theirs.num_cached_tokens >= len(tenant_prefix(i))
+
+    async def decide_new_prefixes(selector: EngineSelector) -> list[str]:
+        prompts = [tenant_prefix(200 + i) for i in range(16)]
+        return [(await selector.decide(p, "tenant-0")).ranking[0].engine_id for p in prompts]
+
+    async def two_replicas() -> tuple[list[str], list[str]]:
+        indexes = [PrefixIndex(fleet.redis_url) for _ in range(2)]
+        try:
+            first, second = (EngineSelector(RoutingConfig(), i, EnginePool()) for i in indexes)
+            return await decide_new_prefixes(first), await decide_new_prefixes(second)
+        finally:
+            for index in indexes:
+                await index.close()
+
+    # New prefixes (no engine holds them): independent replicas still pick the same engine.
+    first, second = asyncio.run(two_replicas())
+    assert first == second
+    assert set(first) == {"engine-0", "engine-1"}
+
+
 def test_a_cancelled_stream_frees_its_blocks(fleet: Fleet, client: RouterClient) -> None:
     params = greedy(max_tokens=400, ignore_eos=True)
     stream = client.stream(build_request(prompt_token_ids=tenant_prefix(50), params=params),
@@ -179,6 +216,16 @@ def test_stop_strings_end_the_stream(client: RouterClient) -> None:
     assert cut.text == full.text[: full.text.index(stop)]
 
 
+def test_client_request_ids_come_back_and_may_repeat(client: RouterClient) -> None:
+    params = greedy(max_tokens=30, ignore_eos=True)
+    request = build_request(prompt_token_ids=tenant_prefix(4), params=params,
+                            request_id="same-id")
+    streams = [client.stream(request, key(4)) for _ in range(2)]
+    firsts = [next(s) for s in streams]  # both live at once on the same engine
+    assert [f.request_id for f in firsts] == ["same-id", "same-id"]
+    assert all(list(s)[-1].finish_reason == "length" for s in streams)
+
+
 @pytest.mark.parametrize(
     ("request_", "api_key", "code", "message"),
     [
@@ -195,12 +242,17 @@ def test_stop_strings_end_the_stream(client: RouterClient) -> None:
     ],
 )
 def test_malformed_requests_are_rejected_and_service_goes_on(
-    client: RouterClient, request_: object, api_key: str | None, code: str, message: str
+    client: RouterClient,
+    request_: RouterGenerateRequest,
+    api_key: str | None,
+    code: str,
+    message: str,
 ) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        client.generate(request_, api_key)  # type: ignore[arg-type]
-    assert info.value.code().name == code  # type: ignore[attr-defined]
-    assert message in info.value.details()  # type: ignore[attr-defined]
+        client.generate(request_, api_key)
+    error: Any = info.value  # a grpc.Call as well as an RpcError
+    assert error.code().name == code
+    assert message in error.details()
     assert client.generate(build_request("hi", params=greedy(max_tokens=1)), key(3)).num_tokens
 
 

@@ -80,10 +80,12 @@ class PagedRun:
     def decode(self, token_id: int) -> torch.Tensor:
         position = self.length
         context = position + 1
+        # Blocks 0, 1, 2, ... in order, so slot == position as in prefill.
         decode = DecodeBatch(
             torch.tensor([0]),
-            torch.arange(context).unsqueeze(0),
-            torch.ones(1, 1, 1, context, dtype=torch.bool),
+            torch.arange(-(-context // BLOCK_SIZE), dtype=torch.int32).unsqueeze(0),
+            torch.tensor([context], dtype=torch.int32),
+            BLOCK_SIZE,
         )
         meta = AttentionMetadata(torch.tensor([position]), (), decode, 1)
         hidden = self.model(torch.tensor([token_id]), torch.tensor([position]), self.caches, meta)
