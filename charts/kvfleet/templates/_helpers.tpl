@@ -266,7 +266,7 @@ lifecycle:
   volumeMounts:
     - name: model
       mountPath: {{ .Values.model.mountPath }}
-    {{- include "kvfleet.scratchMounts" . | nindent 4 }}
+    {{- with (include "kvfleet.scratchMounts" . | trim) }}{{ . | nindent 4 }}{{ end }}
 {{- end }}
 {{- end }}
 
@@ -306,5 +306,18 @@ topologySpreadConstraints:
 checksum/config: {{ include (print .ctx.Template.BasePath "/configmap.yaml") .ctx | sha256sum }}
 {{- with .extra }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* NetworkPolicy rule letting the scrapers in (metrics.enabled only). */}}
+{{- define "kvfleet.metricsIngress" -}}
+{{- if .Values.metrics.enabled }}
+- ports:
+    - port: metrics
+      protocol: TCP
+  {{- with .Values.networkPolicy.metricsFrom }}
+  from:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
 {{- end }}
 {{- end }}
