@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfleet-deps
 
-.PHONY: install model run test test-fast lint bench proto clean
+.PHONY: install model run test test-fast lint bench bench-serve proto clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,15 +25,17 @@ install: $(STAMP)
 model: install
 	$(PY) -m engine.default_model
 
+# The local fleet (Redis, tokenizer, 2 engines, router) on the default model: streams three
+# chats twice (prefix hits, which engine served each), then serves until Ctrl-C.
 run: model
-	$(PY) -m engine.demo
+	$(PY) -m kvfleet.cli demo
 
 proto: install
 	$(PY) scripts/gen_proto.py
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy engine kvfleet tokenizer_svc
+	$(VENV)/bin/mypy engine kvfleet tokenizer_svc router kernels
 
 test: lint
 	$(PY) -m pytest -q
@@ -43,6 +45,9 @@ test-fast: install
 
 bench: model
 	$(PY) -m benchmarks.offline_throughput
+
+bench-serve: model
+	$(PY) -m benchmarks.serve
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

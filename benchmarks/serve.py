@@ -13,8 +13,9 @@ Set-up: one fleet (a real Redis, the tokenizer service, `--engines` engines with
 policy (`prefix`, `round_robin`, `least_load`), run one after the other with the same
 arrival times and user turns. Each policy has its own tenants (API keys), so none profits
 from prefixes another policy left in the caches (leftovers are evictable, never pinned).
-The KV cache is sized so one engine holds about half the tenants' prefixes plus the running
-requests: placement decides the hit rate, which is the point of prefix-aware routing.
+The KV cache (192 blocks of 16 tokens per engine) holds about 5 of the 8 tenants' ~34-block
+prefixes when nothing runs, fewer under load: 4 tenants per engine fit, 8 do not, so
+placement decides the hit rate, which is the point of prefix-aware routing.
 
 Reported per policy: throughput (requests/s and output tokens/s over the makespan, first
 arrival to last completion), TTFT p50/p99 (client side), prefix hit rate (cached prompt
