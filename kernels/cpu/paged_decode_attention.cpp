@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -47,14 +46,18 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = &scores[g * ctx_len];
-    float m = -std::numeric_limits<float>::infinity();
+    // Built with -ffast-math (vectorised expf from libmvec), so no infinities: start from s[0].
+    float m = s[0];
+#pragma omp simd reduction(max : m)
     for (int32_t t = 0; t < ctx_len; ++t) m = s[t] > m ? s[t] : m;
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int32_t t = 0; t < ctx_len; ++t) {
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }
     const float inv = 1.f / sum;
+#pragma omp simd
     for (int32_t t = 0; t < ctx_len; ++t) s[t] *= inv;
   }
   for (int32_t t = 0; t < ctx_len; ++t) {
