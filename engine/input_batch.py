@@ -90,10 +90,13 @@ def _decode_batch(
     if not indices:
         return None
     width = max(len(t) for t in tables)
+    start, end = indices[0], indices[-1] + 1
+    span = (start, end) if end - start == len(indices) else None
     padded = [t + [0] * (width - len(t)) for t in tables]
     return DecodeBatch(
         query_indices=torch.tensor(indices, dtype=torch.int64),
         block_tables=torch.tensor(padded, dtype=torch.int32),
         context_lens=torch.tensor(lens, dtype=torch.int32),
         block_size=block_size,
+        query_span=span,
     )

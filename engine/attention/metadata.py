@@ -41,6 +41,9 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [B, max_blocks] int32 (padding: block 0)
     context_lens: torch.Tensor  # [B] int32, this step's token included
     block_size: int
+    # (start, end) when query_indices is exactly range(start, end): attention slices instead of
+    # gathering and scattering.
+    query_span: tuple[int, int] | None = None
 
     @cached_property
     def context_slots(self) -> torch.Tensor:  # [B, max_len] int64 (padding points at slot 0)

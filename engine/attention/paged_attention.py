@@ -35,7 +35,8 @@ class PagedAttention(nn.Module):
         flat_k.index_copy_(0, meta.slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, meta.slot_mapping, value.to(flat_v.dtype))
 
-        out = torch.empty_like(query)
+        # Contiguous (query may be a strided view of the fused qkv projection).
+        out = query.new_empty(query.shape)
         for seg in meta.prefills:
             out[seg.query_start : seg.query_end] = self._prefill(
                 query[seg.query_start : seg.query_end],
@@ -47,17 +48,37 @@ class PagedAttention(nn.Module):
                 seg.context_slots,
             )
         if meta.decode is not None:
-            q = query[meta.decode.query_indices]
-            if meta.use_decode_kernel:
-                decoded = torch.empty_like(q)
-                torch.ops.kvfleet_cpu.paged_decode_attention(
-                    decoded, q, kv_cache[0], kv_cache[1], meta.decode.block_tables,
-                    meta.decode.context_lens, self.scale,
-                )
-            else:
-                decoded = self._decode(q, flat_k, flat_v, meta)
-            out[meta.decode.query_indices] = decoded
+            self._decode_into(out, query, kv_cache, flat_k, flat_v, meta)
         return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
+
+    def _decode_into(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        decode = meta.decode
+        assert decode is not None
+        # Decodes usually sit in one run of the flat batch: slice instead of gather/scatter.
+        span = decode.query_span
+        q = query[span[0] : span[1]] if span else query[decode.query_indices]
+        dest = out[span[0] : span[1]] if span else None
+        if meta.use_decode_kernel:
+            q = q.contiguous()
+            result = dest if dest is not None else torch.empty_like(q)
+            torch.ops.kvfleet_cpu.paged_decode_attention(
+                result, q, kv_cache[0], kv_cache[1], decode.block_tables,
+                decode.context_lens, self.scale,
+            )
+        else:
+            result = self._decode(q, flat_k, flat_v, meta)
+            if dest is not None:
+                dest.copy_(result)
+        if dest is None:
+            out[decode.query_indices] = result
 
     def _prefill(
         self,
