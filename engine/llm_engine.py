@@ -74,6 +74,8 @@ class LLMEngine:
         )
         self.kv_event_hook = kv_event_hook
         self._arrival_seq = 0
+        self.last_step_num_tokens = 0
+        self.last_step_preempted: list[str] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self._log_kv_cache()
@@ -197,6 +199,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestUpdate]:
         out = self.scheduler.schedule()
+        # What the last step did, for metrics and tracing (engine thread only).
+        self.last_step_num_tokens = out.total_num_scheduled_tokens
+        self.last_step_preempted = [r.request_id for r in out.preempted]
         if not out.scheduled:
             if self.scheduler.has_unfinished_requests() and not out.preempted:
                 raise RuntimeError("scheduler made no progress with requests pending")

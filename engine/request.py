@@ -8,6 +8,7 @@ cache and the rest still have to be computed. `block_hashes` covers every full b
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, hash_token_blocks
@@ -43,6 +44,21 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """A request's time.monotonic() instants: queued, first scheduled, each preemption."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    preemption_times: tuple[float, ...]
+
+    @classmethod
+    def of(cls, request: Request) -> RequestTiming:
+        return cls(
+            request.arrival_time, request.first_scheduled_time, tuple(request.preemption_times)
+        )
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -64,6 +80,11 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # time.monotonic() when the request entered the engine / was first scheduled (metrics,
+    # tracing: queue time = first_scheduled_time - arrival_time).
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    preemption_times: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

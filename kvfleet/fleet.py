@@ -79,6 +79,9 @@ class FleetConfig:
     engine_threads: int | None = None
     log_dir: Path | None = None
     log_level: str = "INFO"
+    # Every service serves Prometheus /metrics on a free port, written to
+    # <log_dir>/<name>.metrics-port (see ServiceProcess.metrics_port).
+    metrics: bool = False
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
 
@@ -97,6 +100,14 @@ class ServiceProcess:
     log_path: Path
     host: str
     port: int | None = None
+    metrics_port_file: Path | None = None
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound /metrics port (fleets started with metrics=True, once ready)."""
+        if self.metrics_port_file is None:
+            raise RuntimeError(f"{self.name} serves no metrics")
+        return int(self.metrics_port_file.read_text().strip())
 
     @property
     def address(self) -> str:
@@ -280,6 +291,12 @@ class Fleet:
         port_file = self.log_dir / f"{name}.port"
         port_file.unlink(missing_ok=True)
         log_path = self.log_dir / f"{name}.log"
+        metrics_port_file = None
+        if self.config.metrics:
+            metrics_port_file = self.log_dir / f"{name}.metrics-port"
+            metrics_port_file.unlink(missing_ok=True)
+            command = [*command, "--metrics-port", "0",
+                       "--metrics-port-file", str(metrics_port_file)]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-c", _shim_code([]), *command,
@@ -289,7 +306,8 @@ class Fleet:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        return ServiceProcess(name, process, port_file, log_path, self.config.host)
+        return ServiceProcess(name, process, port_file, log_path, self.config.host,
+                              metrics_port_file=metrics_port_file)
 
     def _wait_ready(self, services: Sequence[ServiceProcess]) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s

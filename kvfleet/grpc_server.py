@@ -9,7 +9,8 @@ they all behave the same to clients, load balancers and Kubernetes:
   (or NOT_SERVING until `set_serving(True)`, for services that load slowly).
 - Server reflection lists the hosted services, health and reflection.
 - Every RPC runs through `ErrorMappingInterceptor` (exceptions -> status codes, one place)
-  and `DrainTracker`.
+  and `DrainTracker`, then `TracingInterceptor` (a span per RPC when tracing is on, see
+  kvfleet.tracing) and the service's own interceptors (e.g. RPC metrics).
 
 Shutdown (SIGTERM/SIGINT under `serve_until_signal`, or `shutdown()`), in this order:
 1. health turns NOT_SERVING for all services, permanently; new work RPCs are refused with
@@ -37,6 +38,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvfleet.interceptors import DrainTracker, ErrorMappingInterceptor
+from kvfleet.tracing import TracingInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class GrpcServer:
         grace_s: float = DEFAULT_GRACE_S,
         initially_serving: bool = True,
         options: Sequence[tuple[str, int | str]] = (),
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     ) -> None:
         if not services:
             raise ValueError("a server needs at least one service")
@@ -85,6 +88,9 @@ class GrpcServer:
         self._initially_serving = initially_serving
         self._options = [*BASE_CHANNEL_OPTIONS, *options]
         self._drain = DrainTracker()
+        # Run inside error mapping and drain tracking (they see the handlers' exceptions).
+        # Tracing first: the server span covers the other interceptors' work too.
+        self._interceptors = [TracingInterceptor(), *interceptors]
         self._server: grpc.aio.Server | None = None
         self._health: HealthServicer | None = None
         self._port: int | None = None
@@ -111,7 +117,8 @@ class GrpcServer:
         if self._server is not None:
             raise RuntimeError("server already started")
         server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(), self._drain], options=self._options
+            interceptors=[ErrorMappingInterceptor(), self._drain, *self._interceptors],
+            options=self._options,
         )
         for service in self.services:
             service.register(server)

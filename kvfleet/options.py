@@ -1,20 +1,24 @@
 """Command-line options every kvfleet server shares, parsed once into a frozen dataclass.
 
-Role: `add_server_arguments` puts --host/--port/--grace-period/--port-file/--log-level on a
-service's argparse parser; `ServerOptions.from_args` turns them into config. Nothing here
-reads the environment: services are configured by their arguments alone.
+Role: `add_server_arguments` puts --host/--port/--grace-period/--port-file/--log-level and
+--metrics-port/--metrics-port-file (Prometheus /metrics; off unless given) on a service's
+argparse parser, with --log-format (text | json lines, see kvfleet.logs);
+`ServerOptions.from_args` turns them into config. The only environment read (when a
+service starts, never on import) is the logging fallback: KVFLEET_LOG_LEVEL /
+KVFLEET_LOG_FORMAT when --log-level / --log-format are not given.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvfleet import logs
 from kvfleet.grpc_server import DEFAULT_GRACE_S
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_FORMAT = logs.TEXT_FORMAT
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,10 @@ class ServerOptions:
     # Written atomically with the bound port once the server accepts RPCs.
     port_file: Path | None = None
     log_level: str = "INFO"
+    log_format: str = "text"
+    # Prometheus /metrics port; None: no endpoint, 0: a free port (see metrics_port_file).
+    metrics_port: int | None = None
+    metrics_port_file: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -34,7 +42,10 @@ class ServerOptions:
             port=args.port,
             grace_s=args.grace_period,
             port_file=args.port_file,
-            log_level=args.log_level,
+            log_level=resolve_log_level(args.log_level),
+            log_format=resolve_log_format(args.log_format),
+            metrics_port=args.metrics_port,
+            metrics_port_file=args.metrics_port_file,
         )
 
 
@@ -69,12 +80,47 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int = 0)
     )
     group.add_argument(
         "--log-level",
-        default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="default: %(default)s",
+        default=None,
+        choices=list(logs.LOG_LEVELS),
+        help="default: $KVFLEET_LOG_LEVEL, else INFO",
+    )
+    group.add_argument(
+        "--log-format",
+        default=None,
+        choices=list(logs.LOG_FORMATS),
+        help="text, or JSON lines with request_id/tenant/trace_id "
+        "(default: $KVFLEET_LOG_FORMAT, else text)",
+    )
+    group.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve Prometheus /metrics on this port (0 picks a free one; default: off)",
+    )
+    group.add_argument(
+        "--metrics-port-file",
+        type=Path,
+        default=None,
+        help="write the bound metrics port to this file",
     )
 
 
-def configure_logging(level: str) -> None:
+def resolve_log_level(flag: str | None) -> str:
+    """--log-level, else $KVFLEET_LOG_LEVEL, else INFO; ValueError for a bad value."""
+    level = (flag or os.environ.get("KVFLEET_LOG_LEVEL") or "INFO").strip().upper()
+    if level not in logs.LOG_LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(logs.LOG_LEVELS)}, got {level!r}")
+    return level
+
+
+def resolve_log_format(flag: str | None) -> str:
+    """--log-format, else $KVFLEET_LOG_FORMAT, else text; ValueError for a bad value."""
+    fmt = (flag or os.environ.get("KVFLEET_LOG_FORMAT") or "text").strip().lower()
+    if fmt not in logs.LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(logs.LOG_FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     """Process-wide logging for a service's main (never called on import)."""
-    logging.basicConfig(level=getattr(logging, level), format=LOG_FORMAT)
+    logs.configure_logging(level, fmt)

@@ -27,6 +27,7 @@ import grpc
 import grpc.aio
 
 from kvfleet.errors import OverloadedError, UnavailableError
+from kvfleet.tracing import trace_metadata
 from kvfleet.v1 import engine_pb2
 from router.engine_pool import EnginePool
 from router.policy import EngineView
@@ -82,7 +83,11 @@ class EngineStream:
         """Abort the request (stop string hit); returns the engine's final message if it came."""
         stub = self._pool.stub(self.engine.engine_id, self.engine.address)
         try:
-            await stub.Abort(engine_pb2.AbortRequest(request_id=request_id), timeout=ABORT_DRAIN_S)
+            await stub.Abort(
+                engine_pb2.AbortRequest(request_id=request_id),
+                timeout=ABORT_DRAIN_S,
+                metadata=trace_metadata(),
+            )
             return await asyncio.wait_for(self._last_message(), ABORT_DRAIN_S)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
             logger.debug("abort of %s on %s: %s", request_id, self.engine.engine_id, e)
@@ -130,7 +135,9 @@ async def _attempt(
     request: engine_pb2.GenerateRequest,
     failures: list[tuple[grpc.StatusCode, str]],
 ) -> EngineStream | None:
-    call = pool.stub(engine.engine_id, engine.address).Generate(request)
+    call = pool.stub(engine.engine_id, engine.address).Generate(
+        request, metadata=trace_metadata()
+    )
     pool.begin(engine.engine_id)
     try:
         first = await call.read()

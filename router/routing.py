@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from engine.block_hash import hash_token_blocks
 from kvfleet.errors import UnavailableError
 from router.engine_pool import EnginePool
+from router.metrics import RouterMetrics
 from router.policy import EngineView, Policy, PrefixPolicyConfig, rank
 from router.prefix_index import EngineRecord, PrefixIndex, PrefixIndexUnavailable
 
@@ -53,15 +54,22 @@ class Decision:
     block_size: int
     # False when Redis could not answer and the decision used load alone.
     used_index: bool
+    # The policy that actually ranked (prefix falls back to least_load without Redis).
+    policy: Policy = Policy.PREFIX
 
 
 class EngineSelector:
     """Ranks engines for a prompt; owns the Redis reader, not the channels."""
 
     def __init__(
-        self, config: RoutingConfig, index: PrefixIndex | None, pool: EnginePool
+        self,
+        config: RoutingConfig,
+        index: PrefixIndex | None,
+        pool: EnginePool,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         self._index = index
         self._pool = pool
         self._block_size = DEFAULT_BLOCK_SIZE  # a hint, corrected from the registry
@@ -75,6 +83,7 @@ class EngineSelector:
         used_index = views is not None
         if views is None:
             views = await self._pool.fetch_loads(self.config.load_timeout_s)
+        self.metrics.observe_loads(views)
         if not views:
             raise UnavailableError("no live engine to serve the request")
         policy = self.config.policy
@@ -89,19 +98,22 @@ class EngineSelector:
         )
         # Engines that just failed are tried last, not never (they may have recovered).
         ranking.sort(key=lambda v: self._pool.is_suspect(v.engine_id, v.address))
-        return Decision(ranking, self._block_size, used_index)
+        return Decision(ranking, self._block_size, used_index, policy)
 
     async def _views_from_index(
         self, prompt_ids: Sequence[int], tenant: str, model: str
     ) -> list[EngineView] | None:
         assert self._index is not None
+        started = time.perf_counter()
         try:
             records = await self._lookup(prompt_ids, tenant)
         except PrefixIndexUnavailable as e:
+            self.metrics.redis_errors.inc()
             logger.warning("prefix index unavailable (%s); routing by load for %.1fs",
                            e, self.config.redis_retry_s)
             self._redis_down_until = time.monotonic() + self.config.redis_retry_s
             return None
+        self.metrics.redis_latency.observe(time.perf_counter() - started)
         self._pool.remember({r.engine_id: r.address for r in records if r.address})
         return self._to_views(_for_model(records, model))
 

@@ -21,10 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from kvfleet.grpc_server import GrpcServer, write_port_file
+from kvfleet.metrics import start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, configure_logging
+from kvfleet.tracing import init_tracing
 from router.auth import Authenticator, load_api_keys
 from router.engine_pool import EnginePool
+from router.metrics import RouterMetrics
 from router.policy import Policy, PrefixPolicyConfig
 from router.prefix_index import PrefixIndex
 from router.routing import EngineSelector, RoutingConfig
@@ -67,6 +72,7 @@ class RouterApp:
     tokenizer: TokenizerClient
     pool: EnginePool
     index: PrefixIndex | None
+    metrics: RouterMetrics
 
     async def close(self) -> None:
         await self.pool.close()
@@ -86,14 +92,19 @@ def build_router(
     port: int = 0,
     grace_s: float = 30.0,
     auth: Authenticator | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> RouterApp:
-    """Everything a router needs, wired; call inside the event loop that will serve it."""
+    """Everything a router needs, wired; call inside the event loop that will serve it.
+
+    Metrics go to `registry` (a private one when None); see router.metrics.
+    """
     auth = auth if auth is not None else load_authenticator(config)
     tokenizer = TokenizerClient(config.tokenizer_address)
     index = PrefixIndex(config.redis_url) if config.redis_url else None
     pool = EnginePool()
-    selector = EngineSelector(config.routing, index, pool)
-    servicer = RouterServicer(auth, tokenizer, selector, pool, config.max_attempts)
+    metrics = RouterMetrics(registry)
+    selector = EngineSelector(config.routing, index, pool, metrics)
+    servicer = RouterServicer(auth, tokenizer, selector, pool, config.max_attempts, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
     logger.info(
         "router: policy %s, tokenizer %s, redis %s, auth %s",
@@ -102,18 +113,24 @@ def build_router(
         config.redis_url or "off",
         f"on ({auth.num_keys} keys)" if auth.enabled else "off (tenant 'anonymous')",
     )
-    return RouterApp(server, tokenizer, pool, index)
+    return RouterApp(server, tokenizer, pool, index, metrics)
 
 
 async def serve(config: RouterConfig, options: ServerOptions, auth: Authenticator) -> int:
     """Serve until SIGTERM/SIGINT (main thread only); returns the exit code."""
     app = build_router(config, options.host, options.port, options.grace_s, auth)
+    endpoint = None
     try:
         bound_port = await app.server.start()
+        endpoint = start_metrics_endpoint(
+            app.metrics.registry, options.host, options.metrics_port, options.metrics_port_file
+        )
         if options.port_file is not None:
             write_port_file(options.port_file, bound_port)
         return await app.server.serve_until_signal()
     finally:
+        if endpoint is not None:
+            endpoint.close()
         await app.close()
 
 
@@ -146,15 +163,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    options = ServerOptions.from_args(args)
-    configure_logging(options.log_level)
+    try:
+        options = ServerOptions.from_args(args)
+    except ValueError as exc:  # a bad KVFLEET_LOG_* value
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(options.log_level, options.log_format)
     try:
         config = RouterConfig.from_args(args)
         auth = load_authenticator(config)  # a bad key file fails at start, not per request
     except (ValueError, OSError) as e:
         logger.error("bad configuration: %s", e)
         return 2
-    return asyncio.run(serve(config, options, auth))
+    tracing = init_tracing("kvfleet-router")
+    try:
+        return asyncio.run(serve(config, options, auth))
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -17,18 +17,24 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import grpc.aio
+from opentelemetry import trace
 
 from kvfleet.grpc_server import Service
+from kvfleet.logs import set_request_id, set_tenant
+from kvfleet.metrics import status_label
+from kvfleet.tracing import tracer
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from router.auth import AuthenticationError, Authenticator
 from router.engine_pool import EnginePool
 from router.forward import open_engine_stream
+from router.metrics import RouterMetrics
 from router.relay import ResponseRelay
 from router.routing import EngineSelector
 from router.stop_strings import StopStringMatcher
@@ -51,7 +57,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         selector: EngineSelector,
         pool: EnginePool,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        metrics: RouterMetrics | None = None,
     ) -> None:
+        self._metrics = metrics if metrics is not None else selector.metrics
         self._auth = auth
         self._tokenizer = tokenizer
         self._selector = selector
@@ -66,17 +74,49 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        tenant = ["unknown"]  # known after authentication
+        error: BaseException | None = None
+        try:
+            # aclosing: a client that goes away closes the pipeline now (engine call cancelled).
+            async with contextlib.aclosing(self._generate(request, context, tenant)) as stream:
+                async for response in stream:
+                    yield response
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._metrics.requests.labels(tenant[0], status_label(error, context)).inc()
+
+    async def _generate(
+        self,
+        request: router_pb2.RouterGenerateRequest,
+        context: grpc.aio.ServicerContext,
+        tenant_out: list[str],
+    ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
         tenant = await self._authenticate(context)
+        tenant_out[0] = tenant
+        set_tenant(tenant)
+        span = trace.get_current_span()  # the RPC's server span (kvfleet.tracing)
         params = request.sampling_params
         validate_request(request)
         matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         request_id = request.request_id or uuid.uuid4().hex
+        set_request_id(request_id)
         # Client ids need only be unique per client; engines need them unique per engine.
         engine_request_id = (
             f"{request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else request_id
         )
-        prompt_ids = await self._prompt_ids(request)
-        decision = await self._selector.decide(prompt_ids, tenant, request.model)
+        span.set_attribute("kvfleet.tenant", tenant)
+        span.set_attribute("gen_ai.request.id", request_id)
+        with tracer().start_as_current_span("tokenize"):
+            prompt_ids = await self._prompt_ids(request)
+        with tracer().start_as_current_span("route") as route_span:
+            decision = await self._selector.decide(prompt_ids, tenant, request.model)
+            route_span.set_attribute("kvfleet.routing.policy", decision.policy.value)
+            route_span.set_attribute("kvfleet.routing.used_index", decision.used_index)
+            route_span.set_attribute(
+                "kvfleet.routing.ranking", [v.engine_id for v in decision.ranking]
+            )
         if logger.isEnabledFor(logging.DEBUG):
             best = decision.ranking[0]
             logger.debug("%s tenant=%s prompt=%d best=%s matched=%d load=%d index=%s",
@@ -92,6 +132,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         stream = await open_engine_stream(
             decision.ranking, self._pool, engine_request, self._max_attempts
         )
+        chosen = stream.engine.engine_id
+        predicted = min(stream.engine.matched_blocks * decision.block_size, len(prompt_ids) - 1)
+        self._metrics.record_decision(decision.policy.value, chosen, predicted)
+        span.set_attribute("kvfleet.routing.policy", decision.policy.value)
+        span.set_attribute("kvfleet.routing.engine_id", chosen)
+        span.set_attribute("kvfleet.routing.predicted_cached_tokens", predicted)
+        span.set_attribute("gen_ai.usage.prompt_tokens", len(prompt_ids))
         skip_special = (
             params.skip_special_tokens if params.HasField("skip_special_tokens") else True
         )
@@ -102,6 +149,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         try:
             async for response in relay.responses():
+                if response.HasField("finish_reason"):
+                    self._metrics.record_cached(chosen, predicted, response.num_cached_tokens)
+                    span.set_attribute("kvfleet.cached_tokens", response.num_cached_tokens)
+                    span.set_attribute(
+                        "gen_ai.usage.completion_tokens", response.usage.completion_tokens
+                    )
+                    span.set_attribute("gen_ai.response.finish_reasons", [response.finish_reason])
                 yield response
         finally:
             stream.close()

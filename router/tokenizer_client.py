@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import grpc
 import grpc.aio
 
+from kvfleet.tracing import trace_metadata
 from kvfleet.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 # Prompt ids sent as left context for the first generated tokens (the service uses fewer).
@@ -57,7 +58,9 @@ class TokenizerClient:
             tokenize = tokenizer_pb2.TokenizeRequest(messages=request.messages)
         else:
             raise ValueError(f"tokenize() got input {kind!r}; expected prompt or messages")
-        response = await self._stub.Tokenize(tokenize, timeout=self._timeout_s)
+        response = await self._stub.Tokenize(
+            tokenize, timeout=self._timeout_s, metadata=trace_metadata()
+        )
         return list(response.token_ids)
 
     def detokenizer(
@@ -90,7 +93,7 @@ class StreamingDetokenizer:
             return ""
         if self._call is None:
             # Opened lazily: a request that fails before its first token costs no stream.
-            self._call = self._stub.DetokenizeStream()
+            self._call = self._stub.DetokenizeStream(metadata=trace_metadata())
             message = self._first
             message.token_ids.extend(token_ids)
         else:

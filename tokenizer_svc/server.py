@@ -18,13 +18,18 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from kvfleet.grpc_server import DEFAULT_GRACE_S, GrpcServer, ShutdownHook, write_port_file
+from kvfleet.metrics import RpcMetrics, RpcMetricsInterceptor, start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, configure_logging
+from kvfleet.tracing import init_tracing
 from tokenizer_svc.service import TokenizerServicer
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50051
+TOKENIZER_METRICS_PREFIX = "kvfleet:tokenizer"
 
 
 async def serve(
@@ -36,17 +41,27 @@ async def serve(
     grace_s: float | None = None,
     port_file: str | Path | None = None,
     on_shutdown: ShutdownHook | None = None,
+    metrics_port: int | None = None,
+    metrics_port_file: Path | None = None,
 ) -> int:
     """Serve the tokenizer of `model_dir` until SIGTERM/SIGINT; returns the exit code.
 
     Must run on the main thread (signal handlers). Embedders that manage the lifecycle
     themselves use `build_server` instead.
     """
-    server = build_server(model_dir, host, port, model_name=model_name, grace_s=grace_s)
+    registry = CollectorRegistry()
+    server = build_server(
+        model_dir, host, port, model_name=model_name, grace_s=grace_s, registry=registry
+    )
     bound_port = await server.start()
+    endpoint = start_metrics_endpoint(registry, host, metrics_port, metrics_port_file)
     if port_file is not None:
         write_port_file(port_file, bound_port)
-    return await server.serve_until_signal(on_shutdown)
+    try:
+        return await server.serve_until_signal(on_shutdown)
+    finally:
+        if endpoint is not None:
+            endpoint.close()
 
 
 def build_server(
@@ -56,14 +71,21 @@ def build_server(
     *,
     model_name: str | None = None,
     grace_s: float | None = None,
+    registry: CollectorRegistry | None = None,
 ) -> GrpcServer:
-    """A not-yet-started server hosting the tokenizer of `model_dir`."""
+    """A not-yet-started server hosting the tokenizer of `model_dir`.
+
+    Its RPCs are counted and timed in `registry` (kvfleet:tokenizer_requests{method,code},
+    kvfleet:tokenizer_request_duration_seconds{method}); a private one when None.
+    """
     servicer = TokenizerServicer.from_model_dir(model_dir, model_name)
+    metrics = RpcMetrics(registry or CollectorRegistry(), TOKENIZER_METRICS_PREFIX)
     return GrpcServer(
         [servicer.as_service()],
         host=host,
         port=port,
         grace_s=DEFAULT_GRACE_S if grace_s is None else grace_s,
+        interceptors=[RpcMetricsInterceptor(metrics)],
     )
 
 
@@ -84,21 +106,31 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    options = ServerOptions.from_args(args)
-    configure_logging(options.log_level)
+    try:
+        options = ServerOptions.from_args(args)
+    except ValueError as exc:  # a bad KVFLEET_LOG_* value
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(options.log_level, options.log_format)
     if not (args.model / "tokenizer.json").is_file():
         logger.error("%s has no tokenizer.json", args.model)
         return 2
-    return asyncio.run(
-        serve(
-            args.model,
-            options.host,
-            options.port,
-            model_name=args.served_model_name,
-            grace_s=options.grace_s,
-            port_file=options.port_file,
+    tracing = init_tracing("kvfleet-tokenizer")
+    try:
+        return asyncio.run(
+            serve(
+                args.model,
+                options.host,
+                options.port,
+                model_name=args.served_model_name,
+                grace_s=options.grace_s,
+                port_file=options.port_file,
+                metrics_port=options.metrics_port,
+                metrics_port_file=options.metrics_port_file,
+            )
         )
-    )
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

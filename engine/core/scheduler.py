@@ -14,6 +14,7 @@ waiting request is admitted in a step that preempted.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
@@ -131,6 +132,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
@@ -141,6 +144,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        request.preemption_times.append(time.monotonic())
         self.num_preemptions += 1
         self._enqueue_waiting(request)
 

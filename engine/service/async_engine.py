@@ -41,8 +41,9 @@ from typing import Generic, TypeVar
 
 from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheEvents
+from engine.core.scheduler import RequestUpdate
 from engine.llm_engine import LLMEngine
-from engine.request import Request
+from engine.request import Request, RequestTiming
 from engine.sampling_params import SamplingParams
 from kvfleet.errors import UnavailableError
 
@@ -52,6 +53,9 @@ T = TypeVar("T")
 # Called on the engine thread after every iteration that did work, with the KV events of
 # that iteration (possibly empty: load changed). Must not block.
 StepListener = Callable[[KVCacheEvents], None]
+# Called on the engine thread with the request updates of a step (stepped=True) or of an
+# abort (a finished update with no tokens, stepped=False). Must not block.
+UpdateListener = Callable[[Sequence[RequestUpdate], bool], None]
 _Command = Callable[[], object]
 # (request id, stream sequence number, output or the exception that ends the stream)
 _Delivery = tuple[str, int, "GenerateOutput | BaseException"]
@@ -69,6 +73,9 @@ class GenerateOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # On the last item only: when the request was queued / first scheduled / preempted
+    # (time.monotonic(), for tracing).
+    timing: RequestTiming | None = None
 
     @classmethod
     def of(cls, request: Request, new_token_ids: Sequence[int], finished: bool) -> GenerateOutput:
@@ -82,6 +89,7 @@ class GenerateOutput:
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
+            timing=RequestTiming.of(request) if finished else None,
         )
 
 
@@ -139,6 +147,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listeners: tuple[StepListener, ...] = ()
+        self._update_listeners: tuple[UpdateListener, ...] = ()
         # Event-loop side: live streams by request id.
         self._streams: dict[str, _Stream] = {}
         self._seq = itertools.count()
@@ -182,6 +191,9 @@ class AsyncEngine:
     def add_step_listener(self, listener: StepListener) -> None:
         # Copy-on-write: the engine thread iterates the tuple without a lock.
         self._listeners = (*self._listeners, listener)
+
+    def add_update_listener(self, listener: UpdateListener) -> None:
+        self._update_listeners = (*self._update_listeners, listener)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -298,6 +310,7 @@ class AsyncEngine:
                              len(self._live))
             self._fail_all(exc)
             return
+        self._notify_updates(updates, stepped=True)
         deliveries: list[_Delivery] = []
         for update in updates:
             request_id = update.request.request_id
@@ -316,7 +329,9 @@ class AsyncEngine:
         deliveries: list[_Delivery] = []
         for request_id, seq in list(self._live.items()):
             try:
-                self._engine.abort_request(request_id)
+                request = self._engine.abort_request(request_id)
+                if request is not None:
+                    self._notify_updates([RequestUpdate(request, [], True)], stepped=False)
             except Exception:
                 logger.exception("could not abort %s after a failed step", request_id)
             deliveries.append((request_id, seq, RuntimeError(f"engine step failed: {exc}")))
@@ -351,8 +366,16 @@ class AsyncEngine:
         request = self._engine.abort_request(request_id)
         if request is None:
             return False
+        self._notify_updates([RequestUpdate(request, [], True)], stepped=False)
         self._deliver([(request_id, live_seq, GenerateOutput.of(request, [], finished=True))])
         return True
+
+    def _notify_updates(self, updates: Sequence[RequestUpdate], stepped: bool) -> None:
+        for listener in self._update_listeners:
+            try:
+                listener(updates, stepped)
+            except Exception:  # a broken listener must not stop serving
+                logger.exception("update listener failed")
 
     def _deliver(self, deliveries: list[_Delivery]) -> None:
         if not deliveries or self._loop is None:

@@ -33,10 +33,13 @@ from redis.connection import parse_url
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.service.async_engine import AsyncEngine
+from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
 from engine.service.servicer import EngineIdentity, EngineServicer
 from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
+from kvfleet.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, configure_logging
+from kvfleet.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,14 @@ class EngineServer:
         self._async_engine: AsyncEngine | None = None
         self._grpc: GrpcServer | None = None
         self._publisher: RedisPublisher | None = None
+        self._metrics: EngineMetrics | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        if self._metrics is None:
+            raise RuntimeError("engine server not started")
+        return self._metrics
 
     @property
     def async_engine(self) -> AsyncEngine:
@@ -101,8 +112,10 @@ class EngineServer:
             llm_engine = await asyncio.to_thread(LLMEngine, options.engine)
             self._llm_engine = llm_engine
         self._async_engine = AsyncEngine(llm_engine)
-        self._async_engine.start()
         model_name = options.model_name or Path(options.engine.model).name
+        self._metrics = EngineMetrics(model_name, llm_engine.max_model_len)
+        self._metrics.attach(self._async_engine)
+        self._async_engine.start()
         identity = EngineIdentity(
             engine_id=options.engine_id,
             model_name=model_name,
@@ -130,6 +143,12 @@ class EngineServer:
         )
         self._async_engine.add_step_listener(self._publisher.on_step)
         self._publisher.start()
+        self._metrics_endpoint = start_metrics_endpoint(
+            self._metrics.registry,
+            options.server.host,
+            options.server.metrics_port,
+            options.server.metrics_port_file,
+        )
         if options.server.port_file is not None:
             write_port_file(options.server.port_file, port)
         return port
@@ -138,6 +157,7 @@ class EngineServer:
         """Serve until SIGTERM/SIGINT, then drain and stop (main thread only); exit code."""
         code = await self.grpc_server.serve_until_signal(self._deregister)
         await self.async_engine.shutdown()
+        self._close_metrics()
         return code
 
     async def shutdown(self, *, deregister: bool = True) -> None:
@@ -148,6 +168,12 @@ class EngineServer:
             self.publisher.close()
             await self.grpc_server.shutdown()
         await self.async_engine.shutdown()
+        self._close_metrics()
+
+    def _close_metrics(self) -> None:
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.close()
+            self._metrics_endpoint = None
 
     async def _deregister(self) -> None:
         logger.info("deregistering from Redis while %d RPC(s) finish",
@@ -236,10 +262,19 @@ async def serve(options: EngineServerOptions) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    try:
+        server_options = ServerOptions.from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(server_options.log_level, server_options.log_format)
     try:
         options = options_from_args(args)
-        return asyncio.run(serve(options))
+        tracing = init_tracing("kvfleet-engine")
+        try:
+            return asyncio.run(serve(options))
+        finally:
+            tracing.shutdown()
     except ValueError as exc:  # bad flags or model directory: a usage error, not a crash
         logger.error("%s", exc)
         return 2

@@ -19,14 +19,18 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc.aio
+from opentelemetry import trace
 
 from engine.sampling_params import SamplingParams
 from engine.service.async_engine import AsyncEngine, GenerateOutput
 from kvfleet.grpc_server import Service
+from kvfleet.logs import request_context
+from kvfleet.tracing import wall_time_ns
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -68,8 +72,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             priority=request.priority,
             cache_salt=request.cache_salt or None,
         )
-        async for output in outputs:
-            yield self._response(output)
+        span = trace.get_current_span()  # the RPC's server span (kvfleet.tracing)
+        traced = span.is_recording()
+        if traced:
+            _start_span(span, request, params)
+        first_token_time: float | None = None
+        with request_context(request.request_id, request.cache_salt or None):
+            async for output in outputs:
+                if traced:
+                    now = time.monotonic()
+                    if first_token_time is None and output.token_ids:
+                        first_token_time = now
+                        span.add_event("first_token")
+                    if output.finished:
+                        _finish_span(span, output, first_token_time, now)
+                yield self._response(output)
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -110,6 +127,41 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         response.usage.total_tokens = output.num_prompt_tokens + output.num_output_tokens
         response.num_cached_tokens = output.num_cached_tokens
         return response
+
+
+def _start_span(
+    span: trace.Span, request: engine_pb2.GenerateRequest, params: SamplingParams
+) -> None:
+    span.set_attribute("gen_ai.request.id", request.request_id)
+    span.set_attribute("gen_ai.request.temperature", params.temperature)
+    span.set_attribute("gen_ai.request.top_p", params.top_p)
+    if params.max_tokens is not None:
+        span.set_attribute("gen_ai.request.max_tokens", params.max_tokens)
+    span.add_event("queued")
+
+
+def _finish_span(
+    span: trace.Span, output: GenerateOutput, first_token_time: float | None, now: float
+) -> None:
+    """vLLM's gen_ai.* attributes and the scheduled / preempted / finished events."""
+    span.set_attribute("gen_ai.usage.prompt_tokens", output.num_prompt_tokens)
+    span.set_attribute("gen_ai.usage.completion_tokens", output.num_output_tokens)
+    span.set_attribute("gen_ai.usage.cached_tokens", output.num_cached_tokens)
+    span.set_attribute("gen_ai.response.finish_reasons", [output.finish_reason or "stop"])
+    timing = output.timing
+    if timing is not None:
+        arrival = timing.arrival_time
+        if timing.first_scheduled_time is not None:
+            span.add_event("scheduled", timestamp=wall_time_ns(timing.first_scheduled_time))
+            span.set_attribute(
+                "gen_ai.latency.time_in_queue", timing.first_scheduled_time - arrival
+            )
+        for preempted in timing.preemption_times:
+            span.add_event("preempted", timestamp=wall_time_ns(preempted))
+        if first_token_time is not None:
+            span.set_attribute("gen_ai.latency.time_to_first_token", first_token_time - arrival)
+        span.set_attribute("gen_ai.latency.e2e", now - arrival)
+    span.add_event("finished", {"finish_reason": output.finish_reason or "stop"})
 
 
 def _check_request_id(request_id: str) -> None:

@@ -1,0 +1,97 @@
+"""The router's Prometheus metrics (served on --metrics-port; see kvfleet.metrics).
+
+Names (counters get `_total` in the exposition, histograms `_bucket/_sum/_count`):
+- kvfleet:router_requests{tenant,code}: Generate calls by tenant and final gRPC status.
+- kvfleet:router_routing_decisions{policy,engine_id}: the engine each request was sent to,
+  and the policy that ranked it (prefix falls back to least_load while Redis is down).
+- kvfleet:router_predicted_cached_tokens{engine_id} / kvfleet:router_actual_cached_tokens
+  {engine_id}: prompt tokens the prefix index promised vs what the engine reported cached;
+  their rate ratio is the router's drift. kvfleet:router_cached_tokens_drift is the
+  per-request histogram of |predicted - actual|.
+- kvfleet:router_engine_num_running / _num_waiting / _kv_cache_usage_perc / _in_flight
+  {engine_id}: engine load as this router last saw it (Redis registry + own in-flight).
+- kvfleet:router_redis_latency_seconds, kvfleet:router_redis_errors: prefix-index lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.policy import EngineView
+
+PREFIX = "kvfleet:router"
+REDIS_LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)
+DRIFT_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class RouterMetrics:
+    """All router metrics in one registry (a private one unless given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Generate requests by tenant and final status code",
+            ["tenant", "code"], registry=r,
+        )
+        self.decisions = Counter(
+            f"{PREFIX}_routing_decisions", "Requests sent to an engine, by policy and engine",
+            ["policy", "engine_id"], registry=r,
+        )
+        self.predicted = Counter(
+            f"{PREFIX}_predicted_cached_tokens",
+            "Prompt tokens the prefix index predicted cached on the chosen engine",
+            ["engine_id"], registry=r,
+        )
+        self.actual = Counter(
+            f"{PREFIX}_actual_cached_tokens",
+            "Prompt tokens the chosen engine reported served from its prefix cache",
+            ["engine_id"], registry=r,
+        )
+        self.drift = Histogram(
+            f"{PREFIX}_cached_tokens_drift", "Per request |predicted - actual| cached tokens",
+            buckets=DRIFT_BUCKETS, registry=r,
+        )
+        self.engine_running = Gauge(
+            f"{PREFIX}_engine_num_running", "Running requests of an engine, as last seen",
+            ["engine_id"], registry=r,
+        )
+        self.engine_waiting = Gauge(
+            f"{PREFIX}_engine_num_waiting", "Waiting requests of an engine, as last seen",
+            ["engine_id"], registry=r,
+        )
+        self.engine_kv_usage = Gauge(
+            f"{PREFIX}_engine_kv_cache_usage_perc", "KV cache usage (0-1), as last seen",
+            ["engine_id"], registry=r,
+        )
+        self.engine_in_flight = Gauge(
+            f"{PREFIX}_engine_in_flight", "Streams this router has open to an engine",
+            ["engine_id"], registry=r,
+        )
+        self.redis_latency = Histogram(
+            f"{PREFIX}_redis_latency_seconds", "Prefix-index lookup round trips to Redis",
+            buckets=REDIS_LATENCY_BUCKETS, registry=r,
+        )
+        self.redis_errors = Counter(
+            f"{PREFIX}_redis_errors", "Prefix-index lookups that failed", registry=r
+        )
+
+    def observe_loads(self, views: Sequence[EngineView]) -> None:
+        for view in views:
+            engine = view.engine_id
+            self.engine_running.labels(engine).set(view.num_running)
+            self.engine_waiting.labels(engine).set(view.num_waiting)
+            self.engine_kv_usage.labels(engine).set(view.kv_cache_usage)
+            self.engine_in_flight.labels(engine).set(view.in_flight)
+
+    def record_decision(self, policy: str, engine_id: str, predicted_tokens: int) -> None:
+        self.decisions.labels(policy, engine_id).inc()
+        self.predicted.labels(engine_id).inc(predicted_tokens)
+
+    def record_cached(self, engine_id: str, predicted_tokens: int, actual_tokens: int) -> None:
+        self.actual.labels(engine_id).inc(actual_tokens)
+        self.drift.observe(abs(predicted_tokens - actual_tokens))

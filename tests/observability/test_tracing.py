@@ -1,0 +1,192 @@
+"""One request through a real fleet is one trace across router, tokenizer and engine.
+
+The test runs its own OTLP/gRPC receiver (opentelemetry-proto's TraceService) and points
+the services at it with the standard OTEL_* variables; the client sends a W3C
+`traceparent`, and every service's spans must arrive under that trace id, correctly
+parented, with the engine's gen_ai.* attributes and request events. The services log JSON
+lines (KVFLEET_LOG_FORMAT=json): the router's line for the request carries its ids.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.tracing import tracing_enabled
+from kvfleet.v1 import router_pb2_grpc
+from router.client import build_request
+from tests.services.router_fleet import greedy, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN_ID = "00f067aa0ba902b7"
+
+
+@dataclass
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    attributes: dict[str, Any]
+    events: list[str]
+
+
+@dataclass
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """A minimal OTLP trace collector: keeps every span it is sent."""
+
+    spans: list[ReceivedSpan] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        received = []
+        for resource_spans in request.resource_spans:
+            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    received.append(ReceivedSpan(
+                        service=resource.get("service.name", ""),
+                        name=span.name,
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        attributes={a.key: _value(a.value) for a in span.attributes},
+                        events=[e.name for e in span.events],
+                    ))
+        with self.lock:
+            self.spans.extend(received)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def of_trace(self, trace_id: str) -> list[ReceivedSpan]:
+        with self.lock:
+            return [s for s in self.spans if s.trace_id == trace_id]
+
+
+def _value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in value.array_value.values]
+    return getattr(value, kind) if kind else None
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[tuple[Receiver, int]]:
+    collector = Receiver()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield collector, port
+    server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+    receiver: tuple[Receiver, int],
+) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("tracing-fleet")
+    config = FleetConfig(
+        model_dir=tiny_model_dir, num_engines=1, engine_threads=1,
+        log_dir=work / "logs", start_timeout_s=120, log_level="DEBUG",
+    )
+    with pytest.MonkeyPatch.context() as env:  # inherited by the service processes
+        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver[1]}")
+        env.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+        env.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        env.setenv("KVFLEET_LOG_FORMAT", "json")
+        env.delenv("OTEL_SDK_DISABLED", raising=False)
+        env.delenv("OTEL_TRACES_EXPORTER", raising=False)
+        with Fleet(config) as started:
+            env.undo()
+            yield started
+
+
+def test_enabled_only_by_otel_environment() -> None:
+    assert not tracing_enabled({})
+    assert tracing_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"})
+    assert tracing_enabled({"OTEL_TRACES_EXPORTER": "otlp"})
+    assert not tracing_enabled({"OTEL_TRACES_EXPORTER": "none",
+                                "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"})
+    assert not tracing_enabled({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"})
+
+
+def test_one_trace_across_router_tokenizer_engine(
+    fleet: Fleet, receiver: tuple[Receiver, int]
+) -> None:
+    collector = receiver[0]
+    request = build_request(
+        "hello tracing", params=greedy(max_tokens=4, ignore_eos=True), request_id="traced-1"
+    )
+    metadata = (("traceparent", f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01"),)
+    with grpc.insecure_channel(fleet.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        responses = list(stub.Generate(request, metadata=metadata, timeout=60))
+    assert responses[-1].finish_reason == "length"
+
+    def complete() -> list[ReceivedSpan] | None:
+        spans = collector.of_trace(TRACE_ID)
+        services = {s.service for s in spans}
+        wanted = {"kvfleet-router", "kvfleet-tokenizer", "kvfleet-engine"}
+        return spans if wanted <= services and len(spans) >= 6 else None
+
+    spans = wait_until(complete, timeout_s=20, what="spans from all three services")
+    by_name = {s.name: s for s in spans}
+    router = by_name["kvfleet.v1.Router/Generate"]
+    assert router.service == "kvfleet-router"
+    assert router.parent_span_id == CLIENT_SPAN_ID
+    assert router.attributes["kvfleet.tenant"] == "anonymous"
+    assert router.attributes["kvfleet.routing.engine_id"] == "engine-0"
+    assert "kvfleet.routing.predicted_cached_tokens" in router.attributes
+    for child in ("tokenize", "route"):
+        assert by_name[child].parent_span_id == router.span_id
+    tokenize_rpc = by_name["kvfleet.v1.Tokenizer/Tokenize"]
+    assert tokenize_rpc.service == "kvfleet-tokenizer"
+    assert tokenize_rpc.parent_span_id == by_name["tokenize"].span_id
+    assert by_name["kvfleet.v1.Tokenizer/DetokenizeStream"].parent_span_id == router.span_id
+
+    engine = by_name["kvfleet.v1.Engine/Generate"]
+    assert engine.service == "kvfleet-engine"
+    assert engine.parent_span_id == router.span_id
+    assert engine.events[0] == "queued" and engine.events[-1] == "finished"
+    assert {"scheduled", "first_token"} <= set(engine.events)
+    attributes = engine.attributes
+    assert attributes["gen_ai.usage.completion_tokens"] == 4
+    assert attributes["gen_ai.usage.prompt_tokens"] > 0
+    assert attributes["gen_ai.request.max_tokens"] == 4
+    assert attributes["gen_ai.request.temperature"] == 0.0
+    assert attributes["gen_ai.request.top_p"] == 1.0
+    for name in ("time_in_queue", "time_to_first_token", "e2e"):
+        assert attributes[f"gen_ai.latency.{name}"] >= 0.0
+    assert attributes["gen_ai.latency.e2e"] >= attributes["gen_ai.latency.time_to_first_token"]
+
+
+def test_json_log_lines_carry_request_and_trace_ids(
+    fleet: Fleet, receiver: tuple[Receiver, int]
+) -> None:
+    # Runs after test_one_trace_across_router_tokenizer_engine (file order), which sent
+    # request "traced-1".
+    assert fleet.router is not None
+    lines = fleet.router.log_path.read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert records, "the router logged no JSON lines"
+    assert all({"ts", "level", "logger", "message"} <= r.keys() for r in records)
+    mine = [r for r in records if r.get("request_id") == "traced-1"]
+    assert mine, "no log line carries the request id"
+    assert all(r["tenant"] == "anonymous" and r["trace_id"] == TRACE_ID for r in mine)
