@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,3 +125,18 @@ def resolve_log_format(flag: str | None) -> str:
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     """Process-wide logging for a service's main (never called on import)."""
     logs.configure_logging(level, fmt)
+
+
+def start_service_process(args: argparse.Namespace) -> ServerOptions | None:
+    """A service main's first step: parse the shared flags and set up logging.
+
+    Returns None (after printing why) on a bad value, e.g. in $KVFLEET_LOG_*; the main then
+    exits with status 2.
+    """
+    try:
+        options = ServerOptions.from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    configure_logging(options.log_level, options.log_format)
+    return options

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from kvfleet.grpc_server import GrpcServer, write_port_file
 from kvfleet.metrics import start_metrics_endpoint
-from kvfleet.options import ServerOptions, add_server_arguments, configure_logging
+from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
 from kvfleet.tracing import init_tracing
 from router.auth import Authenticator, load_api_keys
 from router.engine_pool import EnginePool
@@ -163,12 +163,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        options = ServerOptions.from_args(args)
-    except ValueError as exc:  # a bad KVFLEET_LOG_* value
-        print(f"error: {exc}", file=sys.stderr)
+    options = start_service_process(args)
+    if options is None:
         return 2
-    configure_logging(options.log_level, options.log_format)
     try:
         config = RouterConfig.from_args(args)
         auth = load_authenticator(config)  # a bad key file fails at start, not per request

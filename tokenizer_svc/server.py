@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from kvfleet.grpc_server import DEFAULT_GRACE_S, GrpcServer, ShutdownHook, write_port_file
 from kvfleet.metrics import RpcMetrics, RpcMetricsInterceptor, start_metrics_endpoint
-from kvfleet.options import ServerOptions, add_server_arguments, configure_logging
+from kvfleet.options import add_server_arguments, start_service_process
 from kvfleet.tracing import init_tracing
 from tokenizer_svc.service import TokenizerServicer
 
@@ -106,12 +106,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        options = ServerOptions.from_args(args)
-    except ValueError as exc:  # a bad KVFLEET_LOG_* value
-        print(f"error: {exc}", file=sys.stderr)
+    options = start_service_process(args)
+    if options is None:
         return 2
-    configure_logging(options.log_level, options.log_format)
     if not (args.model / "tokenizer.json").is_file():
         logger.error("%s has no tokenizer.json", args.model)
         return 2

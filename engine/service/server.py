@@ -38,7 +38,7 @@ from engine.service.redis_publisher import EngineRegistration, RedisPublisher, v
 from engine.service.servicer import EngineIdentity, EngineServicer
 from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.metrics import MetricsEndpoint, start_metrics_endpoint
-from kvfleet.options import ServerOptions, add_server_arguments, configure_logging
+from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
 from kvfleet.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
@@ -262,12 +262,9 @@ async def serve(options: EngineServerOptions) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        server_options = ServerOptions.from_args(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    server_options = start_service_process(args)
+    if server_options is None:
         return 2
-    configure_logging(server_options.log_level, server_options.log_format)
     try:
         options = options_from_args(args)
         tracing = init_tracing("kvfleet-engine")
