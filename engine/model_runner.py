@@ -11,7 +11,6 @@ import torch
 from engine.core.scheduler import ScheduledRequest
 from engine.input_batch import build_model_input
 from engine.models.config import ModelConfig
-from engine.models.linear import prepack_linears
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SamplingRow
@@ -35,7 +34,7 @@ class ModelRunner:
         attention_backend: str = "auto",
     ) -> None:
         self.model = model
-        prepack_linears(model)
+        model.prepack()
         self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
         # The fused elementwise kernels come from the same build; they are float32-only.
         model.use_fused_ops(self.use_decode_kernel and dtype == torch.float32)

@@ -27,7 +27,13 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
 from engine.models.layer_ops import LayerOps
-from engine.models.linear import Linear
+from engine.models.linear import (
+    PACKED_MAX_ROWS,
+    Linear,
+    pack_weight,
+    packed_linear,
+    prepack_linears,
+)
 from engine.models.rope import RotaryEmbedding
 
 
@@ -133,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._packed_lm_head: torch.Tensor | None = None
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -160,7 +167,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab]; computed in the model dtype, then upcast, as HF does."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self._packed_lm_head is not None and 0 < hidden.shape[0] <= PACKED_MAX_ROWS:
+            return packed_linear(hidden, self._packed_lm_head, weight).float()
         return F.linear(hidden, weight).float()
+
+    def prepack(self) -> None:
+        """MKL-prepack every projection and the LM head for small (decode) batches."""
+        prepack_linears(self)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._packed_lm_head = pack_weight(weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
