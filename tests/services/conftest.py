@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from kvfleet.grpc_server import GrpcServer
+from kvfleet.redis_server import RedisServer
 from tokenizer_svc.server import build_server
 
 T = TypeVar("T")
@@ -128,3 +129,10 @@ def smollm2_tokenizer_server(smollm2_dir: Path) -> Iterator[ThreadedServer]:
 def smollm2_channel(smollm2_tokenizer_server: ThreadedServer) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(smollm2_tokenizer_server.address) as channel:
         yield channel
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server on a free port, one per test module (no fakes)."""
+    with RedisServer() as server:
+        yield server

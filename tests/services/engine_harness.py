@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -24,6 +23,7 @@ from engine.service.server import EngineServer, EngineServerOptions
 from kvfleet import redis_schema
 from kvfleet.options import ServerOptions
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tests.services.polling import wait_until  # noqa: F401 - re-exported
 
 T = TypeVar("T")
 TIMEOUT_S = 30.0
@@ -105,19 +105,6 @@ class EngineHarness:
         await self._stop.wait()
         await self.server.shutdown(deregister=self._deregister)
 
-
-def wait_until(
-    predicate: Callable[[], T], timeout_s: float = 5.0, interval_s: float = 0.02
-) -> T:
-    """Poll until `predicate()` is truthy; returns it, or fails with AssertionError."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s (last: {value!r})")
-        time.sleep(interval_s)
 
 
 def make_prompt(seed: int, length: int) -> list[int]:

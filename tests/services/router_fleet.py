@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import random
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from router.client import Completion, auth_metadata, build_request
+from tests.services.polling import wait_until  # noqa: F401 - re-exported
 
-T = TypeVar("T")
 CALL_TIMEOUT_S = 60.0
 NUM_TENANTS = 8
 API_KEYS = {f"tenant-{i}": f"key-{i}" for i in range(NUM_TENANTS)} | {"other": "key-other"}
@@ -93,18 +91,6 @@ def engine_load(address: str) -> engine_pb2.LoadInfo:
         load: engine_pb2.LoadInfo = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
         return load
 
-
-def wait_until(predicate: Callable[[], T], timeout_s: float = 10.0, interval_s: float = 0.05,
-               what: str = "condition") -> T:
-    """Poll until `predicate()` is truthy; returns its value, AssertionError on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def child_pids(pid: int) -> set[int]:

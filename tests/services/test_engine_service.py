@@ -54,12 +54,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
     yield client

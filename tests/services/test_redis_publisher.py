@@ -29,12 +29,6 @@ H1, H2, H3, H4 = (bytes([i]) * 16 for i in range(1, 5))
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     redis_client = redis.Redis.from_url(redis_server.url, socket_timeout=5)
     yield redis_client

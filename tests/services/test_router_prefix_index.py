@@ -26,12 +26,6 @@ from router.prefix_index import (
 PROMPT = list(range(1000, 1000 + 16 * 200))  # 200 blocks: more than one SMISMEMBER chunk
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture
 def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url)
