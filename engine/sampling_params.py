@@ -10,6 +10,10 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# vLLM's default --max-logprobs: how many alternatives a request may ask for per token.
+MAX_LOGPROBS = 20
+# OpenAI's limit on completions per prompt.
+MAX_N = 128
 
 
 @dataclass
@@ -27,14 +31,28 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # OpenAI's additive penalties over the tokens generated so far, in [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # CTRL-style multiplicative penalty over prompt and generated tokens; 1.0 disables.
+    repetition_penalty: float = 1.0
+    # None: no logprobs. k: the sampled token's logprob plus the k most likely (k may be 0).
+    logprobs: int | None = None
+    # Stop strings, matched on the detokenized text (the LLM API or the router applies them).
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
         self._validate()
+        self._validate_extensions()
 
     def _validate(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (n > 1 is not supported yet), got {self.n}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
             raise ValueError(f"temperature must be a non-negative number, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -53,6 +71,29 @@ class SamplingParams:
             )
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+    def _validate_extensions(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for index, value in enumerate(self.stop):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"stop[{index}] must be a non-empty string, got {value!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

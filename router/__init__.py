@@ -11,7 +11,6 @@ Request path (one module per job):
 - `engine_pool`     gRPC channels to engines, this replica's in-flight counts, suspects.
 - `forward`         sends the request to the best engine, retrying others before the first
                     token, and relays the engine's token stream.
-- `stop_strings`    stop-string matching on streamed text.
 - `servicer`        the kvfleet.v1.Router servicer; `server` is the process entry point.
 
 Invariant: a router holds no state that routing correctness depends on. Everything it

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 
 from kvfleet.errors import UnavailableError
+from kvfleet.stop_strings import StopStringMatcher
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
 from router.forward import EngineStream
-from router.stop_strings import StopStringMatcher
 from router.tokenizer_client import StreamingDetokenizer
 
 

@@ -29,6 +29,7 @@ from opentelemetry import trace
 from kvfleet.grpc_server import Service
 from kvfleet.logs import set_request_id, set_tenant
 from kvfleet.metrics import status_label
+from kvfleet.stop_strings import StopStringMatcher
 from kvfleet.tracing import tracer
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2, router_pb2_grpc
 from router.auth import AuthenticationError, Authenticator
@@ -37,7 +38,6 @@ from router.forward import open_engine_stream
 from router.metrics import RouterMetrics
 from router.relay import ResponseRelay
 from router.routing import EngineSelector
-from router.stop_strings import StopStringMatcher
 from router.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)

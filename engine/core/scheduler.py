@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.logprobs import TokenLogprobs
 from engine.request import Request, RequestStatus
 
 
@@ -57,6 +58,8 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    # Parallel to new_token_ids when the request asked for logprobs; None otherwise.
+    new_logprobs: list[TokenLogprobs] | None = None
 
 
 class Scheduler:

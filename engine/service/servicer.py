@@ -8,9 +8,10 @@ Invariants:
 - proto3 `optional` presence is respected: an unset field takes the default documented in
   common.proto (which may differ from the engine's offline defaults, e.g. max_tokens unset
   means "up to the remaining context"), an explicit zero stays zero.
-- Fields the engine cannot honour yet (n > 1, penalties, logprobs, LoRA) are refused rather
-  than silently ignored. `stop` and `include_stop_str_in_output` are ignored, as the engine
-  proto specifies: stop strings are the router's job.
+- Fields the engine cannot honour are refused rather than silently ignored: n > 1 (the
+  router fans a request out into n engine requests) and LoRA. `stop` and
+  `include_stop_str_in_output` are ignored, as the engine proto specifies: stop strings are
+  the router's job.
 - Cancelling a Generate call closes the `AsyncEngine.generate` iterator, which aborts the
   request and frees its KV blocks (the interceptor closes handler generators promptly).
 - Every Generate message carries engine_id; the last one carries finish_reason,
@@ -27,11 +28,12 @@ import grpc.aio
 from opentelemetry import trace
 
 from engine.sampling_params import SamplingParams
+from engine.sampling_proto import to_sampling_params
 from engine.service.async_engine import AsyncEngine, GenerateOutput
 from kvfleet.grpc_server import Service
 from kvfleet.logs import request_context
 from kvfleet.tracing import wall_time_ns
-from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from kvfleet.v1 import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 MAX_REQUEST_ID_LEN = 256
@@ -65,6 +67,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if request.lora_id:
             raise ValueError("lora_id: LoRA adapters are not supported by this engine yet")
         params = to_sampling_params(request.sampling_params)
+        if params.n != 1:
+            raise ValueError(
+                f"n must be 1 on an engine (the router fans n > 1 out), got {params.n}"
+            )
         outputs = self._engine.generate(
             request.request_id,
             request.prompt_token_ids,
@@ -169,44 +175,3 @@ def _check_request_id(request_id: str) -> None:
         raise ValueError("request_id must not be empty")
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
-
-
-def to_sampling_params(proto: common_pb2.SamplingParams) -> SamplingParams:
-    """Proto → engine params, with common.proto's defaults for unset optional fields.
-
-    Raises ValueError naming the field for unsupported or invalid values.
-    """
-    _refuse_unsupported(proto)
-    top_k = -1
-    if proto.HasField("top_k"):
-        if proto.top_k < 1:
-            raise ValueError(f"top_k must be at least 1 when set (unset disables it), "
-                             f"got {proto.top_k}")
-        top_k = proto.top_k
-    return SamplingParams(
-        temperature=proto.temperature if proto.HasField("temperature") else 1.0,
-        top_p=proto.top_p if proto.HasField("top_p") else 1.0,
-        top_k=top_k,
-        min_p=proto.min_p,
-        seed=proto.seed if proto.HasField("seed") else None,
-        max_tokens=proto.max_tokens if proto.HasField("max_tokens") else None,
-        min_tokens=proto.min_tokens,
-        stop_token_ids=list(proto.stop_token_ids),
-        ignore_eos=proto.ignore_eos,
-        skip_special_tokens=(
-            proto.skip_special_tokens if proto.HasField("skip_special_tokens") else True
-        ),
-    )
-
-
-def _refuse_unsupported(proto: common_pb2.SamplingParams) -> None:
-    if proto.HasField("n") and proto.n != 1:
-        raise ValueError(f"n: only n=1 is supported by this engine yet, got {proto.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(proto, name) != 0.0:
-            raise ValueError(f"{name}: penalties are not supported by this engine yet")
-    if proto.HasField("repetition_penalty") and proto.repetition_penalty != 1.0:
-        raise ValueError("repetition_penalty: penalties are not supported by this engine yet")
-    for name in ("logprobs", "top_logprobs"):
-        if proto.HasField(name):
-            raise ValueError(f"{name}: log-probabilities are not supported by this engine yet")

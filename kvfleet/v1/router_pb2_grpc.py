@@ -45,8 +45,9 @@ class RouterServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Streams the completion; the last message carries finish_reason, usage,
-        num_cached_tokens and engine_id.
+        """Streams the completion(s); each completion's last message carries finish_reason,
+        usage, num_cached_tokens and engine_id. With n > 1 the router sends n engine requests
+        over the same prompt to one engine, where they share the prompt's cached KV blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfleet.stop_strings import StopStringMatcher
 from router.auth import ANONYMOUS_TENANT, AuthenticationError, Authenticator, load_api_keys
 from router.policy import (
     EngineView,
@@ -18,7 +19,6 @@ from router.policy import (
     rank_round_robin,
     rendezvous_weight,
 )
-from router.stop_strings import StopStringMatcher
 
 BOUND = PrefixPolicyConfig(load_slack_abs=4, load_slack_rel=0.5)
 KEY = b"tie-key"

@@ -38,7 +38,14 @@ def test_defaults_match_vllm():
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": ["ok", ""]}, "stop"),
     ],
 )
 def test_bad_value_raises_naming_the_parameter(kwargs, name):

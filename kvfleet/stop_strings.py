@@ -1,4 +1,4 @@
-"""Stop strings on streamed text (engines only see ids, so the router applies them).
+"""Stop strings on streamed text: the router applies them to engine streams, `LLM` offline.
 
 Role: `StopStringMatcher.add(text)` returns the text that is safe to send and, once a stop
 string appears, which one; the caller then aborts the engine request.

@@ -1,0 +1,29 @@
+"""Parallel sampling (`n` > 1) as child requests, the way vLLM v1 fans a request out.
+
+A request with n samples becomes n independent requests with n=1 over the same prompt. They
+share the prompt's KV blocks through the prefix cache (blocks are cached when allocated, so a
+sibling scheduled in the same step already hits them). A seeded parent gives child i the
+seed `seed + i`, so every sample is reproducible and the samples differ from each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.sampling_params import SamplingParams
+
+
+def child_request_id(parent_id: str, index: int) -> str:
+    return f"{index}_{parent_id}"
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def fan_out(parent_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """(request id, params) of each sample; a request with n=1 is its own only child."""
+    if params.n == 1:
+        return [(parent_id, params)]
+    return [(child_request_id(parent_id, i), child_params(params, i)) for i in range(params.n)]
