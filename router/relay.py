@@ -16,7 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from kvfleet.errors import UnavailableError
 from kvfleet.stop_strings import StopStringMatcher
@@ -45,7 +45,7 @@ class ResponseRelay:
         self._matcher = matcher
         self._num_completion_tokens = 0
 
-    async def responses(self) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+    async def responses(self) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
         first = True
         while (message := await self._stream.read()) is not None:
             response = await self._convert(message)

@@ -30,10 +30,11 @@ from kvfleet.tracing import init_tracing
 from router.auth import Authenticator, load_api_keys
 from router.engine_pool import EnginePool
 from router.metrics import RouterMetrics
+from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.policy import Policy, PrefixPolicyConfig
 from router.prefix_index import PrefixIndex
 from router.routing import EngineSelector, RoutingConfig
-from router.servicer import DEFAULT_MAX_ATTEMPTS, RouterServicer
+from router.servicer import RouterServicer
 from router.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,8 @@ def build_router(
     pool = EnginePool()
     metrics = RouterMetrics(registry)
     selector = EngineSelector(config.routing, index, pool, metrics)
-    servicer = RouterServicer(auth, tokenizer, selector, pool, config.max_attempts, metrics)
+    pipeline = GenerationPipeline(tokenizer, selector, pool, metrics, config.max_attempts)
+    servicer = RouterServicer(auth, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
     logger.info(
         "router: policy %s, tokenizer %s, redis %s, auth %s",

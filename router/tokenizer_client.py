@@ -63,6 +63,28 @@ class TokenizerClient:
         )
         return list(response.token_ids)
 
+    async def token_texts(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id decoded on its own (the strings logprobs show); one round trip."""
+        if not token_ids:
+            return []
+        response = await self._stub.Detokenize(
+            tokenizer_pb2.DetokenizeRequest(token_ids=list(token_ids), per_token=True),
+            timeout=self._timeout_s,
+            metadata=trace_metadata(),
+        )
+        return list(response.token_texts)
+
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        """Text of `token_ids` in one piece (echo of a pre-tokenized prompt)."""
+        response = await self._stub.Detokenize(
+            tokenizer_pb2.DetokenizeRequest(
+                token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
+            ),
+            timeout=self._timeout_s,
+            metadata=trace_metadata(),
+        )
+        return str(response.text)
+
     def detokenizer(
         self, prompt_ids: Sequence[int], skip_special_tokens: bool
     ) -> StreamingDetokenizer:

@@ -86,7 +86,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self._check_token_ids(ids, "token_ids")
         skip = _flag(request, "skip_special_tokens", default=True)
         text = await asyncio.to_thread(self._tokenizer.decode, ids, skip)
-        return tokenizer_pb2.DetokenizeResponse(text=text)
+        response = tokenizer_pb2.DetokenizeResponse(text=text)
+        if request.per_token:
+            response.token_texts.extend(
+                await asyncio.to_thread(lambda: [self._tokenizer.decode([i], False) for i in ids])
+            )
+        return response
 
     async def DetokenizeStream(
         self,

@@ -43,6 +43,7 @@ from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.scheduler import RequestUpdate
 from engine.llm_engine import LLMEngine
+from engine.logprobs import TokenLogprobs
 from engine.request import Request, RequestTiming
 from engine.sampling_params import SamplingParams
 from kvfleet.errors import UnavailableError
@@ -76,13 +77,22 @@ class GenerateOutput:
     # On the last item only: when the request was queued / first scheduled / preempted
     # (time.monotonic(), for tracing).
     timing: RequestTiming | None = None
+    # Parallel to token_ids when the request asked for logprobs.
+    logprobs: Sequence[TokenLogprobs] | None = None
 
     @classmethod
-    def of(cls, request: Request, new_token_ids: Sequence[int], finished: bool) -> GenerateOutput:
+    def of(
+        cls,
+        request: Request,
+        new_token_ids: Sequence[int],
+        finished: bool,
+        logprobs: Sequence[TokenLogprobs] | None = None,
+    ) -> GenerateOutput:
         # Built on the engine thread: a snapshot, since the Request keeps changing there.
         return cls(
             request_id=request.request_id,
             token_ids=list(new_token_ids),
+            logprobs=logprobs,
             finished=finished,
             finish_reason=request.status.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
@@ -319,10 +329,10 @@ class AsyncEngine:
                 continue
             if update.finished:
                 del self._live[request_id]
-            deliveries.append(
-                (request_id, seq, GenerateOutput.of(update.request, update.new_token_ids,
-                                                    update.finished))
+            output = GenerateOutput.of(
+                update.request, update.new_token_ids, update.finished, update.new_logprobs
             )
+            deliveries.append((request_id, seq, output))
         self._deliver(deliveries)
 
     def _fail_all(self, exc: Exception) -> None:

@@ -27,13 +27,14 @@ from dataclasses import dataclass
 import grpc.aio
 from opentelemetry import trace
 
+from engine.logprobs import Logprob, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sampling_proto import to_sampling_params
 from engine.service.async_engine import AsyncEngine, GenerateOutput
 from kvfleet.grpc_server import Service
 from kvfleet.logs import request_context
 from kvfleet.tracing import wall_time_ns
-from kvfleet.v1 import engine_pb2, engine_pb2_grpc
+from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 MAX_REQUEST_ID_LEN = 256
@@ -121,6 +122,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         response = engine_pb2.GenerateResponse(
             token_ids=output.token_ids, engine_id=self._identity.engine_id
         )
+        if output.logprobs:
+            response.logprobs.extend(_logprobs_proto(lp) for lp in output.logprobs)
         if not output.finished:
             return response
         response.finish_reason = output.finish_reason or "stop"
@@ -133,6 +136,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         response.usage.total_tokens = output.num_prompt_tokens + output.num_output_tokens
         response.num_cached_tokens = output.num_cached_tokens
         return response
+
+
+def _logprobs_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    def one(lp: Logprob) -> common_pb2.Logprob:
+        return common_pb2.Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
+
+    return common_pb2.TokenLogprobs(
+        sampled=one(logprobs.sampled), top=[one(lp) for lp in logprobs.top]
+    )
 
 
 def _start_span(

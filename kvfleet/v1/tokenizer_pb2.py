@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfleet/v1/tokenizer.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xce\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"`\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x80\x01\n\x17\x44\x65tokenizeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\rB\x16\n\x14_skip_special_tokens\".\n\x18\x44\x65tokenizeStreamResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xda\x01\n\rTokenizerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0f\x61ll_special_ids\x18\x06 \x03(\r\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id2\xc4\x02\n\tTokenizer\x12\x45\n\x08Tokenize\x12\x1b.kvfleet.v1.TokenizeRequest\x1a\x1c.kvfleet.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvfleet.v1.DetokenizeRequest\x1a\x1e.kvfleet.v1.DetokenizeResponse\x12\x61\n\x10\x44\x65tokenizeStream\x12#.kvfleet.v1.DetokenizeStreamRequest\x1a$.kvfleet.v1.DetokenizeStreamResponse(\x01\x30\x01\x12@\n\x07GetInfo\x12\x1a.kvfleet.v1.GetInfoRequest\x1a\x19.kvfleet.v1.TokenizerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvfleet/v1/tokenizer.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xce\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"s\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\tper_token\x18\x03 \x01(\x08\x42\x16\n\x14_skip_special_tokens\"7\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x13\n\x0btoken_texts\x18\x02 \x03(\t\"\x80\x01\n\x17\x44\x65tokenizeStreamRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12 \n\x13skip_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\rB\x16\n\x14_skip_special_tokens\".\n\x18\x44\x65tokenizeStreamResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xda\x01\n\rTokenizerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\reos_token_ids\x18\x03 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x0cpad_token_id\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x17\n\x0f\x61ll_special_ids\x18\x06 \x03(\r\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x42\x0f\n\r_bos_token_idB\x0f\n\r_pad_token_id2\xc4\x02\n\tTokenizer\x12\x45\n\x08Tokenize\x12\x1b.kvfleet.v1.TokenizeRequest\x1a\x1c.kvfleet.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.kvfleet.v1.DetokenizeRequest\x1a\x1e.kvfleet.v1.DetokenizeResponse\x12\x61\n\x10\x44\x65tokenizeStream\x12#.kvfleet.v1.DetokenizeStreamRequest\x1a$.kvfleet.v1.DetokenizeStreamResponse(\x01\x30\x01\x12@\n\x07GetInfo\x12\x1a.kvfleet.v1.GetInfoRequest\x1a\x19.kvfleet.v1.TokenizerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,17 +37,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERESPONSE']._serialized_start=276
   _globals['_TOKENIZERESPONSE']._serialized_end=329
   _globals['_DETOKENIZEREQUEST']._serialized_start=331
-  _globals['_DETOKENIZEREQUEST']._serialized_end=427
-  _globals['_DETOKENIZERESPONSE']._serialized_start=429
-  _globals['_DETOKENIZERESPONSE']._serialized_end=463
-  _globals['_DETOKENIZESTREAMREQUEST']._serialized_start=466
-  _globals['_DETOKENIZESTREAMREQUEST']._serialized_end=594
-  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_start=596
-  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_end=642
-  _globals['_GETINFOREQUEST']._serialized_start=644
-  _globals['_GETINFOREQUEST']._serialized_end=660
-  _globals['_TOKENIZERINFO']._serialized_start=663
-  _globals['_TOKENIZERINFO']._serialized_end=881
-  _globals['_TOKENIZER']._serialized_start=884
-  _globals['_TOKENIZER']._serialized_end=1208
+  _globals['_DETOKENIZEREQUEST']._serialized_end=446
+  _globals['_DETOKENIZERESPONSE']._serialized_start=448
+  _globals['_DETOKENIZERESPONSE']._serialized_end=503
+  _globals['_DETOKENIZESTREAMREQUEST']._serialized_start=506
+  _globals['_DETOKENIZESTREAMREQUEST']._serialized_end=634
+  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_start=636
+  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_end=682
+  _globals['_GETINFOREQUEST']._serialized_start=684
+  _globals['_GETINFOREQUEST']._serialized_end=700
+  _globals['_TOKENIZERINFO']._serialized_start=703
+  _globals['_TOKENIZERINFO']._serialized_end=921
+  _globals['_TOKENIZER']._serialized_start=924
+  _globals['_TOKENIZER']._serialized_end=1248
 # @@protoc_insertion_point(module_scope)

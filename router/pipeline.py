@@ -1,0 +1,259 @@
+"""GenerationPipeline: one generation request from prompt to text stream, for any front door.
+
+Role: validate -> tokenize (`tokenizer_client`) -> rank engines (`routing`) -> start on the
+best engine, retrying others before the first token (`forward`) -> relay text (`relay`).
+The gRPC servicer and the OpenAI HTTP API both call `generate` after authenticating.
+
+Invariants:
+- Sampling parameters are checked with the engine's own rules (`engine.sampling_proto`)
+  before anything is tokenized or routed, so a bad request costs no compute anywhere.
+- n > 1 becomes n engine requests (`engine.parallel_sampling`: seed + i per sample) on the
+  engine chosen for the first one. The siblings are sent once the first has produced its
+  first token, so the prompt's full blocks are in that engine's prefix cache and they share
+  them; each sample streams with its `index` and ends with its own final message.
+- The tenant is every engine request's `cache_salt`, so tenants never share cached blocks.
+- Whatever way the stream ends (finished, stop string, client cancel, error), every engine
+  call still open is cancelled and every detokenize stream closed: a cancelled client request
+  frees its engine blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from engine.parallel_sampling import child_request_id
+from engine.sampling_params import SamplingParams
+from engine.sampling_proto import to_sampling_params
+from kvfleet.logs import set_request_id
+from kvfleet.stop_strings import StopStringMatcher
+from kvfleet.tracing import tracer
+from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
+from router.engine_pool import EnginePool
+from router.forward import EngineStream, open_engine_stream
+from router.metrics import RouterMetrics
+from router.policy import EngineView
+from router.relay import ResponseRelay
+from router.routing import Decision, EngineSelector
+from router.tokenizer_client import StreamingDetokenizer, TokenizerClient
+
+logger = logging.getLogger(__name__)
+
+# Engines accept 256 characters; the router appends up to 18 (suffix and sample index).
+MAX_REQUEST_ID_LEN = 200
+# Engines tried per request (the first choice plus retries before the first token).
+DEFAULT_MAX_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class _Sample:
+    index: int
+    engine_request: engine_pb2.GenerateRequest
+
+
+class GenerationPipeline:
+    def __init__(
+        self,
+        tokenizer: TokenizerClient,
+        selector: EngineSelector,
+        pool: EnginePool,
+        metrics: RouterMetrics,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.selector = selector
+        self._pool = pool
+        self._metrics = metrics
+        self._max_attempts = max_attempts
+
+    async def generate(
+        self, request: router_pb2.RouterGenerateRequest, tenant: str
+    ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
+        """Stream the response messages of every sample; raises for a bad request."""
+        span = trace.get_current_span()
+        params = validate_request(request)
+        request_id = request.request_id or uuid.uuid4().hex
+        set_request_id(request_id)
+        # Client ids need only be unique per client; engines need them unique per engine.
+        engine_request_id = (
+            f"{request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else request_id
+        )
+        span.set_attribute("kvfleet.tenant", tenant)
+        span.set_attribute("gen_ai.request.id", request_id)
+        with tracer().start_as_current_span("tokenize"):
+            prompt_ids = await self.prompt_ids(request)
+        decision = await self._route(prompt_ids, tenant, request.model, request_id)
+        samples = _samples(request, prompt_ids, params, engine_request_id, tenant)
+        streams: list[EngineStream] = []
+        detokenizers: list[StreamingDetokenizer] = []
+        try:
+            streams.append(
+                await open_engine_stream(
+                    decision.ranking, self._pool, samples[0].engine_request, self._max_attempts
+                )
+            )
+            chosen = streams[0].engine
+            predicted = min(chosen.matched_blocks * decision.block_size, len(prompt_ids) - 1)
+            self._metrics.record_decision(decision.policy.value, chosen.engine_id, predicted)
+            span.set_attribute("kvfleet.routing.policy", decision.policy.value)
+            span.set_attribute("kvfleet.routing.engine_id", chosen.engine_id)
+            span.set_attribute("kvfleet.routing.predicted_cached_tokens", predicted)
+            span.set_attribute("gen_ai.usage.prompt_tokens", len(prompt_ids))
+            streams.extend(await _open_siblings(chosen, self._pool, samples[1:]))
+            relays = []
+            for sample, stream in zip(samples, streams, strict=True):
+                detokenizer = self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens)
+                detokenizers.append(detokenizer)
+                relays.append(ResponseRelay(
+                    request_id, sample.engine_request.request_id, prompt_ids, params.min_tokens,
+                    stream, detokenizer,
+                    StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                ))
+            async with contextlib.aclosing(_merge(relays)) as merged:
+                async for response in merged:
+                    if response.HasField("finish_reason"):
+                        self._on_finished(span, chosen.engine_id, predicted, response)
+                    yield response
+        finally:
+            for stream in streams:
+                stream.close()
+            for detokenizer in detokenizers:
+                detokenizer.cancel()
+
+    async def prompt_ids(self, request: router_pb2.RouterGenerateRequest) -> list[int]:
+        if request.WhichOneof("input") == "prompt_token_ids":
+            ids = list(request.prompt_token_ids.ids)
+            if not ids:
+                raise ValueError("prompt_token_ids must not be empty")
+            return ids
+        return await self.tokenizer.tokenize(request)
+
+    async def _route(
+        self, prompt_ids: Sequence[int], tenant: str, model: str, request_id: str
+    ) -> Decision:
+        with tracer().start_as_current_span("route") as route_span:
+            decision = await self.selector.decide(prompt_ids, tenant, model)
+            route_span.set_attribute("kvfleet.routing.policy", decision.policy.value)
+            route_span.set_attribute("kvfleet.routing.used_index", decision.used_index)
+            route_span.set_attribute(
+                "kvfleet.routing.ranking", [v.engine_id for v in decision.ranking]
+            )
+        if logger.isEnabledFor(logging.DEBUG):
+            best = decision.ranking[0]
+            logger.debug("%s tenant=%s prompt=%d best=%s matched=%d load=%d index=%s",
+                         request_id, tenant, len(prompt_ids), best.engine_id,
+                         best.matched_blocks, best.load, decision.used_index)
+        return decision
+
+    def _on_finished(
+        self,
+        span: trace.Span,
+        engine_id: str,
+        predicted: int,
+        response: router_pb2.RouterGenerateResponse,
+    ) -> None:
+        self._metrics.record_cached(engine_id, predicted, response.num_cached_tokens)
+        if response.index == 0:
+            span.set_attribute("kvfleet.cached_tokens", response.num_cached_tokens)
+            span.set_attribute("gen_ai.usage.completion_tokens", response.usage.completion_tokens)
+            span.set_attribute("gen_ai.response.finish_reasons", [response.finish_reason])
+
+
+def validate_request(request: router_pb2.RouterGenerateRequest) -> SamplingParams:
+    """The request's sampling parameters; ValueError naming the field for a bad request."""
+    if request.WhichOneof("input") is None:
+        raise ValueError("input must be set: one of prompt, messages or prompt_token_ids")
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+    return to_sampling_params(request.sampling_params)
+
+
+def _samples(
+    request: router_pb2.RouterGenerateRequest,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    engine_request_id: str,
+    tenant: str,
+) -> list[_Sample]:
+    samples = []
+    for index in range(params.n):
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(request.sampling_params)
+        sampling.ClearField("n")
+        request_id = engine_request_id
+        if params.n > 1:
+            request_id = child_request_id(engine_request_id, index)
+            if params.seed is not None:
+                sampling.seed = params.seed + index
+        samples.append(_Sample(index, engine_pb2.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=sampling,
+            priority=request.priority,
+            cache_salt=tenant,
+        )))
+    return samples
+
+
+async def _open_siblings(
+    engine: EngineView, pool: EnginePool, samples: Sequence[_Sample]
+) -> list[EngineStream]:
+    """Start samples 1..n-1 on the first sample's engine (no retries elsewhere)."""
+    if not samples:
+        return []
+    results = await asyncio.gather(
+        *(open_engine_stream([engine], pool, s.engine_request, 1) for s in samples),
+        return_exceptions=True,
+    )
+    streams = [r for r in results if isinstance(r, EngineStream)]
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is not None:
+        for stream in streams:
+            stream.close()
+        raise failure
+    return streams
+
+
+async def _merge(
+    relays: Sequence[ResponseRelay],
+) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
+    """Interleave the samples' responses in arrival order, each tagged with its index."""
+    if len(relays) == 1:
+        async with contextlib.aclosing(relays[0].responses()) as only:
+            async for response in only:
+                yield response
+        return
+    queue: asyncio.Queue[router_pb2.RouterGenerateResponse | BaseException | None] = (
+        asyncio.Queue()
+    )
+
+    async def pump(index: int, relay: ResponseRelay) -> None:
+        try:
+            async for response in relay.responses():
+                response.index = index
+                queue.put_nowait(response)
+            queue.put_nowait(None)
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(i, relay)) for i, relay in enumerate(relays)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
