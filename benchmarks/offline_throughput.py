@@ -44,6 +44,7 @@ import transformers
 
 from benchmarks import hf_peer
 from engine import LLM, SamplingParams
+from engine.model_runner import RunnerOutput
 
 TARGET_A = 3.0  # kvfleet >= 3x the better transformers throughput
 TARGET_B = 10.0  # cached TTFT >= 10x faster than cold
@@ -187,9 +188,9 @@ def scenario_c(llm: LLM, prompts: list[list[int]], args: argparse.Namespace) -> 
     # (waste by num_tokens, by KV written, floor: each request in ceil(num_tokens/bs) blocks)
     samples: list[tuple[float, float, float]] = []
     runner = engine.runner
-    inner: Callable[..., dict[str, int]] = runner.execute
+    inner: Callable[..., RunnerOutput] = runner.execute
 
-    def execute(scheduled: list[Any], block_ids: dict[str, list[int]]) -> dict[str, int]:
+    def execute(scheduled: list[Any], block_ids: dict[str, list[int]]) -> RunnerOutput:
         new = {s.request.request_id: s.num_new_tokens for s in scheduled}
         running = engine.scheduler.running
         table = engine.kv.req_to_blocks

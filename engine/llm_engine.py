@@ -193,6 +193,15 @@ class LLMEngine:
             self._emit_kv_events()
         return request
 
+    def stop_request(self, request_id: str, stop_string: str) -> Request | None:
+        """Finish a request whose text reached `stop_string` (finish_reason "stop"), freeing
+        its blocks; returns it, or None if it already finished or is unknown."""
+        request = self.scheduler.stop_request(request_id, stop_string)
+        if request is not None:
+            self.runner.remove_request(request_id)
+            self._emit_kv_events()
+        return request
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -209,7 +218,7 @@ class LLMEngine:
         block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
                      for s in out.scheduled}
         sampled = self.runner.execute(out.scheduled, block_ids)
-        updates = self.scheduler.update_from_output(out, sampled)
+        updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
         for update in updates:
             request = update.request
             if request.num_output_tokens == 1:

@@ -1,4 +1,5 @@
-"""Runs one engine step on the model: flat batch in, one sampled token per finishing request out.
+"""Runs one engine step on the model: flat batch in, one sampled token per finishing request out
+(plus its logprobs when the request asked for them).
 
 Owns the paged KV cache tensors (one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor
 per layer, in the model's dtype), the sampler and the per-request generators of seeded requests.
@@ -6,10 +7,13 @@ per layer, in the model's dtype), the sampler and the per-request generators of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.core.scheduler import ScheduledRequest
 from engine.input_batch import build_model_input
+from engine.logprobs import TokenLogprobs
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
@@ -20,6 +24,14 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     return per_token * block_size * itemsize
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """One step's samples by request id; `logprobs` only has requests that asked for them."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -71,20 +83,30 @@ class ModelRunner:
             # Like vLLM: before min_tokens, EOS and stop tokens cannot be sampled at all.
             eos = () if params.ignore_eos else tuple(request.eos_token_ids)
             banned = tuple(params.stop_token_ids) + eos
-        return SamplingRow(params, self._generators.get(request.request_id), banned)
+        return SamplingRow(
+            params,
+            self._generators.get(request.request_id),
+            banned,
+            request.prompt_token_ids,
+            request.output_token_ids,
+        )
 
     @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
-    ) -> dict[str, int]:
+    ) -> RunnerOutput:
         batch = build_model_input(scheduled, block_ids, self.block_size, self.use_decode_kernel)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sampled_requests:
-            return {}
+            return RunnerOutput()
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         rows = [self._sampling_row(item.request) for item in batch.sampled_requests]
-        tokens = self.sampler(logits, rows)
-        return {
-            item.request.request_id: token
-            for item, token in zip(batch.sampled_requests, tokens, strict=True)
+        sampled = self.sampler(logits, rows)
+        ids = [item.request.request_id for item in batch.sampled_requests]
+        token_ids = dict(zip(ids, sampled.token_ids, strict=True))
+        if sampled.logprobs is None:
+            return RunnerOutput(token_ids)
+        logprobs = {
+            rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None
         }
+        return RunnerOutput(token_ids, logprobs)

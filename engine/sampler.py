@@ -1,17 +1,29 @@
-"""Batched sampling with per-request parameters.
+"""Batched sampling with per-request parameters, penalties and logprobs.
 
-Every row of the logits belongs to one request. Greedy rows take the argmax. Other rows are
-tempered, filtered (top-k, top-p, min-p) and sampled with the exponential race
-(argmax(p / q), q ~ Exp(1)): a row's draw depends only on its own generator, so a seeded request
-produces the same tokens whatever else shares the batch.
+Every row of the logits belongs to one request. Per row, in vLLM's order:
+1. raw logprobs = log_softmax(float32 logits), only for rows that asked for logprobs, taken
+   before anything below changes the logits (vLLM's default `raw_logprobs`);
+2. penalties (engine.penalties), only for rows that set one;
+3. banned tokens (EOS and stop tokens before min_tokens) -> -inf;
+4. greedy rows take the argmax; other rows are tempered, filtered (top-k, top-p, min-p) and
+   sampled with the exponential race (argmax(p / q), q ~ Exp(1)).
+
+Invariants:
+- A row's draw depends only on its own generator (penalties and logprobs draw nothing), so a
+  seeded request produces the same tokens whatever else shares the batch.
+- Rows without penalties or logprobs pay nothing for them: a batch where no row asks takes
+  the same path as plain sampling (two list scans, no tensor work).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.logprobs import Logprob, TokenLogprobs
+from engine.penalties import apply_penalties
 from engine.sampling_params import SamplingParams
 
 
@@ -22,14 +34,30 @@ class SamplingRow:
     generator: torch.Generator | None
     # Tokens that must not be sampled now (EOS and stop tokens before min_tokens).
     banned_token_ids: tuple[int, ...] = ()
+    # The request's tokens so far (read only by penalties; the request's own lists, uncopied).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Parallel to token_ids (None for rows that did not ask); None when no row asked.
+    logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
+        logprob_idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        # Indexing copies, so the in-place edits below leave the raw logprobs untouched.
+        raw = logits[logprob_idx].log_softmax(dim=-1) if logprob_idx else None
+        penalty_idx = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        if penalty_idx:
+            logits[penalty_idx] = self._penalised(logits[penalty_idx], rows, penalty_idx)
         for i, row in enumerate(rows):
             if row.banned_token_ids:
                 logits[i, list(row.banned_token_ids)] = float("-inf")
@@ -39,7 +67,33 @@ class Sampler:
             random_idx = (~greedy).nonzero().flatten()
             random_rows = [rows[i] for i in random_idx.tolist()]
             tokens[random_idx] = self._sample(logits[random_idx], random_rows)
-        return tokens.tolist()
+        token_ids = tokens.tolist()
+        if raw is None:
+            return SamplerOutput(token_ids)
+        return SamplerOutput(token_ids, self._logprobs(raw, tokens, rows, logprob_idx))
+
+    @staticmethod
+    def _penalised(
+        logits: torch.Tensor, rows: list[SamplingRow], index: list[int]
+    ) -> torch.Tensor:
+        chosen = [rows[i] for i in index]
+        return apply_penalties(
+            logits,
+            [row.params for row in chosen],
+            [row.prompt_token_ids for row in chosen],
+            [row.output_token_ids for row in chosen],
+        )
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow], index: list[int]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        num_top = [rows[i].params.logprobs or 0 for i in index]
+        gathered = gather_logprobs(raw, tokens[index], num_top)
+        for i, token_logprobs in zip(index, gathered, strict=True):
+            out[i] = token_logprobs
+        return out
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         temperature = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
@@ -85,3 +139,27 @@ class Sampler:
             if row.generator is not None:
                 q[i].exponential_(generator=row.generator)
         return q
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Per row of `logprobs` [rows, vocab]: the logprob and rank of `token_ids[row]` and the
+    `num_top[row]` most likely tokens (most likely first, ranks 1..k).
+
+    The sampled token's rank is 1 + the number of tokens with a strictly larger logprob, so a
+    token tied with the best has rank 1 even if top-k lists another token first.
+    """
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = ((logprobs > sampled).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
+    out = []
+    rows = zip(
+        token_ids.tolist(), sampled.squeeze(1).tolist(), ranks, top_ids.tolist(),
+        top_values.tolist(), num_top, strict=True,
+    )
+    for token, value, sampled_rank, ids, values, k in rows:
+        pairs = zip(ids[:k], values[:k], strict=True)
+        top = tuple(Logprob(t, v, rank) for rank, (t, v) in enumerate(pairs, 1))
+        out.append(TokenLogprobs(Logprob(token, value, sampled_rank), top))
+    return out

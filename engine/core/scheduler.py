@@ -5,7 +5,9 @@ priority-then-FCFS order, then admits waiting ones while `max_num_seqs` allows. 
 prefill a prompt is computed over several steps; without it a prompt is scheduled whole or not
 at all. When blocks run out, the running request that sorts last (lowest priority, then newest)
 is preempted by recompute: its blocks are freed and it returns to the waiting queue, keeping its
-place by arrival. Finished requests free their blocks at once.
+place by arrival. Finished requests free their blocks at once, including those ended from
+outside: aborted, or stopped by a stop string that the caller matched on the detokenized text.
+Each update carries the sampled tokens' logprobs when the request asked for them.
 
 Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`) or `running`; no
 waiting request is admitted in a step that preempted.
@@ -89,6 +91,15 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def stop_request(self, request_id: str, stop_reason: str) -> Request | None:
+        """Finish a request as stopped by a stop string its caller matched on the text."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        request.stop_reason = stop_reason
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        return request
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -153,9 +164,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ step results
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, TokenLogprobs] | None = None,
     ) -> list[RequestUpdate]:
-        """Advance computed counts, append sampled tokens, finish and free stopped requests."""
+        """Advance computed counts, append sampled tokens, finish and free stopped requests.
+
+        `logprobs` holds the sampled tokens' logprobs of the requests that asked for them.
+        """
+        logprobs = logprobs or {}
         updates = []
         for item in out.scheduled:
             request = item.request
@@ -169,7 +187,9 @@ class Scheduler:
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)
-            updates.append(RequestUpdate(request, [token], status is not None))
+            token_logprobs = logprobs.get(request.request_id)
+            new_logprobs = None if token_logprobs is None else [token_logprobs]
+            updates.append(RequestUpdate(request, [token], status is not None, new_logprobs))
         return updates
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:

@@ -1,7 +1,9 @@
-"""Stop conditions and aborts: stop tokens, EOS, min_tokens, max_tokens, max_model_len."""
+"""Stop conditions and aborts: stop tokens, EOS, min_tokens, max_tokens, max_model_len, stop
+strings matched by the caller; logprobs carried in the updates."""
 
 import pytest
 
+from engine.logprobs import Logprob, TokenLogprobs
 from engine.request import RequestStatus
 
 
@@ -174,3 +176,32 @@ def test_all_blocks_free_after_mixed_finishes_and_aborts(make_harness):
     h.step(7)
     h.run_to_completion()
     h.assert_all_blocks_free()
+
+
+def test_stop_request_finishes_with_the_stop_string_and_frees_blocks(make_harness):
+    h = make_harness()
+    a = h.add("a", 6, max_tokens=10)
+    b = h.add("b", 6, max_tokens=10)
+    h.step()
+    assert h.scheduler.stop_request("a", "###") is a
+    h.scheduler.check_integrity()
+    assert (a.status, a.status.finish_reason, a.stop_reason) == (
+        RequestStatus.FINISHED_STOPPED, "stop", "###"
+    )
+    assert h.running == ["b"] and h.block_ids("a") == []
+    assert h.scheduler.stop_request("a", "###") is None  # already finished: a no-op
+    h.run_to_completion()
+    assert b.status == RequestStatus.FINISHED_LENGTH
+    h.assert_all_blocks_free()
+
+
+def test_updates_carry_logprobs_only_for_requests_given_them(make_harness):
+    h = make_harness()
+    h.add("a", 3, logprobs=1)
+    h.add("b", 3)
+    out = h.schedule()
+    token = TokenLogprobs(Logprob(7, -0.5, 1), (Logprob(7, -0.5, 1),))
+    updates = h.scheduler.update_from_output(out, {"a": 7, "b": 7}, {"a": token})
+    assert [(u.request.request_id, u.new_logprobs) for u in updates] == [
+        ("a", [token]), ("b", None)
+    ]
