@@ -9,7 +9,8 @@ Role: argument parsing and process lifecycle only; the work lives in `kvfleet.fl
 local fleet), `router.client` (the client) and each service's own `main(argv)`. `serve`
 imports a service lazily (the engine pulls in torch; the router and tokenizer must not).
 
-Invariants: `up` prints `router: HOST:PORT` (flushed) once every service is ready, serves until
+Invariants: `up` prints `router: HOST:PORT` and `http: http://HOST:PORT` (flushed) once every
+service is ready, serves until
 SIGINT/SIGTERM, then stops router, engines, tokenizer and Redis in that order and exits 0
 (130 when interrupted while still starting; a second signal kills what is left).
 `client` prints the streamed text, then one JSON line (engine_id, num_cached_tokens,
@@ -77,6 +78,8 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-keys", type=Path, default=None, help="router API key file")
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="router OpenAI HTTP API port (default: %(default)s; 0: a free one)")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="service logs (default: a temporary directory)")
     parser.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
@@ -156,7 +159,8 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
         model_dir = prepare_default_model()
     config = FleetConfig(
         model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
-        host=args.host, router_port=args.port, policy=args.policy, api_keys=args.api_keys,
+        host=args.host, router_port=args.port, router_http_port=args.http_port,
+        policy=args.policy, api_keys=args.api_keys,
         engine_args=tuple(args.engine_args), log_dir=args.log_dir,
         engine_threads=args.engine_threads or default_engine_threads(args.engines),
     )
@@ -168,6 +172,7 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
         print(f"starting {args.engines} engine(s) on {model_dir} ...", flush=True)
         fleet.start()
         print(f"router: {fleet.router_address}", flush=True)
+        print(f"http: {fleet.http_url}", flush=True)
         print(f"redis: {fleet.redis_url}  logs: {fleet.log_dir}", flush=True)
         if demo:
             asyncio.run(run_demo(fleet.router_address))

@@ -7,7 +7,8 @@ can use `HTTP_STATUS_FOR_CODE` to answer with the matching OpenAI-style status.
 Invariants:
 - ValueError (and subclasses) -> INVALID_ARGUMENT with the exception's message: raise
   ValueError only for problems with the *request*, phrased for the client.
-- OverloadedError -> RESOURCE_EXHAUSTED, UnavailableError -> UNAVAILABLE.
+- OverloadedError -> RESOURCE_EXHAUSTED, UnavailableError -> UNAVAILABLE,
+  NotFoundError -> NOT_FOUND.
 - An error from a downstream gRPC call keeps its status code and details, so a router
   relays e.g. the tokenizer's INVALID_ARGUMENT unchanged.
 - Anything else is a bug: INTERNAL with a generic message (details stay in the server log,
@@ -25,6 +26,10 @@ class OverloadedError(Exception):
 
 class UnavailableError(Exception):
     """The service cannot serve this now (shutting down, no engine for the model)."""
+
+
+class NotFoundError(LookupError):
+    """The request names something that does not exist here (an unknown model)."""
 
 
 # What a client sees for an unexpected exception; the traceback goes to the server log.
@@ -52,6 +57,8 @@ def status_for_exception(exc: BaseException) -> tuple[grpc.StatusCode, str, bool
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or "overloaded", False
     if isinstance(exc, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(exc) or "unavailable", False
+    if isinstance(exc, NotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc) or "not found", False
     if isinstance(exc, grpc.RpcError):  # grpc.aio.AioRpcError included
         code, details = _rpc_error_status(exc)
         if code is not None and code is not grpc.StatusCode.OK:

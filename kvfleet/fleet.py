@@ -70,6 +70,8 @@ class FleetConfig:
     redis_url: str | None = None
     host: str = "127.0.0.1"
     router_port: int = 0
+    # The router's OpenAI HTTP API port (0: a free port, see Fleet.http_url).
+    router_http_port: int = 0
     policy: str = "prefix"
     api_keys: Path | None = None
     # Extra engine flags, e.g. ("--num-kv-blocks", "256").
@@ -101,6 +103,14 @@ class ServiceProcess:
     host: str
     port: int | None = None
     metrics_port_file: Path | None = None
+    http_port_file: Path | None = None
+
+    @property
+    def http_port(self) -> int:
+        """The bound OpenAI HTTP API port (routers, once ready)."""
+        if self.http_port_file is None:
+            raise RuntimeError(f"{self.name} serves no HTTP API")
+        return int(self.http_port_file.read_text().strip())
 
     @property
     def metrics_port(self) -> int:
@@ -175,6 +185,13 @@ class Fleet:
         return self.router.address
 
     @property
+    def http_url(self) -> str:
+        """The router's OpenAI API base, e.g. http://127.0.0.1:8000 (append /v1)."""
+        if self.router is None:
+            raise RuntimeError("fleet not started")
+        return f"http://{self.config.host}:{self.router.http_port}"
+
+    @property
     def log_dir(self) -> Path:
         if self._log_dir is None:
             raise RuntimeError("fleet not started")
@@ -215,21 +232,27 @@ class Fleet:
     def start_router(self) -> ServiceProcess:
         """(Re)start the router process and wait until it serves."""
         self.router = self._start_router_process("router", self.config.policy,
-                                                 self.config.router_port)
+                                                 self.config.router_port,
+                                                 self.config.router_http_port)
         return self.router
 
     def add_router(self, name: str, policy: str) -> ServiceProcess:
         """Another router with its own policy over the same engines; stopped with the fleet."""
-        router = self._start_router_process(name, policy, 0)
+        router = self._start_router_process(name, policy, 0, 0)
         self.extra_routers.append(router)
         return router
 
-    def _start_router_process(self, name: str, policy: str, port: int) -> ServiceProcess:
+    def _start_router_process(
+        self, name: str, policy: str, port: int, http_port: int
+    ) -> ServiceProcess:
         assert self.tokenizer is not None
+        http_port_file = self.log_dir / f"{name}.http-port"
+        http_port_file.unlink(missing_ok=True)
         command = router_command(
             self.config, self.tokenizer.address, self.redis_url, policy, port
-        )
+        ) + ["--http-port", str(http_port), "--http-port-file", str(http_port_file)]
         router = self._launch(name, command)
+        router.http_port_file = http_port_file
         self._wait_ready([router])
         return router
 

@@ -38,6 +38,10 @@ class RouterMetrics:
             f"{PREFIX}_requests", "Generate requests by tenant and final status code",
             ["tenant", "code"], registry=r,
         )
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests", "OpenAI HTTP API requests by tenant and HTTP status",
+            ["tenant", "status"], registry=r,
+        )
         self.decisions = Counter(
             f"{PREFIX}_routing_decisions", "Requests sent to an engine, by policy and engine",
             ["policy", "engine_id"], registry=r,

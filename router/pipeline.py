@@ -37,6 +37,7 @@ from kvfleet.tracing import tracer
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
 from router.engine_pool import EnginePool
 from router.forward import EngineStream, open_engine_stream
+from router.merge import merge_tagged
 from router.metrics import RouterMetrics
 from router.policy import EngineView
 from router.relay import ResponseRelay
@@ -115,8 +116,10 @@ class GenerationPipeline:
                     stream, detokenizer,
                     StopStringMatcher(params.stop, params.include_stop_str_in_output),
                 ))
-            async with contextlib.aclosing(_merge(relays)) as merged:
-                async for response in merged:
+            merged = merge_tagged([relay.responses() for relay in relays])
+            async with contextlib.aclosing(merged):
+                async for index, response in merged:
+                    response.index = index
                     if response.HasField("finish_reason"):
                         self._on_finished(span, chosen.engine_id, predicted, response)
                     yield response
@@ -218,42 +221,3 @@ async def _open_siblings(
             stream.close()
         raise failure
     return streams
-
-
-async def _merge(
-    relays: Sequence[ResponseRelay],
-) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
-    """Interleave the samples' responses in arrival order, each tagged with its index."""
-    if len(relays) == 1:
-        async with contextlib.aclosing(relays[0].responses()) as only:
-            async for response in only:
-                yield response
-        return
-    queue: asyncio.Queue[router_pb2.RouterGenerateResponse | BaseException | None] = (
-        asyncio.Queue()
-    )
-
-    async def pump(index: int, relay: ResponseRelay) -> None:
-        try:
-            async for response in relay.responses():
-                response.index = index
-                queue.put_nowait(response)
-            queue.put_nowait(None)
-        except Exception as exc:  # handed to the consumer, which re-raises it
-            queue.put_nowait(exc)
-
-    tasks = [asyncio.ensure_future(pump(i, relay)) for i, relay in enumerate(relays)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.block_hash import hash_token_blocks
-from kvfleet.errors import UnavailableError
+from kvfleet.errors import NotFoundError, UnavailableError
 from router.engine_pool import EnginePool
 from router.metrics import RouterMetrics
 from router.policy import EngineView, Policy, PrefixPolicyConfig, rank
@@ -100,6 +100,16 @@ class EngineSelector:
         ranking.sort(key=lambda v: self._pool.is_suspect(v.engine_id, v.address))
         return Decision(ranking, self._block_size, used_index, policy)
 
+    async def served_models(self) -> list[str]:
+        """Model names of the live engines (empty when Redis cannot answer)."""
+        if self._index is None:
+            return []
+        try:
+            records = await self._index.lookup(self._block_size, [])
+        except PrefixIndexUnavailable:
+            return []
+        return sorted({r.model for r in records if r.model})
+
     async def _views_from_index(
         self, prompt_ids: Sequence[int], tenant: str, model: str
     ) -> list[EngineView] | None:
@@ -157,7 +167,9 @@ def _for_model(records: Sequence[EngineRecord], model: str) -> list[EngineRecord
     matching = [r for r in records if r.model == model]
     if records and not matching:
         served = sorted({r.model for r in records if r.model})
-        raise ValueError(f"model {model!r} is not served here; served: {', '.join(served)}")
+        raise NotFoundError(
+            f"The model `{model}` does not exist; served: {', '.join(served)}"
+        )
     return matching
 
 

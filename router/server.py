@@ -29,6 +29,8 @@ from kvfleet.options import ServerOptions, add_server_arguments, start_service_p
 from kvfleet.tracing import init_tracing
 from router.auth import Authenticator, load_api_keys
 from router.engine_pool import EnginePool
+from router.http_api import OpenAIApi
+from router.http_server import HttpServer
 from router.metrics import RouterMetrics
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.policy import Policy, PrefixPolicyConfig
@@ -40,6 +42,8 @@ from router.tokenizer_client import TokenizerClient
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50050
+# vLLM's and TGI's OpenAI server port.
+DEFAULT_HTTP_PORT = 8000
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,18 @@ class RouterConfig:
         )
 
 
+@dataclass(frozen=True)
+class HttpOptions:
+    """The OpenAI HTTP API: port (0 picks a free one, None disables it) and port file."""
+
+    port: int | None = DEFAULT_HTTP_PORT
+    port_file: Path | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> HttpOptions:
+        return cls(None if args.no_http else args.http_port, args.http_port_file)
+
+
 @dataclass
 class RouterApp:
     """A built (not started) router: the server plus what must be closed after it."""
@@ -74,6 +90,7 @@ class RouterApp:
     pool: EnginePool
     index: PrefixIndex | None
     metrics: RouterMetrics
+    http: OpenAIApi
 
     async def close(self) -> None:
         await self.pool.close()
@@ -108,6 +125,7 @@ def build_router(
     pipeline = GenerationPipeline(tokenizer, selector, pool, metrics, config.max_attempts)
     servicer = RouterServicer(auth, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
+    http = OpenAIApi(pipeline, auth, metrics)
     logger.info(
         "router: policy %s, tokenizer %s, redis %s, auth %s",
         config.routing.policy.value,
@@ -115,21 +133,32 @@ def build_router(
         config.redis_url or "off",
         f"on ({auth.num_keys} keys)" if auth.enabled else "off (tenant 'anonymous')",
     )
-    return RouterApp(server, tokenizer, pool, index, metrics)
+    return RouterApp(server, tokenizer, pool, index, metrics, http)
 
 
-async def serve(config: RouterConfig, options: ServerOptions, auth: Authenticator) -> int:
-    """Serve until SIGTERM/SIGINT (main thread only); returns the exit code."""
+async def serve(
+    config: RouterConfig, options: ServerOptions, auth: Authenticator, http: HttpOptions
+) -> int:
+    """Serve gRPC (and HTTP) until SIGTERM/SIGINT (main thread only); returns the exit code."""
     app = build_router(config, options.host, options.port, options.grace_s, auth)
     endpoint = None
+    http_server = None
     try:
         bound_port = await app.server.start()
         endpoint = start_metrics_endpoint(
             app.metrics.registry, options.host, options.metrics_port, options.metrics_port_file
         )
-        if options.port_file is not None:
+        if http.port is not None:
+            http_server = HttpServer(app.http.app(), options.host, http.port, options.grace_s)
+            http_port = await http_server.start()
+            logger.info("OpenAI API on http://%s:%d/v1", options.host, http_port)
+            if http.port_file is not None:
+                write_port_file(http.port_file, http_port)
+        if options.port_file is not None:  # last: its existence means everything is up
             write_port_file(options.port_file, bound_port)
-        return await app.server.serve_until_signal()
+        return await app.server.serve_until_signal(
+            http_server.stop if http_server is not None else None
+        )
     finally:
         if endpoint is not None:
             endpoint.close()
@@ -159,6 +188,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="prefix bound: the same, as a fraction of the least load")
     parser.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
                         help="engines tried per request before the first token")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help="OpenAI-compatible HTTP API port (0: a free port)")
+    parser.add_argument("--http-port-file", type=Path, default=None,
+                        help="write the bound HTTP port here once it serves")
+    parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
     add_server_arguments(parser, default_port=DEFAULT_PORT)
     return parser.parse_args(argv)
 
@@ -176,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tracing = init_tracing("kvfleet-router")
     try:
-        return asyncio.run(serve(config, options, auth))
+        return asyncio.run(serve(config, options, auth, HttpOptions.from_args(args)))
     finally:
         tracing.shutdown()
 

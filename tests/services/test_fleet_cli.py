@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,12 +45,17 @@ def test_demo_then_client_then_ctrl_c_leaves_no_process(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     command = [sys.executable, "-m", "kvfleet.cli", "demo", "--engines", "1",
-               "--model", str(tiny_model_dir), "--log-dir", str(tmp_path / "logs")]
+               "--model", str(tiny_model_dir), "--log-dir", str(tmp_path / "logs"),
+               "--http-port", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:
         lines = read_until(process, "press Ctrl-C", 180)
         router = next(m.group(1) for line in lines if (m := ROUTER_LINE.match(line)))
+        http = next(line.split()[1] for line in lines if line.startswith("http: "))
+        with urllib.request.urlopen(f"{http}/v1/models", timeout=10) as reply:
+            served = json.loads(reply.read())
+        assert [model["id"] for model in served["data"]] == [tiny_model_dir.name]
         table = [line for line in lines if line.startswith(DEMO_PROMPTS)]
         assert len(table) == 2 * len(DEMO_PROMPTS), "\n".join(lines)
         second_round = [line.split() for line in table[len(DEMO_PROMPTS):]]
@@ -92,7 +98,8 @@ def test_client_requires_router_and_prompt() -> None:
 
 def test_services_die_with_a_killed_owner(tiny_model_dir: Path, tmp_path: Path) -> None:
     command = [sys.executable, "-m", "kvfleet.cli", "up", "--engines", "1",
-               "--model", str(tiny_model_dir), "--log-dir", str(tmp_path / "logs")]
+               "--model", str(tiny_model_dir), "--log-dir", str(tmp_path / "logs"),
+               "--http-port", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)
     try:
