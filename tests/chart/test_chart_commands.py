@@ -33,6 +33,7 @@ def test_router_command_line_parses(scenario: str) -> None:
     config = RouterConfig.from_args(args)
     assert config.tokenizer_address == "kv-kvfleet-tokenizer:50051"
     assert args.port == 50050 and args.host == "0.0.0.0"
+    assert args.http_port == 8000 and not args.no_http  # the Service's http port is served
     if scenario == "everything":
         assert args.max_attempts == 5  # extraArgs come last and win
         assert args.log_level == "DEBUG"

@@ -322,7 +322,7 @@ def test_services_select_pods_that_have_their_target_ports(scenario: str) -> Non
             assert port["targetPort"] in port_names, (service["metadata"]["name"], port)
 
 
-def test_router_service_has_grpc_and_planned_http_ports() -> None:
+def test_router_service_has_grpc_and_http_ports() -> None:
     service = render().get("Service", f"{FULLNAME}-router")
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert set(ports) == {"grpc", "http"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,3 +191,33 @@ def test_json_log_lines_carry_request_and_trace_ids(
     mine = [r for r in records if r.get("request_id") == "traced-1"]
     assert mine, "no log line carries the request id"
     assert all(r["tenant"] == "anonymous" and r["trace_id"] == TRACE_ID for r in mine)
+
+
+def test_http_traceparent_joins_the_callers_trace(
+    fleet: Fleet, receiver: tuple[Receiver, int]
+) -> None:
+    collector = receiver[0]
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    body = json.dumps({"prompt": "hello over http", "max_tokens": 3, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    request = urllib.request.Request(
+        f"{fleet.http_url}/v1/completions", data=body,
+        headers={"Content-Type": "application/json",
+                 "traceparent": f"00-{trace_id}-{CLIENT_SPAN_ID}-01"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert json.loads(reply.read())["usage"]["completion_tokens"] == 3
+
+    def complete() -> list[ReceivedSpan] | None:
+        spans = collector.of_trace(trace_id)
+        services = {s.service for s in spans}
+        names = {s.name for s in spans}
+        ready = {"kvfleet-router", "kvfleet-engine"} <= services and "POST /v1/completions" in names
+        return spans if ready else None
+
+    spans = wait_until(complete, timeout_s=20, what="router and engine spans of the HTTP call")
+    by_name = {s.name: s for s in spans}
+    http = by_name["POST /v1/completions"]
+    assert http.parent_span_id == CLIENT_SPAN_ID
+    assert http.attributes["kvfleet.tenant"] == "anonymous"
+    assert by_name["kvfleet.v1.Engine/Generate"].parent_span_id == http.span_id
