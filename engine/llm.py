@@ -1,7 +1,12 @@
 """Offline API with vLLM's names: `LLM(...).generate(prompts, sampling_params)` and `.chat()`.
 
 All prompts of a call are validated before any is queued, so a bad prompt raises ValueError and
-leaves the engine untouched and serving. Outputs come back in input order.
+leaves the engine untouched and serving. Outputs come back in input order, one RequestOutput
+per prompt. A prompt with n > 1 becomes n engine requests (engine.parallel_sampling.fan_out)
+that share the prompt's KV blocks through the prefix cache; its RequestOutput lists the n
+samples in index order. Stop strings and logprobs are tracked per sample
+(engine.output_processor); a sample whose text reaches a stop string is stopped in the engine
+at once, so its blocks are freed.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request
+from engine.output_processor import CompletionTracker
+from engine.outputs import RequestOutput
+from engine.parallel_sampling import fan_out
 from engine.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any]
@@ -125,46 +131,63 @@ class LLM:
     def _run(
         self, prepared: list[_Prepared], priorities: list[int], use_tqdm: bool
     ) -> list[RequestOutput]:
-        requests: list[Request] = []
-        for item, prio in zip(prepared, priorities, strict=True):
-            request_id = str(next(self._ids))
-            requests.append(
-                self.engine.add_request(
-                    request_id, item.token_ids, item.params, priority=prio,
-                    cache_salt=item.cache_salt,
-                )
-            )
-        bar = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm)
+        groups: list[tuple[str, list[CompletionTracker]]] = []
         try:
+            for item, prio in zip(prepared, priorities, strict=True):
+                parent_id = str(next(self._ids))
+                groups.append((parent_id, self._add_samples(parent_id, item, prio)))
+            self._drive([samples for _, samples in groups], use_tqdm)
+        except BaseException:
+            for _, samples in groups:
+                for sample in samples:
+                    self.engine.abort_request(sample.request.request_id)
+            raise
+        return [
+            self._to_output(parent_id, samples, item)
+            for (parent_id, samples), item in zip(groups, prepared, strict=True)
+        ]
+
+    def _add_samples(
+        self, parent_id: str, item: _Prepared, priority: int
+    ) -> list[CompletionTracker]:
+        # Children are queued back to back, so they are admitted in order and each one after
+        # the first finds the prompt's full blocks already cached.
+        samples = []
+        for request_id, params in fan_out(parent_id, item.params):
+            request = self.engine.add_request(
+                request_id, item.token_ids, params, priority=priority, cache_salt=item.cache_salt
+            )
+            samples.append(CompletionTracker(request, self.engine.tokenizer))
+        return samples
+
+    def _drive(self, groups: list[list[CompletionTracker]], use_tqdm: bool) -> None:
+        """Step the engine until every sample is finished; the bar counts whole prompts."""
+        samples = {s.request.request_id: (i, s) for i, group in enumerate(groups) for s in group}
+        remaining = [len(group) for group in groups]
+        with tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for update in self.engine.step():
-                    if update.finished:
-                        bar.update(1)
-        except BaseException:
-            for request in requests:
-                self.engine.abort_request(request.request_id)
-            raise
-        finally:
-            bar.close()
-        return [self._to_output(r, p) for r, p in zip(requests, prepared, strict=True)]
+                    group, sample = samples[update.request.request_id]
+                    if sample.finished:
+                        continue
+                    stop_string = sample.on_update(update)
+                    if stop_string is not None:
+                        self.engine.stop_request(update.request.request_id, stop_string)
+                    if sample.finished:
+                        remaining[group] -= 1
+                        if remaining[group] == 0:
+                            bar.update(1)
 
-    def _to_output(self, request: Request, prepared: _Prepared) -> RequestOutput:
-        params = request.sampling_params
-        text = self.engine.tokenizer.decode(
-            request.output_token_ids, skip_special_tokens=params.skip_special_tokens
-        )
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+    def _to_output(
+        self, parent_id: str, samples: list[CompletionTracker], prepared: _Prepared
+    ) -> RequestOutput:
+        first = samples[0].request
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=parent_id,
             prompt=prepared.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[completion],
-            finished=request.status.finished,
-            num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=[sample.to_output(index) for index, sample in enumerate(samples)],
+            finished=all(sample.finished for sample in samples),
+            # The first sample's hit: its siblings' extra hits are on its own blocks.
+            num_cached_tokens=first.num_cached_tokens or 0,
         )

@@ -16,6 +16,9 @@ class Logprob:
     token_id: int
     logprob: float
     rank: int
+    # The token's text, decode([token_id]) with special tokens kept; filled in by the offline
+    # API (vLLM's field), None inside the engine, which has no tokenizer at hand.
+    decoded_token: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,15 @@
-"""Results returned to callers, shaped like vLLM's RequestOutput / CompletionOutput."""
+"""Results returned to callers, shaped like vLLM's RequestOutput / CompletionOutput.
+
+A prompt's RequestOutput holds one CompletionOutput per sample (`n`), index 0..n-1. Logprobs
+follow vLLM: one dict per generated token, keyed by token id, holding the sampled token (first)
+and the top-k alternatives; None when the request did not ask for logprobs.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from engine.logprobs import Logprob
 
 
 @dataclass
@@ -13,6 +20,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     # The stop token id (or string) that ended generation; None for EOS or length.
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    # Sum of the sampled tokens' logprobs; None when the request did not ask for logprobs.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,116 @@
+"""One sample of the offline API as it is generated: text, stop strings and logprobs.
+
+Role: `LLM` feeds every engine update of a request to its `CompletionTracker`; when the
+tracker reports a stop string, `LLM` stops the engine request (freeing its blocks); at the end
+the tracker builds the `CompletionOutput`.
+
+Invariants:
+- Without stop strings the text is decode(output ids), taken once at the end: requests that
+  need no stop-string matching pay no per-token detokenization.
+- With stop strings the text is detokenized incrementally (no prompt context, so it adds up to
+  decode(output ids)) and fed to `StopStringMatcher`, which checks only once min_tokens tokens
+  exist (vLLM). On a match: finish_reason "stop", stop_reason the string, text ends before it
+  (after it with include_stop_str_in_output), token ids and logprobs are those generated up
+  to the match. A match on the request's last token wins over finish_reason "length" (vLLM).
+- logprobs: one dict per token, the sampled token first (with its own rank), then the top-k
+  not already in it; cumulative_logprob sums the sampled logprobs. Both None unless asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.core.scheduler import RequestUpdate
+from engine.logprobs import Logprob, TokenLogprobs
+from engine.outputs import CompletionOutput
+from engine.request import Request
+from engine.tokenizer import Tokenizer
+from kvfleet.stop_strings import StopStringMatcher
+from tokenizer_svc.incremental import IncrementalDetokenizer
+
+
+class CompletionTracker:
+    def __init__(self, request: Request, tokenizer: Tokenizer) -> None:
+        self.request = request
+        self._tokenizer = tokenizer
+        params = request.sampling_params
+        self._logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        self._matcher: StopStringMatcher | None = None
+        self._detokenizer: IncrementalDetokenizer | None = None
+        if params.stop:
+            self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self._text: list[str] = []
+        self.stop_string: str | None = None
+        self.finished = False
+        self._token_texts: dict[int, str] = {}
+
+    def on_update(self, update: RequestUpdate) -> str | None:
+        """Record one engine update; returns the stop string if this update completed one."""
+        if self.finished:
+            return None
+        if self._logprobs is not None and update.new_logprobs is not None:
+            self._logprobs.extend(update.new_logprobs)
+        self.finished = update.finished
+        if self._matcher is not None:
+            self.stop_string = self._match(update)
+            self.finished = self.finished or self.stop_string is not None
+        return self.stop_string
+
+    def _match(self, update: RequestUpdate) -> str | None:
+        assert self._matcher is not None and self._detokenizer is not None
+        text = self._detokenizer.add_tokens(update.new_token_ids)
+        if update.finished:
+            text += self._detokenizer.flush()
+        check = self.request.num_output_tokens >= self.request.sampling_params.min_tokens
+        self._text.append(self._matcher.add(text, check))
+        if self._matcher.matched is None and update.finished:
+            self._text.append(self._matcher.flush())
+        return self._matcher.matched
+
+    def to_output(self, index: int) -> CompletionOutput:
+        request = self.request
+        token_ids = list(request.output_token_ids)
+        if self._matcher is None:
+            text = self._tokenizer.decode(
+                token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens
+            )
+        else:
+            text = "".join(self._text)
+        finish_reason = request.status.finish_reason
+        stop_reason = request.stop_reason
+        if self.stop_string is not None:
+            finish_reason, stop_reason = "stop", self.stop_string
+        logprobs, cumulative = self._logprob_dicts()
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative,
+        )
+
+    def _logprob_dicts(self) -> tuple[list[dict[int, Logprob]] | None, float | None]:
+        if self._logprobs is None:
+            return None, None
+        dicts = []
+        for token in self._logprobs:
+            entry = {token.sampled.token_id: self._decoded(token.sampled)}
+            for alternative in token.top:
+                if alternative.token_id not in entry:
+                    entry[alternative.token_id] = self._decoded(alternative)
+            dicts.append(entry)
+        return dicts, sum(token.sampled.logprob for token in self._logprobs)
+
+    def _decoded(self, logprob: Logprob) -> Logprob:
+        return dataclasses.replace(logprob, decoded_token=self._token_text(logprob.token_id))
+
+    def _token_text(self, token_id: int) -> str:
+        # vLLM's decoded_token: the token decoded on its own, special tokens kept.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
