@@ -24,13 +24,12 @@ from engine.core.scheduler import RequestUpdate
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.outputs import CompletionOutput
 from engine.request import Request
-from engine.tokenizer import Tokenizer
 from kvfleet.stop_strings import StopStringMatcher
-from tokenizer_svc.incremental import IncrementalDetokenizer
+from tokenizer_svc.incremental import Decoder, IncrementalDetokenizer
 
 
 class CompletionTracker:
-    def __init__(self, request: Request, tokenizer: Tokenizer) -> None:
+    def __init__(self, request: Request, tokenizer: Decoder) -> None:
         self.request = request
         self._tokenizer = tokenizer
         params = request.sampling_params
