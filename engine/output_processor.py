@@ -7,6 +7,8 @@ the tracker builds the `CompletionOutput`.
 Invariants:
 - Without stop strings the text is decode(output ids), taken once at the end: requests that
   need no stop-string matching pay no per-token detokenization.
+- The EOS or stop token that ends generation stays in token_ids but not in the text, unless
+  include_stop_str_in_output (vLLM).
 - With stop strings the text is detokenized incrementally (no prompt context, so it adds up to
   decode(output ids)) and fed to `StopStringMatcher`, which checks only once min_tokens tokens
   exist (vLLM). On a match: finish_reason "stop", stop_reason the string, text ends before it
@@ -23,7 +25,7 @@ import dataclasses
 from engine.core.scheduler import RequestUpdate
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.outputs import CompletionOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from kvfleet.stop_strings import StopStringMatcher
 from tokenizer_svc.incremental import Decoder, IncrementalDetokenizer
 
@@ -58,7 +60,7 @@ class CompletionTracker:
 
     def _match(self, update: RequestUpdate) -> str | None:
         assert self._matcher is not None and self._detokenizer is not None
-        text = self._detokenizer.add_tokens(update.new_token_ids)
+        text = self._detokenizer.add_tokens(self._text_ids(update.new_token_ids, update.finished))
         if update.finished:
             text += self._detokenizer.flush()
         check = self.request.num_output_tokens >= self.request.sampling_params.min_tokens
@@ -67,12 +69,22 @@ class CompletionTracker:
             self._text.append(self._matcher.flush())
         return self._matcher.matched
 
+    def _text_ids(self, token_ids: list[int], last: bool) -> list[int]:
+        # vLLM: the EOS or stop token that ended generation is in token_ids, not in the text
+        # (unless include_stop_str_in_output).
+        stopped = self.request.status == RequestStatus.FINISHED_STOPPED
+        keep = self.request.sampling_params.include_stop_str_in_output
+        if last and stopped and token_ids and not keep:
+            return token_ids[:-1]
+        return token_ids
+
     def to_output(self, index: int) -> CompletionOutput:
         request = self.request
         token_ids = list(request.output_token_ids)
         if self._matcher is None:
             text = self._tokenizer.decode(
-                token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens
+                self._text_ids(token_ids, True),
+                skip_special_tokens=request.sampling_params.skip_special_tokens,
             )
         else:
             text = "".join(self._text)

@@ -115,6 +115,7 @@ class GenerationPipeline:
                     request_id, sample.engine_request.request_id, prompt_ids, params.min_tokens,
                     stream, detokenizer,
                     StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                    params.include_stop_str_in_output,
                 ))
             merged = merge_tagged([relay.responses() for relay in relays])
             async with contextlib.aclosing(merged):

@@ -10,6 +10,8 @@ Invariants:
   and the client gets finish_reason "stop" with `stop_reason.stop_string`; usage then counts
   the tokens received so far. Text after the stop string never reaches the client.
 - Stop strings are only checked once `min_tokens` tokens exist (vLLM's semantics).
+- The EOS or stop token that ends generation is in token_ids but not in the text, unless
+  include_stop_str_in_output (vLLM).
 - An engine stream that ends without a final message is an error (UNAVAILABLE), never a
   silently truncated answer.
 """
@@ -35,7 +37,9 @@ class ResponseRelay:
         stream: EngineStream,
         detokenizer: StreamingDetokenizer,
         matcher: StopStringMatcher,
+        include_stop_str_in_output: bool = False,
     ) -> None:
+        self._include_stop = include_stop_str_in_output
         self._request_id = request_id
         self._engine_request_id = engine_request_id
         self._num_prompt_tokens = len(prompt_ids)
@@ -65,7 +69,11 @@ class ResponseRelay:
         ids = list(message.token_ids)
         self._num_completion_tokens += len(ids)
         final = message.HasField("finish_reason")
-        text = await self._detokenizer.add(ids)
+        text_ids = ids
+        if final and message.finish_reason == "stop" and ids and not self._include_stop:
+            # vLLM: the EOS or stop token that ended generation is not part of the text.
+            text_ids = ids[:-1]
+        text = await self._detokenizer.add(text_ids)
         if final:
             text += await self._detokenizer.finish()
         check = self._num_completion_tokens >= self._min_tokens

@@ -83,6 +83,16 @@ def test_stop_token_ids_and_min_tokens(llm):
     )[0].outputs[0]
     assert out.token_ids == base[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop
+    # vLLM: the stop token is in token_ids but not in the text, unless asked for.
+    tokenizer = llm.get_tokenizer()
+    assert out.text == tokenizer.decode(base[:first])
+    kept = llm.generate(
+        {"prompt_token_ids": [4, 5, 6]},
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop],
+                       include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert kept.text == tokenizer.decode(base[: first + 1])
     min_tokens = first + 2
     delayed = llm.generate(
         {"prompt_token_ids": [4, 5, 6]},

@@ -216,6 +216,22 @@ def test_stop_strings_end_the_stream(client: RouterClient) -> None:
     assert cut.text == full.text[: full.text.index(stop)]
 
 
+def test_stop_token_ends_the_stream_without_its_text(client: RouterClient) -> None:
+    request = build_request(LONG_TEXT, params=greedy(max_tokens=12, ignore_eos=True))
+    responses = list(client.stream(request, key(2)))
+    ids = [t for r in responses for t in r.token_ids]
+    pieces = [r.text_delta for r in responses]
+    stop = ids[5]
+    first = ids.index(stop)
+    stopped = list(client.stream(
+        build_request(LONG_TEXT, params=greedy(max_tokens=12, ignore_eos=True,
+                                               stop_token_ids=[stop])), key(2)))
+    assert [t for r in stopped for t in r.token_ids] == ids[: first + 1]
+    assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason.token_id == stop
+    # vLLM: the stop token is not part of the text (each delta here is one token's text).
+    assert "".join(r.text_delta for r in stopped) == "".join(pieces[:first])
+
+
 def test_client_request_ids_come_back_and_may_repeat(client: RouterClient) -> None:
     params = greedy(max_tokens=30, ignore_eos=True)
     request = build_request(prompt_token_ids=tenant_prefix(4), params=params,
