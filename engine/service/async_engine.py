@@ -46,7 +46,7 @@ from engine.llm_engine import LLMEngine
 from engine.logprobs import TokenLogprobs
 from engine.request import Request, RequestTiming
 from engine.sampling_params import SamplingParams
-from kvfleet.errors import UnavailableError
+from kvfleet.errors import OverloadedError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +149,11 @@ class _Stream:
 class AsyncEngine:
     """Owns an `LLMEngine` (and its kv_event_hook) and drives it from one thread."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, max_concurrent_requests: int | None = None) -> None:
         self._engine = engine
+        # TGI's --max-concurrent-requests: beyond it new requests are refused (the router
+        # then tries another engine, or answers RESOURCE_EXHAUSTED / HTTP 429).
+        self._max_concurrent = max_concurrent_requests
         self._cond = threading.Condition()
         self._commands: collections.deque[_Command] = collections.deque()
         self._stopping = False
@@ -222,6 +225,11 @@ class AsyncEngine:
         self._engine.validate_request(prompt, params)
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self._max_concurrent is not None and len(self._streams) >= self._max_concurrent:
+            raise OverloadedError(
+                f"engine is at capacity: {len(self._streams)} requests in flight "
+                f"(max_concurrent_requests={self._max_concurrent})"
+            )
         stream = _Stream(next(self._seq))
         self._streams[request_id] = stream
         self._submit(

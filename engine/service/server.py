@@ -44,6 +44,7 @@ from kvfleet.tracing import init_tracing
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 50052
+DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
@@ -58,6 +59,8 @@ class EngineServerOptions:
     # Host written to Redis for routers to dial; default: --host, or this machine's
     # hostname when --host is a wildcard address.
     advertise_host: str | None = None
+    # Requests in flight beyond which new ones get RESOURCE_EXHAUSTED (TGI's flag).
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -111,7 +114,7 @@ class EngineServer:
         if llm_engine is None:
             llm_engine = await asyncio.to_thread(LLMEngine, options.engine)
             self._llm_engine = llm_engine
-        self._async_engine = AsyncEngine(llm_engine)
+        self._async_engine = AsyncEngine(llm_engine, options.max_concurrent_requests)
         model_name = options.model_name or Path(options.engine.model).name
         self._metrics = EngineMetrics(model_name, llm_engine.max_model_len)
         self._metrics.attach(self._async_engine)
@@ -224,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True)
     engine.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument("--max-concurrent-requests", type=_positive_int,
+                        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+                        help="requests in flight beyond which new ones are refused with "
+                             "RESOURCE_EXHAUSTED (default: %(default)s)")
     return parser
 
 
@@ -251,6 +258,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         server=ServerOptions.from_args(args),
         model_name=args.served_model_name,
         advertise_host=args.advertise_host,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
 
 

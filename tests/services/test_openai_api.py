@@ -19,7 +19,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from engine.tokenizer import Tokenizer
 from kvfleet.fleet import Fleet, FleetConfig
-from tests.services.router_fleet import API_KEYS, write_api_keys
+from tests.services.router_fleet import API_KEYS, engine_load, wait_until, write_api_keys
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,7 +35,7 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         model_dir=tiny_model_dir,
         num_engines=1,
         api_keys=write_api_keys(work / "keys.json"),
-        engine_args=("--num-kv-blocks", "256"),
+        engine_args=("--num-kv-blocks", "256", "--max-concurrent-requests", "4"),
         log_dir=work / "logs",
         start_timeout_s=120,
     )
@@ -306,3 +306,23 @@ def test_async_client_streams_concurrent_requests(fleet: Fleet, model: str) -> N
 
     texts = asyncio.run(run())
     assert len(set(texts)) > 1
+
+
+def test_full_engine_is_429_and_disconnects_free_the_engine(client: OpenAI, model: str,
+                                                           fleet: Fleet) -> None:
+    # The engine takes 4 requests in flight (--max-concurrent-requests 4); a 5th is refused.
+    streams = [
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+        for _ in range(4)
+    ]
+    try:
+        with pytest.raises(openai.RateLimitError, match="capacity") as info:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+        assert info.value.status_code == 429
+    finally:
+        for stream in streams:
+            stream.close()  # the client goes away mid-stream
+    address = fleet.engines[0].address
+    wait_until(lambda: engine_load(address).num_running == 0, 20,
+               what="the disconnected streams' requests to be aborted")
