@@ -23,8 +23,10 @@ _SOURCES = [
     Path(__file__).with_name("fused_elementwise.cpp"),
 ]
 # -ffast-math lets GCC vectorise expf through glibc's libmvec; the kernels never rely on
-# infinities or NaNs.
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"]
+# infinities or NaNs. -fopenmp makes at::parallel_for (an inline OpenMP loop in the ATen
+# headers) really parallel in our code; without it every kernel runs on one core. torch
+# ships GNU OpenMP too, so both resolve to the one libgomp already loaded.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -63,6 +65,7 @@ def load() -> bool:
                 name="kvfleet_cpu_ops",
                 sources=[str(s) for s in _SOURCES],
                 extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(_build_dir()),
                 is_python_module=False,
                 verbose=False,
