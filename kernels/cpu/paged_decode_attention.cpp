@@ -3,9 +3,10 @@
 //
 // Shapes: q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D] (contiguous);
 // block_tables [B, max_blocks] int32; context_lens [B] int32; out [B, H, D].
-// Work is split over (request, kv head); each task handles the H / KVH query heads that share
-// one KV head (GQA), so every K/V row is loaded once per task. Accumulation is in float32 with
-// a numerically safe softmax (max subtracted).
+// Work is split over requests; a task walks its context token by token and reads each K (then
+// V) row once for all heads (GQA: H / KVH query heads share a KV head), so the cache streams
+// contiguously from memory. Accumulation is in float32 with a numerically safe softmax (max
+// subtracted); each head's arithmetic order is the same as one head at a time.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -31,21 +32,21 @@ inline void axpy(float a, const T* __restrict v, float* __restrict out, int64_t 
 }
 
 template <typename T>
-void decode_task(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                 int32_t ctx_len, T* out, int64_t kvh, int64_t num_kv_heads, int64_t group,
-                 int64_t d, int64_t block_size, float scale) {
-  std::vector<float> qf(group * d), scores(group * ctx_len), acc(group * d, 0.f);
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d; ++i)
-      qf[g * d + i] = static_cast<float>(q[(kvh * group + g) * d + i]) * scale;
-  const int64_t row = num_kv_heads * d;
+void decode_request(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                    int32_t ctx_len, T* out, int64_t h, int64_t num_kv_heads, int64_t d,
+                    int64_t block_size, float scale) {
+  const int64_t group = h / num_kv_heads, row = num_kv_heads * d;
+  std::vector<float> qf(h * d), scores(h * ctx_len), acc(h * d, 0.f);
+  for (int64_t i = 0; i < h * d; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  // Token-major: each token's K (then V) row, all KV heads, is read once and contiguously.
   for (int32_t t = 0; t < ctx_len; ++t) {
     const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* k = k_cache + slot * row + kvh * d;
-    for (int64_t g = 0; g < group; ++g) scores[g * ctx_len + t] = dot(&qf[g * d], k, d);
+    const T* k_row = k_cache + slot * row;
+    for (int64_t head = 0; head < h; ++head)
+      scores[head * ctx_len + t] = dot(&qf[head * d], k_row + (head / group) * d, d);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = &scores[g * ctx_len];
+  for (int64_t head = 0; head < h; ++head) {
+    float* s = &scores[head * ctx_len];
     // Built with -ffast-math (vectorised expf from libmvec), so no infinities: start from s[0].
     float m = s[0];
 #pragma omp simd reduction(max : m)
@@ -62,11 +63,11 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   }
   for (int32_t t = 0; t < ctx_len; ++t) {
     const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const T* v = v_cache + slot * row + kvh * d;
-    for (int64_t g = 0; g < group; ++g) axpy(scores[g * ctx_len + t], v, &acc[g * d], d);
+    const T* v_row = v_cache + slot * row;
+    for (int64_t head = 0; head < h; ++head)
+      axpy(scores[head * ctx_len + t], v_row + (head / group) * d, &acc[head * d], d);
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d; ++i) out[(kvh * group + g) * d + i] = static_cast<T>(acc[g * d + i]);
+  for (int64_t i = 0; i < h * d; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
 template <typename T>
@@ -75,19 +76,17 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
          double scale) {
   const int64_t b = q.size(0), h = q.size(1), d = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = h / num_kv_heads, max_blocks = tables.size(1);
+  const int64_t max_blocks = tables.size(1);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, b * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / num_kv_heads, kvh = task % num_kv_heads;
-      decode_task<T>(qp + r * h * d, kp, vp, tp + r * max_blocks, lp[r], op + r * h * d, kvh,
-                     num_kv_heads, group, d, block_size, static_cast<float>(scale));
-    }
+  at::parallel_for(0, b, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      decode_request<T>(qp + r * h * d, kp, vp, tp + r * max_blocks, lp[r], op + r * h * d, h,
+                        num_kv_heads, d, block_size, static_cast<float>(scale));
   });
 }
 
