@@ -200,3 +200,11 @@ def test_only_rows_that_ask_get_logprobs_with_their_own_k():
     assert first is not None and third is not None
     assert [t.token_id for t in first.top] == [3]
     assert [t.token_id for t in third.top] == [3, 2, 1]
+
+
+def test_greedy_ties_take_the_first_maximum_like_argmax():
+    logits = torch.zeros(2, 50)
+    logits[0, [7, 30]] = 2.0
+    logits[1, [3, 4, 49]] = 1.0
+    out = Sampler(0)(logits, [row(temperature=0.0), row(temperature=0.0)])
+    assert out.token_ids == [7, 3]
