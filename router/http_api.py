@@ -122,12 +122,12 @@ class OpenAIApi:
                 set_tenant(tenant)
                 router_requests = body.to_router_requests()
                 model = await self._model(body.model)
+                echo = await self._echo_texts(body, router_requests)
                 stream = _run_prompts(self._pipeline, router_requests, tenant)
                 first = await anext(stream)
             except Exception as exc:
                 span.end()
                 return self._failed(tenant, exc)
-            echo = await self._echo_texts(body, router_requests)
             choices = Choices(n=body.n, kind=kind, logprobs=_wants_logprobs(body))
             prefix = "cmpl" if kind == "completion" else "chatcmpl"
             renderer = StreamRenderer(choices, *new_id(prefix), model,
@@ -200,9 +200,10 @@ class OpenAIApi:
         return self._auth.tenant_for(list(request.headers.items()))
 
     async def _model(self, requested: str | None) -> str:
-        served = await self._pipeline.selector.served_models()
+        """The model name to answer with; routing answers 404 for one no engine serves."""
         if requested:
-            return requested  # routing answers 404 for a model no engine serves
+            return requested
+        served = await self._pipeline.selector.served_models()
         return served[0] if served else ""
 
     async def _echo_texts(
