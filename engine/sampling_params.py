@@ -38,6 +38,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs. k: the sampled token's logprob plus the k most likely (k may be 0).
     logprobs: int | None = None
+    # The same for every prompt token after the first (whose entry is None). Such requests
+    # compute their whole prompt: they take no prefix-cache hits (vLLM).
+    prompt_logprobs: int | None = None
     # Stop strings, matched on the detokenized text (the LLM API or the router applies them).
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -83,6 +86,10 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         for index, value in enumerate(self.stop):
             if not isinstance(value, str) or not value:
                 raise ValueError(f"stop[{index}] must be a non-empty string, got {value!r}")

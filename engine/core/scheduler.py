@@ -62,6 +62,9 @@ class RequestUpdate:
     finished: bool
     # Parallel to new_token_ids when the request asked for logprobs; None otherwise.
     new_logprobs: list[TokenLogprobs] | None = None
+    # On the request's first update only, when it asked for prompt_logprobs: one entry per
+    # prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Scheduler:

@@ -45,6 +45,8 @@ def test_defaults_match_vllm():
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"stop": ["ok", ""]}, "stop"),
     ],
 )
