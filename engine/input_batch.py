@@ -6,6 +6,10 @@ and positions are concatenated into one flat batch; every token gets a cache slo
 form the decode batch; the rest are prefill segments. `sample_indices` are the flat positions
 whose hidden states produce logits: the last token of each request that reaches the end of its
 known tokens this step.
+
+A request still owing prompt logprobs (`Request.needs_prompt_logprobs`) also gets a
+`PromptLogprobRows`: its positions p in this chunk with p + 1 < num_prompt_tokens, which are
+contiguous flat rows, and the prompt tokens p + 1 they predict. Other requests add nothing.
 """
 
 from __future__ import annotations
@@ -19,12 +23,24 @@ from engine.core.scheduler import ScheduledRequest
 
 
 @dataclass(frozen=True)
+class PromptLogprobRows:
+    """Flat rows [offset, offset + len(target_ids)) of one request's chunk: the logits of row
+    j give the logprob of prompt token target_ids[j] (the token after row j's position)."""
+
+    request_id: str
+    offset: int
+    target_ids: list[int]
+    num_top: int
+
+
+@dataclass(frozen=True)
 class ModelInput:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_indices: torch.Tensor
     sampled_requests: list[ScheduledRequest]
+    prompt_logprob_rows: list[PromptLogprobRows]
 
 
 def _context_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
@@ -48,6 +64,7 @@ def build_model_input(
     decode_lens: list[int] = []
     sample_indices: list[int] = []
     sampled: list[ScheduledRequest] = []
+    prompt_rows: list[PromptLogprobRows] = []
     offset = 0
     for item in scheduled:
         request, n = item.request, item.num_new_tokens
@@ -64,6 +81,8 @@ def build_model_input(
             context = _context_slots(table, start + n, block_size)
             slots.extend(context[start:].tolist())
             prefills.append(PrefillSegment(offset, offset + n, start, context))
+        if request.needs_prompt_logprobs:
+            prompt_rows.extend(_prompt_logprob_rows(item, offset))
         offset += n
         if item.samples:
             sample_indices.append(offset - 1)
@@ -81,7 +100,21 @@ def build_model_input(
         meta=meta,
         sample_indices=torch.tensor(sample_indices, dtype=torch.int64),
         sampled_requests=sampled,
+        prompt_logprob_rows=prompt_rows,
     )
+
+
+def _prompt_logprob_rows(item: ScheduledRequest, offset: int) -> list[PromptLogprobRows]:
+    request = item.request
+    start = request.num_computed_tokens
+    # Position p predicts token p + 1, so the prompt's last position has no prompt entry (its
+    # logits give the first sampled token instead).
+    end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+    if end <= start:
+        return []
+    num_top = request.sampling_params.prompt_logprobs or 0
+    targets = request.prompt_token_ids[start + 1 : end + 1]
+    return [PromptLogprobRows(request.request_id, offset, targets, num_top)]
 
 
 def _decode_batch(

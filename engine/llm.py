@@ -6,7 +6,8 @@ per prompt. A prompt with n > 1 becomes n engine requests (engine.parallel_sampl
 that share the prompt's KV blocks through the prefix cache; its RequestOutput lists the n
 samples in index order. Stop strings and logprobs are tracked per sample
 (engine.output_processor); a sample whose text reaches a stop string is stopped in the engine
-at once, so its blocks are freed.
+at once, so its blocks are freed. Prompt logprobs are the first sample's (only it computes
+them; see engine.parallel_sampling).
 """
 
 from __future__ import annotations
@@ -190,4 +191,5 @@ class LLM:
             finished=all(sample.finished for sample in samples),
             # The first sample's hit: its siblings' extra hits are on its own blocks.
             num_cached_tokens=first.num_cached_tokens or 0,
+            prompt_logprobs=samples[0].prompt_logprob_dicts(),
         )

@@ -218,7 +218,9 @@ class LLMEngine:
         block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
                      for s in out.scheduled}
         sampled = self.runner.execute(out.scheduled, block_ids)
-        updates = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs)
+        updates = self.scheduler.update_from_output(
+            out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs
+        )
         for update in updates:
             request = update.request
             if request.num_output_tokens == 1:

@@ -1,8 +1,15 @@
 """Runs one engine step on the model: flat batch in, one sampled token per finishing request out
-(plus its logprobs when the request asked for them).
+(plus its logprobs when the request asked for them), and the prompt logprobs of this step's
+prefill chunks for requests that still owe them.
 
 Owns the paged KV cache tensors (one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor
 per layer, in the model's dtype), the sampler and the per-request generators of seeded requests.
+
+Prompt logprobs use the sampled-token definition (engine.sampler): raw log_softmax of the
+float32 logits at position p, gathered at prompt token p + 1, rank and top-k by
+`gather_logprobs`. Their logits are computed at most `PROMPT_LOGPROBS_MAX_ROWS` rows at a time,
+so a long chunk never holds [chunk, vocab] float32 logits at once. Batches where no request
+owes them skip all of this (an empty list check).
 """
 
 from __future__ import annotations
@@ -12,12 +19,16 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.scheduler import ScheduledRequest
-from engine.input_batch import build_model_input
+from engine.input_batch import PromptLogprobRows, build_model_input
 from engine.logprobs import TokenLogprobs
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
-from engine.sampler import Sampler, SamplingRow
+from engine.sampler import Sampler, SamplingRow, gather_logprobs
+
+# Rows of prompt-logprob logits per piece: 256 x 49,152 (SmolLM2's vocab) float32 is 48 MiB,
+# against 384 MiB for a whole 2,048-token chunk.
+PROMPT_LOGPROBS_MAX_ROWS = 256
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -28,10 +39,13 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """One step's samples by request id; `logprobs` only has requests that asked for them."""
+    """One step's samples by request id; `logprobs` only has requests that asked for them;
+    `prompt_logprobs` the entries of this step's prompt positions of requests owing them
+    (position p's entry is prompt token p + 1's)."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -97,16 +111,34 @@ class ModelRunner:
     ) -> RunnerOutput:
         batch = build_model_input(scheduled, block_ids, self.block_size, self.use_decode_kernel)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        prompt_logprobs = {
+            rows.request_id: self._prompt_logprobs(hidden, rows)
+            for rows in batch.prompt_logprob_rows
+        }
         if not batch.sampled_requests:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         rows = [self._sampling_row(item.request) for item in batch.sampled_requests]
         sampled = self.sampler(logits, rows)
         ids = [item.request.request_id for item in batch.sampled_requests]
         token_ids = dict(zip(ids, sampled.token_ids, strict=True))
         if sampled.logprobs is None:
-            return RunnerOutput(token_ids)
+            return RunnerOutput(token_ids, prompt_logprobs=prompt_logprobs)
         logprobs = {
             rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None
         }
-        return RunnerOutput(token_ids, logprobs)
+        return RunnerOutput(token_ids, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: PromptLogprobRows
+    ) -> list[TokenLogprobs]:
+        targets = torch.tensor(rows.target_ids, dtype=torch.int64)
+        num_rows = len(rows.target_ids)
+        entries: list[TokenLogprobs] = []
+        for lo in range(0, num_rows, PROMPT_LOGPROBS_MAX_ROWS):
+            hi = min(lo + PROMPT_LOGPROBS_MAX_ROWS, num_rows)
+            # A request's rows are contiguous, so the slice is a view, not a copy.
+            piece = hidden[rows.offset + lo : rows.offset + hi]
+            logprobs = self.model.compute_logits(piece).log_softmax(dim=-1)
+            entries.extend(gather_logprobs(logprobs, targets[lo:hi], [rows.num_top] * (hi - lo)))
+        return entries

@@ -16,6 +16,9 @@ Invariants:
   to the match. A match on the request's last token wins over finish_reason "length" (vLLM).
 - logprobs: one dict per token, the sampled token first (with its own rank), then the top-k
   not already in it; cumulative_logprob sums the sampled logprobs. Both None unless asked.
+- prompt logprobs: kept from the request's first update (the only one carrying them) and
+  shaped the same way, the prompt token in place of the sampled one; the first prompt token's
+  entry stays None. None unless asked.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class CompletionTracker:
         self._tokenizer = tokenizer
         params = request.sampling_params
         self._logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        self._prompt_logprobs: list[TokenLogprobs | None] | None = None
         self._matcher: StopStringMatcher | None = None
         self._detokenizer: IncrementalDetokenizer | None = None
         if params.stop:
@@ -52,6 +56,8 @@ class CompletionTracker:
             return None
         if self._logprobs is not None and update.new_logprobs is not None:
             self._logprobs.extend(update.new_logprobs)
+        if update.prompt_logprobs is not None:
+            self._prompt_logprobs = update.prompt_logprobs
         self.finished = update.finished
         if self._matcher is not None:
             self.stop_string = self._match(update)
@@ -103,17 +109,25 @@ class CompletionTracker:
             cumulative_logprob=cumulative,
         )
 
+    def prompt_logprob_dicts(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's RequestOutput.prompt_logprobs: None first, then one dict per prompt token."""
+        if self._prompt_logprobs is None:
+            return None
+        return [None if token is None else self._dict(token) for token in self._prompt_logprobs]
+
     def _logprob_dicts(self) -> tuple[list[dict[int, Logprob]] | None, float | None]:
         if self._logprobs is None:
             return None, None
-        dicts = []
-        for token in self._logprobs:
-            entry = {token.sampled.token_id: self._decoded(token.sampled)}
-            for alternative in token.top:
-                if alternative.token_id not in entry:
-                    entry[alternative.token_id] = self._decoded(alternative)
-            dicts.append(entry)
+        dicts = [self._dict(token) for token in self._logprobs]
         return dicts, sum(token.sampled.logprob for token in self._logprobs)
+
+    def _dict(self, token: TokenLogprobs) -> dict[int, Logprob]:
+        # The scored token first (with its own rank), then the top-k not already in it (vLLM).
+        entry = {token.sampled.token_id: self._decoded(token.sampled)}
+        for alternative in token.top:
+            if alternative.token_id not in entry:
+                entry[alternative.token_id] = self._decoded(alternative)
+        return entry
 
     def _decoded(self, logprob: Logprob) -> Logprob:
         return dataclasses.replace(logprob, decoded_token=self._token_text(logprob.token_id))

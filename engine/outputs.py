@@ -2,7 +2,9 @@
 
 A prompt's RequestOutput holds one CompletionOutput per sample (`n`), index 0..n-1. Logprobs
 follow vLLM: one dict per generated token, keyed by token id, holding the sampled token (first)
-and the top-k alternatives; None when the request did not ask for logprobs.
+and the top-k alternatives; None when the request did not ask for logprobs. Prompt logprobs
+likewise: None for the first prompt token, then one dict per prompt token holding that token
+and the top-k alternatives; None when the request did not ask for prompt_logprobs.
 """
 
 from __future__ import annotations
@@ -38,3 +40,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # One entry per prompt token (the first is None); with n > 1, the first sample's.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -4,6 +4,9 @@ A request with n samples becomes n independent requests with n=1 over the same p
 share the prompt's KV blocks through the prefix cache (blocks are cached when allocated, so a
 sibling scheduled in the same step already hits them). A seeded parent gives child i the
 seed `seed + i`, so every sample is reproducible and the samples differ from each other.
+Only child 0 keeps `prompt_logprobs`: the prompt's logprobs are the same for every sample, and
+a request asking for them takes no prefix-cache hits, so the others would recompute the whole
+prompt for nothing instead of sharing child 0's blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ def child_request_id(parent_id: str, index: int) -> str:
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed = None if params.seed is None else params.seed + index
-    return dataclasses.replace(params, n=1, seed=seed)
+    prompt_logprobs = params.prompt_logprobs if index == 0 else None
+    return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def fan_out(parent_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:

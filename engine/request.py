@@ -3,6 +3,12 @@
 There is no prefill or decode phase: `num_computed_tokens` of `all_token_ids` have KV in the
 cache and the rest still have to be computed. `block_hashes` covers every full block of
 `all_token_ids` and grows as output tokens fill blocks.
+
+Prompt logprobs: a request that asks for them owes them until its first sampled token goes
+out (`needs_prompt_logprobs`); meanwhile each prefill chunk's entries are written into
+`pending_prompt_logprobs` by prompt position, and the list is handed over (and emptied) with
+that first token. Once delivered they are never computed again, not even when a preempted
+request recomputes its prompt.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, hash_token_blocks
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -85,6 +92,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     preemption_times: list[float] = field(default_factory=list)
+    # Entry i is prompt token i's logprobs (entry 0 is None: nothing precedes it); filled chunk
+    # by chunk while `needs_prompt_logprobs`, emptied when handed over with the first token.
+    pending_prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -101,6 +111,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not yet sent them (they go with the first token)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def sort_key(self) -> tuple[int, int]:

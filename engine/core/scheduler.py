@@ -9,8 +9,17 @@ place by arrival. Finished requests free their blocks at once, including those e
 outside: aborted, or stopped by a stop string that the caller matched on the detokenized text.
 Each update carries the sampled tokens' logprobs when the request asked for them.
 
+Prompt logprobs (vLLM semantics): a request that still owes them (`Request.needs_prompt_logprobs`)
+is admitted without a prefix-cache lookup, since positions served from the cache would have no
+logits; its blocks are still cached for others. Each chunk's entries are written into the
+request by prompt position, and the whole list, [None, entry for token 1, ...], goes out once,
+on the update carrying the first sampled token. Once it has gone out, a request resuming from
+preemption looks up the cache like any other: its recompute needs no prompt logits.
+
 Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`) or `running`; no
-waiting request is admitted in a step that preempted.
+waiting request is admitted in a step that preempted; a request's prompt logprobs are sent at
+most once, complete (one entry per prompt token) and free of duplicates, even when preemption
+made it recompute its prompt.
 """
 
 from __future__ import annotations
@@ -137,7 +146,10 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            # Cached positions would have no logits, so a request owing prompt logprobs
+            # computes its whole prompt (vLLM); it makes no lookup and counts as no query.
+            looked_up = not request.needs_prompt_logprobs
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request) if looked_up else ([], 0)
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -145,7 +157,8 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
             self.waiting.pop(0)
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            if looked_up:
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
@@ -159,6 +172,9 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        # Its prompt is recomputed from position 0, rewriting any entries still owed; drop
+        # them now rather than hold them while it waits.
+        request.pending_prompt_logprobs.clear()
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         request.preemption_times.append(time.monotonic())
@@ -171,28 +187,40 @@ class Scheduler:
         out: SchedulerOutput,
         sampled: dict[str, int],
         logprobs: dict[str, TokenLogprobs] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
     ) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, finish and free stopped requests.
 
-        `logprobs` holds the sampled tokens' logprobs of the requests that asked for them.
+        `logprobs` holds the sampled tokens' logprobs of the requests that asked for them;
+        `prompt_logprobs` this step's prompt entries of requests owing them, one per scheduled
+        position p with p + 1 < num_prompt_tokens (the entry of prompt token p + 1).
         """
         logprobs = logprobs or {}
+        prompt_logprobs = prompt_logprobs or {}
         updates = []
         for item in out.scheduled:
             request = item.request
             if request.status.finished:
                 continue  # aborted while the step ran
+            start = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens
+            entries = prompt_logprobs.get(request.request_id)
+            if entries is not None:
+                _store_prompt_logprobs(request, start, entries)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
+            owes_prompt_logprobs = request.needs_prompt_logprobs
             request.append_output_token(token)
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)
             token_logprobs = logprobs.get(request.request_id)
             new_logprobs = None if token_logprobs is None else [token_logprobs]
-            updates.append(RequestUpdate(request, [token], status is not None, new_logprobs))
+            prompt = _take_prompt_logprobs(request) if owes_prompt_logprobs else None
+            updates.append(
+                RequestUpdate(request, [token], status is not None, new_logprobs, prompt)
+            )
         return updates
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -236,3 +264,24 @@ class Scheduler:
             raise AssertionError("a request is lost or queued twice")
         if [r.sort_key for r in self.waiting] != sorted(r.sort_key for r in self.waiting):
             raise AssertionError("waiting queue is out of order")
+
+
+def _store_prompt_logprobs(request: Request, start: int, entries: list[TokenLogprobs]) -> None:
+    """Write one chunk's entries, which start at prompt token `start + 1`."""
+    pending = request.pending_prompt_logprobs
+    if not pending:
+        pending.append(None)  # prompt token 0: nothing precedes it
+    # No prefix hits and no skipped chunk, so the entries before this chunk are all there.
+    assert len(pending) >= start + 1, "prompt logprobs chunk out of order"
+    # Written by position, not appended: a prompt recomputed after preemption replaces its
+    # entries rather than duplicating them.
+    pending[start + 1 :] = entries
+
+
+def _take_prompt_logprobs(request: Request) -> list[TokenLogprobs | None]:
+    """Hand over the whole list with the first token; the request keeps nothing."""
+    # A one-token prompt never ran a chunk with entries: its list is just [None].
+    taken = request.pending_prompt_logprobs or [None]
+    request.pending_prompt_logprobs = []
+    assert len(taken) == request.num_prompt_tokens, "prompt logprobs incomplete"
+    return taken
