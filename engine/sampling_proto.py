@@ -42,6 +42,7 @@ def to_sampling_params(proto: common_pb2.SamplingParams) -> SamplingParams:
             proto.repetition_penalty if proto.HasField("repetition_penalty") else 1.0
         ),
         logprobs=_logprobs(proto),
+        prompt_logprobs=proto.prompt_logprobs if proto.HasField("prompt_logprobs") else None,
         stop=list(proto.stop),
         include_stop_str_in_output=proto.include_stop_str_in_output,
     )

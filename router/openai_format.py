@@ -11,6 +11,8 @@ Invariants:
   completion_tokens adds up every sample.
 - Logprob token strings come from the tokenizer service (each id decoded on its own), the
   completions shape carries text_offset into the choice's text (echoed prompt included).
+  With echo and logprobs the prompt's tokens come first (the first with logprob None), from
+  the engine's prompt logprobs.
 """
 
 from __future__ import annotations
@@ -73,9 +75,11 @@ class Choices:
         """Fold one message in; returns its choice and this message's logprobs (rendered)."""
         choice = self.choice(prompt_index, response)
         choice.text += prefix + response.text_delta
-        choice.offset += len(prefix)
+        with_prompt = bool(prefix) and bool(response.prompt_logprobs)
+        if not with_prompt:  # echoed prompt tokens advance the offset themselves
+            choice.offset += len(prefix)
         choice.completion_tokens += len(response.token_ids)
-        rendered = self._logprobs(choice, response, token_texts)
+        rendered = self._logprobs(choice, response, token_texts, with_prompt)
         if response.HasField("finish_reason"):
             choice.finish_reason = response.finish_reason
             choice.stop_reason = stop_reason(response)
@@ -90,6 +94,7 @@ class Choices:
         choice: Choice,
         response: router_pb2.RouterGenerateResponse,
         texts: dict[int, str],
+        with_prompt: bool = False,
     ) -> Json | list[Json] | None:
         if not self.logprobs:
             return None
@@ -99,18 +104,15 @@ class Choices:
             choice.chat_logprobs.extend(entries)
             return entries
         delta: Json = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if with_prompt:
+            # echo + logprobs: the prompt's tokens come first; the first has no logprob.
+            first = response.prompt_token_ids[0] if response.prompt_token_ids else None
+            if first is not None:
+                _completion_entry(choice, delta, texts.get(first, ""), None, texts)
+            for lp in response.prompt_logprobs:
+                _completion_entry(choice, delta, texts.get(lp.sampled.token_id, ""), lp, texts)
         for lp in response.logprobs:
-            token = texts.get(lp.sampled.token_id, "")
-            # Tokens can decode to the same string (byte pieces): keep the likelier entry.
-            top: dict[str, float] = {}
-            for alternative in lp.top:
-                top.setdefault(texts.get(alternative.token_id, ""), alternative.logprob)
-            top.setdefault(token, lp.sampled.logprob)
-            delta["tokens"].append(token)
-            delta["token_logprobs"].append(lp.sampled.logprob)
-            delta["top_logprobs"].append(top)
-            delta["text_offset"].append(choice.offset)
-            choice.offset += len(token)
+            _completion_entry(choice, delta, texts.get(lp.sampled.token_id, ""), lp, texts)
         assert choice.completion_logprobs is not None
         for key, values in delta.items():
             choice.completion_logprobs[key].extend(values)
@@ -214,11 +216,29 @@ def usage_chunk(response_id: str, model: str, created: int, obj: str, usage: Jso
 
 
 def logprob_token_ids(response: router_pb2.RouterGenerateResponse) -> list[int]:
-    ids: list[int] = []
-    for lp in response.logprobs:
+    ids: list[int] = list(response.prompt_token_ids[:1])
+    for lp in (*response.prompt_logprobs, *response.logprobs):
         ids.append(lp.sampled.token_id)
         ids.extend(t.token_id for t in lp.top)
     return ids
+
+
+def _completion_entry(
+    choice: Choice, delta: Json, token: str, lp: common_pb2.TokenLogprobs | None,
+    texts: dict[int, str],
+) -> None:
+    top: dict[str, float] | None = None
+    if lp is not None:
+        # Tokens can decode to the same string (byte pieces): keep the likelier entry.
+        top = {}
+        for alternative in lp.top:
+            top.setdefault(texts.get(alternative.token_id, ""), alternative.logprob)
+        top.setdefault(token, lp.sampled.logprob)
+    delta["tokens"].append(token)
+    delta["token_logprobs"].append(None if lp is None else lp.sampled.logprob)
+    delta["top_logprobs"].append(top)
+    delta["text_offset"].append(choice.offset)
+    choice.offset += len(token)
 
 
 def stop_reason(response: router_pb2.RouterGenerateResponse) -> int | str | None:

@@ -9,8 +9,8 @@ Invariants:
 - Every value is checked before anything is computed: field types and ranges here (pydantic),
   sampling rules by the router with the engine's own validation. A problem is a ValueError
   naming the parameter (HTTP 400).
-- OpenAI features kvfleet does not implement (logit_bias, suffix, best_of != n, echo with
-  logprobs) are refused by name, never silently ignored.
+- OpenAI features kvfleet does not implement (logit_bias, suffix, best_of != n) are refused
+  by name, never silently ignored.
 - Unknown extra fields are ignored, as vLLM does.
 """
 
@@ -118,9 +118,9 @@ class CompletionRequest(_SamplingBody):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (best_of sampling is not supported)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (prompt logprobs) is not supported")
         params = self.sampling(self.max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params.prompt_logprobs = self.logprobs  # the echoed prompt shows its logprobs
         requests = []
         for prompt in self.prompts():
             request = _router_request(self, params)

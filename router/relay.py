@@ -42,6 +42,7 @@ class ResponseRelay:
         self._include_stop = include_stop_str_in_output
         self._request_id = request_id
         self._engine_request_id = engine_request_id
+        self._prompt_ids = list(prompt_ids)
         self._num_prompt_tokens = len(prompt_ids)
         self._min_tokens = min_tokens
         self._stream = stream
@@ -79,6 +80,9 @@ class ResponseRelay:
         check = self._num_completion_tokens >= self._min_tokens
         emitted = self._matcher.add(text, check)
         response = router_pb2.RouterGenerateResponse(token_ids=ids, logprobs=message.logprobs)
+        if message.prompt_logprobs:
+            response.prompt_token_ids.extend(self._prompt_ids)
+            response.prompt_logprobs.extend(message.prompt_logprobs)
         if self._matcher.matched is not None:
             last = message if final else await self._stream.abort(self._engine_request_id)
             self._finish_on_stop_string(response, last, self._matcher.matched)

@@ -79,6 +79,9 @@ class GenerateOutput:
     timing: RequestTiming | None = None
     # Parallel to token_ids when the request asked for logprobs.
     logprobs: Sequence[TokenLogprobs] | None = None
+    # On the first item only, when the request asked for prompt_logprobs: one entry per prompt
+    # token after the first.
+    prompt_logprobs: Sequence[TokenLogprobs] | None = None
 
     @classmethod
     def of(
@@ -87,12 +90,17 @@ class GenerateOutput:
         new_token_ids: Sequence[int],
         finished: bool,
         logprobs: Sequence[TokenLogprobs] | None = None,
+        prompt_logprobs: Sequence[TokenLogprobs | None] | None = None,
     ) -> GenerateOutput:
         # Built on the engine thread: a snapshot, since the Request keeps changing there.
         return cls(
             request_id=request.request_id,
             token_ids=list(new_token_ids),
             logprobs=logprobs,
+            prompt_logprobs=(
+                None if prompt_logprobs is None
+                else [lp for lp in prompt_logprobs if lp is not None]
+            ),
             finished=finished,
             finish_reason=request.status.finish_reason if finished else None,
             stop_reason=request.stop_reason if finished else None,
@@ -338,7 +346,8 @@ class AsyncEngine:
             if update.finished:
                 del self._live[request_id]
             output = GenerateOutput.of(
-                update.request, update.new_token_ids, update.finished, update.new_logprobs
+                update.request, update.new_token_ids, update.finished, update.new_logprobs,
+                update.prompt_logprobs,
             )
             deliveries.append((request_id, seq, output))
         self._deliver(deliveries)

@@ -124,6 +124,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
         if output.logprobs:
             response.logprobs.extend(_logprobs_proto(lp) for lp in output.logprobs)
+        if output.prompt_logprobs:
+            response.prompt_logprobs.extend(_logprobs_proto(lp) for lp in output.prompt_logprobs)
         if not output.finished:
             return response
         response.finish_reason = output.finish_reason or "stop"

@@ -214,6 +214,27 @@ def test_frequency_penalty_lowers_repeats(client: OpenAI, model: str) -> None:
     assert repeats(2.0) < repeats(0.0)
 
 
+def test_echo_with_logprobs_shows_the_prompt_tokens_first(client: OpenAI, model: str) -> None:
+    result = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                       echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    choice, usage = result.choices[0], result.usage
+    assert choice.text.startswith(PROMPT) and usage is not None
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert len(logprobs.tokens) == usage.prompt_tokens + usage.completion_tokens
+    values = logprobs.token_logprobs or []
+    assert values[0] is None and (logprobs.top_logprobs or [])[0] is None
+    assert all(v is not None and v <= 0.0 for v in values[1:])
+    offsets = logprobs.text_offset or []
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    # The generated part is the same as without echo.
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                      logprobs=1, extra_body={"ignore_eos": True})
+    tail = plain.choices[0].logprobs
+    assert tail is not None and tail.token_logprobs is not None
+    assert values[-3:] == pytest.approx(tail.token_logprobs)
+
+
 def test_echo_and_default_max_tokens(client: OpenAI, model: str, tokenizer: Tokenizer) -> None:
     echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0,
                                        echo=True)

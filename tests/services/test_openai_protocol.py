@@ -25,6 +25,13 @@ def test_completion_defaults_and_extra_fields() -> None:
     assert not params.HasField("logprobs")
 
 
+def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
+    (request,) = CompletionRequest(prompt="hi", echo=True, logprobs=2).to_router_requests()
+    assert request.sampling_params.prompt_logprobs == 2
+    (plain,) = CompletionRequest(prompt="hi", logprobs=2).to_router_requests()
+    assert not plain.sampling_params.HasField("prompt_logprobs")
+
+
 def test_completion_batches_of_prompts_and_token_ids() -> None:
     requests = CompletionRequest(prompt=["a", "b"], n=2).to_router_requests()
     assert [r.prompt for r in requests] == ["a", "b"]
@@ -54,7 +61,6 @@ def test_chat_max_tokens_unset_means_rest_of_context_and_top_logprobs_fold() -> 
         (CompletionRequest(prompt="x", logit_bias={"1": 2.0}), "logit_bias"),
         (CompletionRequest(prompt="x", suffix="y"), "suffix"),
         (CompletionRequest(prompt="x", best_of=3), "best_of"),
-        (CompletionRequest(prompt="x", echo=True, logprobs=1), "echo"),
         (CompletionRequest(prompt=""), "prompt"),
         (CompletionRequest(prompt="x", stream_options={"include_usage": True}), "stream_options"),
         (ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_logprobs=1),
