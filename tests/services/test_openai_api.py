@@ -154,6 +154,21 @@ def test_n2_gives_two_reproducible_samples_sharing_the_prompt_blocks(
     assert [c.text for c in second.choices] == [c.text for c in first.choices]
 
 
+def test_n2_streams_each_choice_as_the_whole_response(client: OpenAI, model: str) -> None:
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Name two colours."}],
+                  max_tokens=12, seed=8, n=2)
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    texts = {0: "", 1: ""}
+    finishes: dict[int, str | None] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finishes[choice.index] = choice.finish_reason
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+
+
 def test_completion_logprobs(client: OpenAI, model: str) -> None:
     result = client.completions.create(model=model, prompt=PROMPT, max_tokens=6,
                                        temperature=0, logprobs=3,
