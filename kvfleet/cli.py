@@ -25,6 +25,7 @@ import importlib
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -159,7 +160,8 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
         model_dir = prepare_default_model()
     config = FleetConfig(
         model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
-        host=args.host, router_port=args.port, router_http_port=args.http_port,
+        host=args.host, router_port=args.port,
+        router_http_port=http_port_or_free(args.host, args.http_port),
         policy=args.policy, api_keys=args.api_keys,
         engine_args=tuple(args.engine_args), log_dir=args.log_dir,
         engine_threads=args.engine_threads or default_engine_threads(args.engines),
@@ -190,6 +192,21 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
         fleet.stop()
     print("stopped", flush=True)
     return code
+
+
+def http_port_or_free(host: str, port: int) -> int:
+    """`port` if it can be bound now, else 0 (a free one): a busy 8000 must not stop the demo."""
+    if port == 0:
+        return 0
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            print(f"http port {port} is in use; the router takes a free one", flush=True)
+            return 0
+    return port
 
 
 def default_engine_threads(num_engines: int) -> int:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.cli import DEMO_PROMPTS, build_parser, main
+from kvfleet.cli import DEMO_PROMPTS, build_parser, http_port_or_free, main
 from tests.services.router_fleet import child_pids, pid_alive, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -114,3 +115,13 @@ def test_services_die_with_a_killed_owner(tiny_model_dir: Path, tmp_path: Path) 
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+def test_busy_http_port_falls_back_to_a_free_one() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert http_port_or_free("127.0.0.1", port) == 0
+    assert http_port_or_free("127.0.0.1", port) == port  # free again
+    assert http_port_or_free("127.0.0.1", 0) == 0
