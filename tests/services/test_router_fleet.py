@@ -20,6 +20,7 @@ import redis
 from engine.block_hash import hash_token_blocks
 from kvfleet import redis_schema
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.v1 import common_pb2
 from kvfleet.v1.router_pb2 import RouterGenerateRequest
 from router.client import build_request
 from router.engine_pool import EnginePool
@@ -230,6 +231,24 @@ def test_stop_token_ends_the_stream_without_its_text(client: RouterClient) -> No
     assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason.token_id == stop
     # vLLM: the stop token is not part of the text (each delta here is one token's text).
     assert "".join(r.text_delta for r in stopped) == "".join(pieces[:first])
+
+
+def test_n2_streams_two_indexed_samples_from_one_engine(client: RouterClient) -> None:
+    params = common_pb2.SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=6,
+                                       ignore_eos=True, logprobs=1)
+    responses = list(client.stream(build_request(LONG_TEXT, params=params), key(3)))
+    by_index: dict[int, list[int]] = {0: [], 1: []}
+    finals = {}
+    for response in responses:
+        by_index[response.index].extend(response.token_ids)
+        assert len(response.logprobs) == len(response.token_ids)
+        if response.HasField("finish_reason"):
+            finals[response.index] = response
+    assert sorted(finals) == [0, 1]
+    assert all(len(ids) == 6 for ids in by_index.values())
+    assert by_index[0] != by_index[1]
+    assert finals[0].engine_id == finals[1].engine_id
+    assert all(f.usage.completion_tokens == 6 for f in finals.values())
 
 
 def test_client_request_ids_come_back_and_may_repeat(client: RouterClient) -> None:
