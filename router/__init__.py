@@ -1,4 +1,4 @@
-"""kvfleet's router: the public gRPC entry point that picks an engine for every request.
+"""kvfleet's router: the public entry point (gRPC and OpenAI HTTP) that picks an engine per request.
 
 Request path (one module per job):
 
@@ -11,7 +11,15 @@ Request path (one module per job):
 - `engine_pool`     gRPC channels to engines, this replica's in-flight counts, suspects.
 - `forward`         sends the request to the best engine, retrying others before the first
                     token, and relays the engine's token stream.
-- `servicer`        the kvfleet.v1.Router servicer; `server` is the process entry point.
+- `relay`           one engine stream -> text deltas (incremental detokenization, stop strings).
+- `merge`           interleaves several streams (n samples, batched prompts), each tagged.
+- `pipeline`        one request end to end: validate, tokenize, route, forward, relay (n > 1
+                    fans out to one engine); shared by both front doors.
+- `servicer`        the kvfleet.v1.Router gRPC servicer.
+- `http_api`        the OpenAI-compatible HTTP API (`openai_protocol` parses bodies,
+                    `openai_format` / `openai_stream` render JSON and SSE chunks);
+                    `http_server` runs it with uvicorn beside gRPC.
+- `server`          the process entry point.
 
 Invariant: a router holds no state that routing correctness depends on. Everything it
 caches (channels, the block size hint, the last engine list, suspects) is rebuilt from Redis
