@@ -362,3 +362,17 @@ def test_full_engine_is_429_and_disconnects_free_the_engine(client: OpenAI, mode
     address = fleet.engines[0].address
     wait_until(lambda: engine_load(address).num_running == 0, 20,
                what="the disconnected streams' requests to be aborted")
+
+
+def test_sigterm_lets_an_open_http_stream_finish_then_exits_0(fleet: Fleet, model: str) -> None:
+    # Runs last in this module: it stops the module's router.
+    assert fleet.router is not None
+    with OpenAI(base_url=f"{fleet.http_url}/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        stream = c.completions.create(model=model, prompt=PROMPT, max_tokens=300, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        assert first.choices
+        fleet.router.terminate()  # SIGTERM while the stream is open
+        rest = [chunk for chunk in stream if chunk.choices]
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert fleet.router.process.wait(30) == 0, fleet.router.log_tail()
