@@ -20,8 +20,13 @@ def child_request_id(parent_id: str, index: int) -> str:
     return f"{index}_{parent_id}"
 
 
+def child_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: unseeded stays unseeded (the router uses the same rule)."""
+    return None if seed is None else seed + index
+
+
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
+    seed = child_seed(params.seed, index)
     prompt_logprobs = params.prompt_logprobs if index == 0 else None
     return dataclasses.replace(params, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 

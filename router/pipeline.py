@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from engine.parallel_sampling import child_request_id
+from engine.parallel_sampling import child_request_id, child_seed
 from engine.sampling_params import SamplingParams
 from engine.sampling_proto import to_sampling_params
 from kvfleet.logs import set_request_id
@@ -193,8 +193,9 @@ def _samples(
         request_id = engine_request_id
         if params.n > 1:
             request_id = child_request_id(engine_request_id, index)
-            if params.seed is not None:
-                sampling.seed = params.seed + index
+            seed = child_seed(params.seed, index)
+            if seed is not None:
+                sampling.seed = seed
         samples.append(_Sample(index, engine_pb2.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
