@@ -151,8 +151,8 @@ class LLM:
     def _add_samples(
         self, parent_id: str, item: _Prepared, priority: int
     ) -> list[CompletionTracker]:
-        # Children are queued back to back, so they are admitted in order and each one after
-        # the first finds the prompt's full blocks already cached.
+        # Children are queued back to back; the first computes the prompt and the others wait
+        # a step for its blocks, then hit them (the scheduler's computing-block rule).
         samples = []
         for request_id, params in fan_out(parent_id, item.params):
             request = self.engine.add_request(

@@ -5,7 +5,11 @@ Invariants:
   block i holds positions [i * block_size, (i + 1) * block_size).
 - Prefix lookup never returns the block holding the request's last known token: that token must
   be computed to produce logits.
-- Only full blocks whose tokens are known are cached (registered under their hash).
+- A block becomes a cache hit only once its KV has been written by a step that completed:
+  `allocate_slots` registers nothing; the scheduler calls `cache_computed_blocks` after a step's
+  results are in, for full blocks below `num_computed_tokens`. A step that raises therefore
+  leaves its blocks unhashed (they return to the front of the free queue, are never published
+  and never hit), so a failed step cannot poison the cache.
 - Hit blocks are referenced before new blocks are taken, so a request's own hits are never
   evicted to make room for it.
 """
@@ -102,16 +106,23 @@ class KVCacheManager:
         blocks.extend(hits)
         new_blocks = self.pool.allocate(num_new_blocks)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
 
-    def _cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
-    ) -> None:
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV a completed step has written.
+
+        Call only after `request.num_computed_tokens` counts tokens of finished steps: a hash
+        registered here can be served to other requests (and is published to routers).
+        """
         if not self.enable_caching:
             return
+        blocks = self.req_to_blocks.get(request.request_id)
+        if not blocks:
+            return
         start = self._num_cached_blocks.get(request.request_id, 0)
-        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        end = min(
+            request.num_computed_tokens // self.block_size, len(request.block_hashes), len(blocks)
+        )
         for i in range(start, end):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(start, end)

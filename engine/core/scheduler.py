@@ -16,6 +16,12 @@ request by prompt position, and the whole list, [None, entry for token 1, ...], 
 on the update carrying the first sampled token. Once it has gone out, a request resuming from
 preemption looks up the cache like any other: its recompute needs no prompt logits.
 
+Prefix caching: a block becomes a hit only after the step computing its KV has completed
+(`update_from_output` registers it), so a step that raises leaves no poisoned hash behind. A
+waiting request whose first uncached block is being computed in the current step is skipped
+for this step (it keeps its queue place; those behind it may be admitted) and hits that block
+in the next, rather than computing it a second time.
+
 Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`) or `running`; no
 waiting request is admitted in a step that preempted; a request's prompt logprobs are sent at
 most once, complete (one entry per prompt token) and free of duplicates, even when preemption
@@ -28,6 +34,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.logprobs import TokenLogprobs
 from engine.request import Request, RequestStatus
@@ -120,6 +127,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.sort_key)
+        # Full blocks this step will compute: cache hits only after the step completes.
+        computing: set[BlockHash] = set()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -127,11 +136,30 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, out):
                 break
             out.scheduled.append(ScheduledRequest(request, num_new))
+            self._note_computing(request, num_new, computing)
             budget -= num_new
             index += 1
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, computing)
         return out
+
+    def _note_computing(self, request: Request, num_new: int, computing: set[BlockHash]) -> None:
+        if not self.kv.enable_caching:
+            return
+        block_size = self.kv.block_size
+        start = request.num_computed_tokens // block_size
+        end = (request.num_computed_tokens + num_new) // block_size
+        computing.update(request.block_hashes[start:end])
+
+    def _waits_for_computing_block(
+        self, request: Request, num_hit_blocks: int, computing: set[BlockHash]
+    ) -> bool:
+        """Whether the request's first uncached block is being computed in this step.
+
+        Admitting it now would compute that block a second time; next step it is a hit.
+        """
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        return num_hit_blocks < max_blocks and request.block_hashes[num_hit_blocks] in computing
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate, preempting from the unscheduled tail; False if `request` itself was."""
@@ -143,20 +171,27 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash]) -> None:
+        index = 0
+        while (
+            index < len(self.waiting) and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[index]
             # Cached positions would have no logits, so a request owing prompt logprobs
             # computes its whole prompt (vLLM); it makes no lookup and counts as no query.
             looked_up = not request.needs_prompt_logprobs
             hits, num_hit_tokens = self.kv.get_computed_blocks(request) if looked_up else ([], 0)
+            if looked_up and self._waits_for_computing_block(request, len(hits), computing):
+                index += 1  # keeps its place; the ones behind it may go
+                continue
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             if looked_up:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
@@ -167,6 +202,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
+            self._note_computing(request, num_new, computing)
             budget -= num_new
 
     def _preempt(self, request: Request) -> None:
@@ -204,6 +240,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             start = request.num_computed_tokens
             request.num_computed_tokens += item.num_new_tokens
+            # Only now is this step's KV written: its full blocks may become cache hits.
+            self.kv.cache_computed_blocks(request)
             entries = prompt_logprobs.get(request.request_id)
             if entries is not None:
                 _store_prompt_logprobs(request, start, entries)

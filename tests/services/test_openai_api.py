@@ -247,7 +247,10 @@ def test_echo_with_logprobs_shows_the_prompt_tokens_first(client: OpenAI, model:
                                       logprobs=1, extra_body={"ignore_eos": True})
     tail = plain.choices[0].logprobs
     assert tail is not None and tail.token_logprobs is not None
-    assert values[-3:] == pytest.approx(tail.token_logprobs)
+    # The echo request computes its whole prompt while the plain one may reuse cached blocks
+    # and run in another batch shape: float32 reductions then add up in another order, which
+    # moves logprobs by ~1e-6 absolute. 1e-4 is far below any difference between tokens.
+    assert values[-3:] == pytest.approx(tail.token_logprobs, rel=0, abs=1e-4)
 
 
 def test_echo_and_default_max_tokens(client: OpenAI, model: str, tokenizer: Tokenizer) -> None:

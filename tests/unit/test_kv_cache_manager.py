@@ -37,11 +37,13 @@ def free_ids(manager):
 
 
 def admit(manager, request):
-    """What the scheduler does on admission: look up hits, allocate the rest."""
+    """What the scheduler does on admission: look up hits, allocate the rest, and (once the
+    step has completed) cache the computed blocks."""
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     new = manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
     assert new is not None
     request.num_computed_tokens = request.num_tokens
+    manager.cache_computed_blocks(request)
     manager.check_integrity()
     return hits, new
 
@@ -242,26 +244,49 @@ def test_events_stored_and_removed_in_order(manager):
     assert manager.take_events().stored == []
 
 
-def test_chunked_allocation_caches_only_full_scheduled_blocks(manager):
+def test_chunked_allocation_caches_only_full_computed_blocks(manager):
     request = make_request("a", range(10))
     assert ids(manager.allocate_slots(request, 6)) == [0, 1]
-    assert manager.take_events().stored == request.block_hashes[:1]
+    assert manager.take_events().stored == []  # allocated, KV not written yet
     request.num_computed_tokens = 6
+    manager.cache_computed_blocks(request)
+    assert manager.take_events().stored == request.block_hashes[:1]
     assert ids(manager.allocate_slots(request, 4)) == [2]
+    assert manager.take_events().stored == []
+    request.num_computed_tokens = 10
+    manager.cache_computed_blocks(request)
     assert manager.take_events().stored == request.block_hashes[1:2]
     manager.check_integrity()
 
 
-def test_block_filled_by_output_is_cached_when_scheduled(manager):
+def test_block_filled_by_output_is_cached_once_computed(manager):
     request = make_request("a", range(7))
     manager.allocate_slots(request, 7)
     request.num_computed_tokens = 7
+    manager.cache_computed_blocks(request)
     assert manager.take_events().stored == request.block_hashes[:1]
     request.append_output_token(42)  # block 1 full: hash known, KV not yet computed
     assert len(request.block_hashes) == 2
-    assert manager.pool.get_cached_block(request.block_hashes[1]) is None
     manager.allocate_slots(request, 1)
+    manager.cache_computed_blocks(request)
+    assert manager.pool.get_cached_block(request.block_hashes[1]) is None
+    assert manager.take_events().stored == []
+    request.num_computed_tokens = 8
+    manager.cache_computed_blocks(request)
     assert manager.take_events().stored == [request.block_hashes[1]]
+
+
+def test_allocated_but_never_computed_blocks_are_never_hits(manager):
+    """A step that failed after allocation leaves no hash behind (no poisoned cache)."""
+    a = make_request("a", range(12))
+    assert ids(manager.allocate_slots(a, 12)) == [0, 1, 2]
+    # The step raised: num_computed_tokens never advanced, the request is aborted.
+    manager.free(a)
+    assert manager.take_events().stored == []
+    assert free_ids(manager) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]  # uncached: reused first
+    assert manager.get_computed_blocks(make_request("b", range(12), seq=1)) == ([], 0)
+    assert all(block.block_hash is None for block in manager.pool.blocks)
+    manager.check_integrity()
 
 
 def test_reset_prefix_cache(manager):

@@ -184,16 +184,38 @@ def test_prefix_hit_on_admission_skips_cached_tokens(make_harness):
     assert h.kv.stats.hits == 12
 
 
-def test_same_step_duplicate_prompts_share_blocks(make_harness):
+def test_same_step_duplicate_prompt_waits_one_step_then_shares_blocks(make_harness):
     h = make_harness()
     h.add("a", toks(10, 12))
     h.add("b", toks(10, 12))
+    h.add("c", toks(50, 3))
     out, _ = h.step()
-    # a registers its full blocks on allocation; b admitted in the same step hits two of them.
-    assert h.scheduled(out) == [("a", 12), ("b", 4)]
-    assert h.block_ids("a") == [0, 1, 2]
-    assert h.block_ids("b") == [0, 1, 3]
-    assert [blk.ref_cnt for blk in h.kv.pool.blocks[:4]] == [2, 2, 1, 1]
+    # a's blocks become hits only once the step writing their KV completes; b, whose first
+    # block a is computing, waits one step (keeping its place) rather than compute it twice.
+    # c, behind it, is admitted.
+    assert h.scheduled(out) == [("a", 12), ("c", 3)]
+    assert h.waiting == ["b"]
+    assert h.kv.stats.hits == 0
+    out, _ = h.step()
+    assert h.scheduled(out) == [("a", 1), ("c", 1), ("b", 4)]
+    assert h.block_ids("a") == [0, 1, 2, 4]
+    assert h.block_ids("b")[:2] == [0, 1]
+    assert [blk.ref_cnt for blk in h.kv.pool.blocks[:2]] == [2, 2]
+    assert h.kv.stats.hits == 8
+
+
+def test_failed_step_leaves_no_hits(make_harness):
+    """The scheduler registers blocks only in update_from_output: a step whose results never
+    arrive (the model raised) leaves nothing cached for the next admission."""
+    h = make_harness()
+    h.add("a", toks(10, 12))
+    h.schedule()  # the model then raised: no update_from_output
+    h.scheduler.abort_request("a")
+    assert h.kv.pool.cached == {}
+    h.add("b", toks(10, 12))
+    out, _ = h.step()
+    assert h.scheduled(out) == [("b", 12)]
+    assert h.kv.stats.hits == 0
 
 
 def test_duplicate_request_id_rejected(make_harness):

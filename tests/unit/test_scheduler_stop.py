@@ -181,7 +181,7 @@ def test_all_blocks_free_after_mixed_finishes_and_aborts(make_harness):
 def test_stop_request_finishes_with_the_stop_string_and_frees_blocks(make_harness):
     h = make_harness()
     a = h.add("a", 6, max_tokens=10)
-    b = h.add("b", 6, max_tokens=10)
+    b = h.add("b", list(range(101, 107)), max_tokens=10)
     h.step()
     assert h.scheduler.stop_request("a", "###") is a
     h.scheduler.check_integrity()
