@@ -3,8 +3,9 @@
 A request with n samples becomes n independent requests with n=1 over the same prompt. They
 share the prompt's KV blocks through the prefix cache: a block becomes a hit once the step that
 computes it has completed, and a sibling whose first uncached block is being computed in the
-current step waits one step for it (`Scheduler._waits_for_computing_block`). A seeded parent gives child i the
-seed `seed + i`, so every sample is reproducible and the samples differ from each other.
+current step waits one step for it (`Scheduler._waits_for_computing_block`). A seeded parent
+gives child i the seed `seed + i`, so every sample is reproducible and the samples differ from
+each other.
 Only child 0 keeps `prompt_logprobs`: the prompt's logprobs are the same for every sample, and
 a request asking for them takes no prefix-cache hits, so the others would recompute the whole
 prompt for nothing instead of sharing child 0's blocks.
