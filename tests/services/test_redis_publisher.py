@@ -183,7 +183,9 @@ def test_outage_never_blocks_the_engine_and_ends_with_a_resync(publisher, harnes
         started = time.monotonic()
         for i in range(2000):  # events during the outage are dropped, never waited on
             pub.on_step(KVCacheEvents(stored=[i.to_bytes(16, "little")], removed=[H1]))
-        assert time.monotonic() - started < 0.5
+        # Waiting on Redis would cost a socket timeout per call (minutes for 2000); dropping
+        # costs microseconds. 2 s leaves room for a loaded machine.
+        assert time.monotonic() - started < 2.0
         fill_cache(harness, seed=2)
         private.start()
         wait_until(lambda: members(private_client, pub) == cached(harness), timeout_s=5)
