@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfleet-deps
 
-.PHONY: install model run test test-fast lint bench bench-serve proto chart-test clean
+.PHONY: install model run test test-fast lint bench bench-serve chaos proto chart-test clean
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ run: model
 # schemas, command lines parsed by the services, the pods run as local processes.
 chart-test: install
 	$(PY) -m pytest -q tests/chart
+
+# Fault scenarios (engine kill -9 / SIGSTOP, Redis and tokenizer restarts, router SIGTERM, a
+# 500-request burst, vanishing clients) under load on a tiny-model fleet: prints a table.
+chaos: install
+	$(PY) -m tests.faults.chaos
 
 proto: install
 	$(PY) scripts/gen_proto.py
