@@ -18,7 +18,8 @@ Invariants:
   stop_reason, usage and num_cached_tokens. With `kvfleet-keepalive-s` metadata, empty
   keep-alive messages come between them while the engine progresses (`keepalive`).
 - While `health_problem()` names a problem (the step watchdog: stalled or dead engine),
-  Generate is refused with UNAVAILABLE and that message, so the caller goes elsewhere.
+  Generate is refused with UNAVAILABLE and that message, so the caller goes elsewhere; once
+  the engine thread died, GetLoad is refused too.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.LoadInfo:
+        if (failure := self._engine.progress.failure) is not None:
+            raise UnavailableError(failure)  # its load will never change again
         load, identity = self._engine.load, self._identity
         return engine_pb2.LoadInfo(
             engine_id=identity.engine_id,

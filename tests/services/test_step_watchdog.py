@@ -193,6 +193,9 @@ def test_a_dead_engine_thread_fails_streams_and_reports_not_serving_for_good(
     with pytest.raises(grpc.RpcError) as info:
         run(stub, gen_request("d-2", make_prompt(5, 20), 2))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT_S)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     wait_until(lambda: not client.sismember(redis_schema.ENGINES_SET, "doomed"), 10,
                what="deregistration")
     assert not client.exists(redis_schema.engine_key("doomed"))
