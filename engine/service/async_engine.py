@@ -23,11 +23,9 @@ Invariants:
   flight and the loop keeps serving new ones.
 - Outputs are tagged with a per-stream sequence number, so a request id reused right after
   a cancelled stream never receives the old request's tokens.
-- `progress` (a `StepProgress` snapshot, replaced by the engine thread at the start of every
-  iteration and before it idles) is what `step_watchdog` judges: a loop with work whose
-  snapshot stops changing is stalled. `generate(keepalive_s=...)` yields an empty output
-  when that long passes without one while the loop *has* advanced, so a consumer can tell a
-  slow engine (queued, long prefill) from a stalled one (see `engine.service.keepalive`).
+- `progress` (a `StepProgress` snapshot, replaced at the start of every iteration and before
+  idling) is what `step_watchdog` judges; `generate(keepalive_s=...)` yields empty outputs
+  while the loop advances without tokens for the request (`engine.service.keepalive`).
 - If the engine thread dies (an exception escapes the loop), every stream ends with
   UnavailableError, new requests are refused, and `progress.failure` says why, for good.
 """
@@ -68,8 +66,7 @@ UpdateListener = Callable[[Sequence[RequestUpdate], bool], None]
 _Command = Callable[[], object]
 # (request id, stream sequence number, output or the exception that ends the stream)
 _Delivery = tuple[str, int, "GenerateOutput | BaseException"]
-# How long shutdown waits for the engine thread: a wedged step must not hang the exit
-# (the thread is a daemon, so the process still ends).
+# A wedged step must not hang shutdown (the thread is a daemon: the process still ends).
 SHUTDOWN_JOIN_S = 10.0
 
 
@@ -175,6 +172,17 @@ class _Stream:
     queue: asyncio.Queue[GenerateOutput | BaseException] = field(default_factory=asyncio.Queue)
 
 
+async def _next_item(queue: asyncio.Queue[T], timeout_s: float | None) -> T | None:
+    """The queue's next item; None if `timeout_s` passes first (Queue.get is cancel-safe)."""
+    if timeout_s is None:
+        return await queue.get()
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await queue.get()
+    except TimeoutError:
+        return None
+
+
 class AsyncEngine:
     """Owns an `LLMEngine` (and its kv_event_hook) and drives it from one thread."""
 
@@ -260,8 +268,8 @@ class AsyncEngine:
     ) -> AsyncIterator[GenerateOutput]:
         """Queue a request and yield its outputs; ValueError (nothing queued) if invalid.
 
-        With `keepalive_s`, an output with no tokens (finished=False) comes whenever that many
-        seconds pass without one while the engine loop has advanced in the meantime.
+        With `keepalive_s`: an empty output whenever that long passes without one while the
+        engine loop has advanced.
         """
         self._check_running()
         prompt = list(prompt_token_ids)
@@ -284,21 +292,16 @@ class AsyncEngine:
             del self._streams[request_id]
             self._check_running()
         finished = False
-        seen = self._progress.iterations
+        seen = self._progress.iterations  # for keep-alives: has the loop advanced since?
         try:
             while not finished:
-                if keepalive_s is None:
-                    item = await stream.queue.get()
-                else:
-                    try:
-                        async with asyncio.timeout(keepalive_s):
-                            item = await stream.queue.get()  # cancel-safe: nothing is lost
-                    except TimeoutError:
-                        if self._progress.iterations != seen:
-                            seen = self._progress.iterations
-                            yield GenerateOutput(request_id, [], finished=False)
-                        continue
-                    seen = self._progress.iterations
+                item = await _next_item(stream.queue, keepalive_s)
+                if item is None:
+                    if self._progress.iterations != seen:
+                        seen = self._progress.iterations
+                        yield GenerateOutput(request_id, [], finished=False)
+                    continue
+                seen = self._progress.iterations
                 if isinstance(item, BaseException):
                     finished = True  # the engine no longer holds this request
                     raise item
