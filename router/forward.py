@@ -1,12 +1,26 @@
 """Forwarding to engines: try the ranking in order until one starts streaming.
 
 Role: `open_engine_stream` sends the request to the best engine; if that engine fails before
-its first message (refused connection, killed process, queue full, shutting down) the next
-engine in the ranking gets the same request. Once a message has arrived the request is
-committed to that engine: text may already be on its way to the client, so a later failure
-is relayed as an error, never replayed elsewhere.
+its first token (refused connection, killed process, queue full, shutting down, stalled)
+the next engine in the ranking gets the same request. Once a token has arrived the request
+is committed to that engine: text may already be on its way to the client, so a later
+failure is relayed as an error, never replayed elsewhere.
+
+Stalls (`StreamDeadlines`): engines are asked for keep-alives (`engine.service.keepalive`),
+empty messages sent while they make progress without a token for this request (queued, long
+chunked prefill, recompute after preemption). Both deadlines therefore measure *silence*,
+and reset on every message, keep-alives included: a slow engine that keeps stepping is never
+cut off, however long its time to first token; one that stops stepping (process stopped,
+loop wedged) is. Before the first token, `--first-token-timeout` of silence makes the router
+cancel the call and try the next engine; after it, `--stream-stall-timeout` of silence ends
+the stream with UNAVAILABLE ("engine X stalled: no progress for N s") and cancels the call,
+so the engine frees the request's blocks whenever it wakes up. A stalled engine becomes a
+suspect. Silence a healthy engine can produce: one step plus one keep-alive interval (a
+quarter of the shorter deadline, at most `MAX_KEEPALIVE_S`), so each deadline must exceed
+the engine's longest step, as its `--watchdog-timeout` must.
 
 Invariants:
+- Keep-alives never leave this module: `EngineStream.read` returns token/final messages only.
 - Only failures that say nothing about the request itself are retried; INVALID_ARGUMENT
   (and any other code) goes straight back to the client. When no engine takes it, the
   client gets RESOURCE_EXHAUSTED if every engine said it was full, else UNAVAILABLE.
@@ -22,10 +36,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import grpc.aio
 
+from engine.service import keepalive
 from kvfleet.errors import OverloadedError, UnavailableError
 from kvfleet.tracing import trace_metadata
 from kvfleet.v1 import engine_pb2
@@ -50,6 +66,60 @@ SUSPECT_CODES = frozenset(
 )
 # How long an aborted request's engine stream may take to send its final message.
 ABORT_DRAIN_S = 2.0
+# Silence allowed before the first token / between messages after it. A healthy engine is
+# silent for at most one step (plus a keep-alive interval): a full 2048-token prefill chunk
+# of a small model on a busy CPU takes seconds, a big model's tens of seconds. Retrying
+# before the first token costs only latency, so that deadline is the shorter one; cutting
+# a stream the client is already reading is worse than waiting, so that one is longer.
+DEFAULT_FIRST_TOKEN_TIMEOUT_S = 30.0
+DEFAULT_STREAM_STALL_TIMEOUT_S = 60.0
+MAX_KEEPALIVE_S = 5.0
+
+
+class EngineStalledError(UnavailableError):
+    """An engine sent nothing, not even a keep-alive, for longer than the stall deadline."""
+
+
+@dataclass(frozen=True)
+class StreamDeadlines:
+    """Seconds of engine silence tolerated before / after the first token (0: no limit)."""
+
+    first_token_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S
+    stall_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name, value in (("first_token_s", self.first_token_s), ("stall_s", self.stall_s)):
+            if not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value}")
+
+    @property
+    def keepalive_s(self) -> float | None:
+        """The keep-alive interval to ask engines for: 4 per deadline (None: no deadline)."""
+        limits = [t for t in (self.first_token_s, self.stall_s) if t > 0]
+        return min(MAX_KEEPALIVE_S, min(limits) / 4) if limits else None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return trace_metadata() + keepalive.metadata(self.keepalive_s)
+
+
+NO_DEADLINES = StreamDeadlines(0.0, 0.0)
+
+
+async def _read(
+    call: grpc.aio.UnaryStreamCall, timeout_s: float
+) -> engine_pb2.GenerateResponse | None:
+    """The next message that is not a keep-alive; None at the end of the stream.
+
+    TimeoutError after `timeout_s` (if > 0) without any message; the call is then cancelled.
+    """
+    while True:
+        async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+            message = await call.read()
+        if message is grpc.aio.EOF:
+            return None
+        assert isinstance(message, engine_pb2.GenerateResponse)
+        if not keepalive.is_keepalive(message):
+            return message
 
 
 class EngineStream:
@@ -61,23 +131,30 @@ class EngineStream:
         call: grpc.aio.UnaryStreamCall,
         first: engine_pb2.GenerateResponse,
         pool: EnginePool,
+        stall_s: float = 0.0,
     ) -> None:
         self.engine = engine
         self._call = call
         self._pending: engine_pb2.GenerateResponse | None = first
         self._pool = pool
+        self._stall_s = stall_s
         self._closed = False
 
     async def read(self) -> engine_pb2.GenerateResponse | None:
-        """The next message; None once the stream has ended."""
+        """The next message; None once the stream has ended; EngineStalledError on a stall."""
         if self._pending is not None:
             message, self._pending = self._pending, None
             return message
-        message = await self._call.read()
-        if message is grpc.aio.EOF:
-            return None
-        assert isinstance(message, engine_pb2.GenerateResponse)
-        return message
+        try:
+            return await _read(self._call, self._stall_s)
+        except TimeoutError:
+            engine_id = self.engine.engine_id
+            self._pool.mark_suspect(engine_id, self.engine.address)
+            self.close()
+            raise EngineStalledError(
+                f"engine {engine_id} stalled: no progress for {self._stall_s:g}s "
+                f"(--stream-stall-timeout); the stream was ended and its request cancelled"
+            ) from None
 
     async def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:
         """Abort the request (stop string hit); returns the engine's final message if it came."""
@@ -89,7 +166,7 @@ class EngineStream:
                 metadata=trace_metadata(),
             )
             return await asyncio.wait_for(self._last_message(), ABORT_DRAIN_S)
-        except (grpc.aio.AioRpcError, TimeoutError) as e:
+        except (grpc.aio.AioRpcError, TimeoutError, EngineStalledError) as e:
             logger.debug("abort of %s on %s: %s", request_id, self.engine.engine_id, e)
             return None
         finally:
@@ -113,14 +190,15 @@ async def open_engine_stream(
     pool: EnginePool,
     request: engine_pb2.GenerateRequest,
     max_attempts: int,
+    deadlines: StreamDeadlines = NO_DEADLINES,
 ) -> EngineStream:
-    """Start `request` on the first engine of `ranking` that answers.
+    """Start `request` on the first engine of `ranking` that produces a first token.
 
     OverloadedError when every engine tried said its queue is full, else UnavailableError.
     """
     failures: list[tuple[grpc.StatusCode, str]] = []
     for engine in ranking[:max_attempts]:
-        stream = await _attempt(engine, pool, request, failures)
+        stream = await _attempt(engine, pool, request, failures, deadlines)
         if stream is not None:
             return stream
     summary = "; ".join(text for _, text in failures)
@@ -134,13 +212,23 @@ async def _attempt(
     pool: EnginePool,
     request: engine_pb2.GenerateRequest,
     failures: list[tuple[grpc.StatusCode, str]],
+    deadlines: StreamDeadlines,
 ) -> EngineStream | None:
     call = pool.stub(engine.engine_id, engine.address).Generate(
-        request, metadata=trace_metadata()
+        request, metadata=deadlines.metadata()
     )
     pool.begin(engine.engine_id)
     try:
-        first = await call.read()
+        first = await _read(call, deadlines.first_token_s)
+    except TimeoutError:
+        call.cancel()  # the engine frees the request whenever it wakes up
+        pool.end(engine.engine_id)
+        pool.mark_suspect(engine.engine_id, engine.address)
+        text = (f"{engine.engine_id}: stalled, no progress for {deadlines.first_token_s:g}s "
+                f"before the first token (--first-token-timeout)")
+        logger.warning("%s; trying the next engine", text)
+        failures.append((grpc.StatusCode.DEADLINE_EXCEEDED, text))
+        return None
     except grpc.aio.AioRpcError as e:
         pool.end(engine.engine_id)
         if e.code() not in RETRYABLE_CODES:
@@ -153,10 +241,10 @@ async def _attempt(
         call.cancel()
         pool.end(engine.engine_id)
         raise
-    if first is grpc.aio.EOF:
+    if first is None:
         pool.end(engine.engine_id)
         failures.append(
             (grpc.StatusCode.UNAVAILABLE, f"{engine.engine_id}: stream ended without a message")
         )
         return None
-    return EngineStream(engine, call, first, pool)
+    return EngineStream(engine, call, first, pool, deadlines.stall_s)

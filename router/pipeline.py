@@ -12,6 +12,8 @@ Invariants:
   first token, so the prompt's full blocks are in that engine's prefix cache and they share
   them; each sample streams with its `index` and ends with its own final message.
 - The tenant is every engine request's `cache_salt`, so tenants never share cached blocks.
+- An engine's silence is bounded (`forward.StreamDeadlines`): a stall before the first
+  token moves the request to the next engine, after it ends the stream with UNAVAILABLE.
 - Whatever way the stream ends (finished, stop string, client cancel, error), every engine
   call still open is cancelled and every detokenize stream closed: a cancelled client request
   frees its engine blocks at once.
@@ -36,7 +38,7 @@ from kvfleet.stop_strings import StopStringMatcher
 from kvfleet.tracing import tracer
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
 from router.engine_pool import EnginePool
-from router.forward import EngineStream, open_engine_stream
+from router.forward import EngineStream, StreamDeadlines, open_engine_stream
 from router.merge import merge_tagged
 from router.metrics import RouterMetrics
 from router.policy import EngineView
@@ -66,12 +68,14 @@ class GenerationPipeline:
         pool: EnginePool,
         metrics: RouterMetrics,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        deadlines: StreamDeadlines | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.selector = selector
         self._pool = pool
         self._metrics = metrics
         self._max_attempts = max_attempts
+        self._deadlines = deadlines if deadlines is not None else StreamDeadlines()
 
     async def generate(
         self, request: router_pb2.RouterGenerateRequest, tenant: str
@@ -96,7 +100,8 @@ class GenerationPipeline:
         try:
             streams.append(
                 await open_engine_stream(
-                    decision.ranking, self._pool, samples[0].engine_request, self._max_attempts
+                    decision.ranking, self._pool, samples[0].engine_request, self._max_attempts,
+                    self._deadlines,
                 )
             )
             chosen = streams[0].engine
@@ -106,7 +111,9 @@ class GenerationPipeline:
             span.set_attribute("kvfleet.routing.engine_id", chosen.engine_id)
             span.set_attribute("kvfleet.routing.predicted_cached_tokens", predicted)
             span.set_attribute("gen_ai.usage.prompt_tokens", len(prompt_ids))
-            streams.extend(await _open_siblings(chosen, self._pool, samples[1:]))
+            streams.extend(
+                await _open_siblings(chosen, self._pool, samples[1:], self._deadlines)
+            )
             relays = []
             for sample, stream in zip(samples, streams, strict=True):
                 detokenizer = self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens)
@@ -207,13 +214,13 @@ def _samples(
 
 
 async def _open_siblings(
-    engine: EngineView, pool: EnginePool, samples: Sequence[_Sample]
+    engine: EngineView, pool: EnginePool, samples: Sequence[_Sample], deadlines: StreamDeadlines
 ) -> list[EngineStream]:
     """Start samples 1..n-1 on the first sample's engine (no retries elsewhere)."""
     if not samples:
         return []
     results = await asyncio.gather(
-        *(open_engine_stream([engine], pool, s.engine_request, 1) for s in samples),
+        *(open_engine_stream([engine], pool, s.engine_request, 1, deadlines) for s in samples),
         return_exceptions=True,
     )
     streams = [r for r in results if isinstance(r, EngineStream)]

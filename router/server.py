@@ -18,7 +18,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -29,6 +29,7 @@ from kvfleet.options import ServerOptions, add_server_arguments, start_service_p
 from kvfleet.tracing import init_tracing
 from router.auth import Authenticator, load_api_keys
 from router.engine_pool import EnginePool
+from router.forward import StreamDeadlines
 from router.http_api import OpenAIApi
 from router.http_server import HttpServer
 from router.metrics import RouterMetrics
@@ -53,6 +54,7 @@ class RouterConfig:
     routing: RoutingConfig
     api_keys_path: Path | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    deadlines: StreamDeadlines = field(default_factory=StreamDeadlines)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -66,6 +68,7 @@ class RouterConfig:
             routing=RoutingConfig(policy=Policy(args.policy), prefix=prefix),
             api_keys_path=args.api_keys,
             max_attempts=args.max_attempts,
+            deadlines=StreamDeadlines(args.first_token_timeout, args.stream_stall_timeout),
         )
 
 
@@ -122,7 +125,9 @@ def build_router(
     pool = EnginePool()
     metrics = RouterMetrics(registry)
     selector = EngineSelector(config.routing, index, pool, metrics)
-    pipeline = GenerationPipeline(tokenizer, selector, pool, metrics, config.max_attempts)
+    pipeline = GenerationPipeline(
+        tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines
+    )
     servicer = RouterServicer(auth, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
     http = OpenAIApi(pipeline, auth, metrics)
@@ -165,6 +170,13 @@ async def serve(
         await app.close()
 
 
+def _seconds(value: str) -> float:
+    number = float(value)
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
+    return number
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvfleet serve router",
@@ -188,6 +200,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="prefix bound: the same, as a fraction of the least load")
     parser.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
                         help="engines tried per request before the first token")
+    stalls = StreamDeadlines()
+    parser.add_argument("--first-token-timeout", type=_seconds, default=stalls.first_token_s,
+                        help="seconds an engine may send nothing (neither a token nor a "
+                             "keep-alive, which it sends while it progresses) before the first "
+                             "token; then the next engine is tried (0: no limit; default: "
+                             "%(default)s)")
+    parser.add_argument("--stream-stall-timeout", type=_seconds, default=stalls.stall_s,
+                        help="the same after the first token; then the stream ends with "
+                             "UNAVAILABLE and the engine request is cancelled (0: no limit; "
+                             "default: %(default)s)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help="OpenAI-compatible HTTP API port (0: a free port)")
     parser.add_argument("--http-port-file", type=Path, default=None,

@@ -5,5 +5,7 @@
 - `redis_publisher.RedisPublisher`: keeps the engine's registry entry, load and block index
   in Redis (layout: `kvfleet.redis_schema`).
 - `servicer.EngineServicer`: kvfleet.v1.Engine over an `AsyncEngine`.
-- `server`: `python -m engine.service.server` wires the three together.
+- `step_watchdog.StepWatchdog`: gRPC health NOT_SERVING while the step loop is stalled or dead.
+- `keepalive`: the keep-alive messages a caller may ask Generate for (slow vs. stalled).
+- `server`: `python -m engine.service.server` wires them together.
 """

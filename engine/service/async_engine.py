@@ -23,6 +23,11 @@ Invariants:
   flight and the loop keeps serving new ones.
 - Outputs are tagged with a per-stream sequence number, so a request id reused right after
   a cancelled stream never receives the old request's tokens.
+- `progress` (a `StepProgress` snapshot, replaced at the start of every iteration and before
+  idling) is what `step_watchdog` judges; `generate(keepalive_s=...)` yields empty outputs
+  while the loop advances without tokens for the request (`engine.service.keepalive`).
+- If the engine thread dies (an exception escapes the loop), every stream ends with
+  UnavailableError, new requests are refused, and `progress.failure` says why, for good.
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ import functools
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 from engine.block_hash import BlockHash
@@ -60,6 +66,8 @@ UpdateListener = Callable[[Sequence[RequestUpdate], bool], None]
 _Command = Callable[[], object]
 # (request id, stream sequence number, output or the exception that ends the stream)
 _Delivery = tuple[str, int, "GenerateOutput | BaseException"]
+# A wedged step must not hang shutdown (the thread is a daemon: the process still ends).
+SHUTDOWN_JOIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,16 @@ class EngineLoad:
         )
 
 
+@dataclass(frozen=True)
+class StepProgress:
+    """The engine loop's heartbeat, replaced (never mutated) by the engine thread."""
+
+    iterations: int  # loop iterations that began (running commands and/or one step)
+    at: float  # time.monotonic() when the current iteration began, or the loop went idle
+    idle: bool  # waiting for work: nothing is due, so however old `at` is, all is well
+    failure: str | None = None  # set once the engine thread died; final
+
+
 class _Call(Generic[T]):
     """A command whose result (or exception) goes to a concurrent Future."""
 
@@ -152,6 +170,17 @@ class _Call(Generic[T]):
 class _Stream:
     seq: int
     queue: asyncio.Queue[GenerateOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+
+async def _next_item(queue: asyncio.Queue[T], timeout_s: float | None) -> T | None:
+    """The queue's next item; None if `timeout_s` passes first (Queue.get is cancel-safe)."""
+    if timeout_s is None:
+        return await queue.get()
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await queue.get()
+    except TimeoutError:
+        return None
 
 
 class AsyncEngine:
@@ -178,6 +207,8 @@ class AsyncEngine:
         self._stored: list[BlockHash] = []
         self._removed: list[BlockHash] = []
         self._load = EngineLoad.of(engine)
+        self._progress = StepProgress(iterations=0, at=time.monotonic(), idle=True)
+        self._failure: str | None = None  # why the engine thread died
         engine.kv_event_hook = self._collect_kv_events
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -190,6 +221,11 @@ class AsyncEngine:
     @property
     def load(self) -> EngineLoad:
         return self._load
+
+    @property
+    def progress(self) -> StepProgress:
+        """The engine loop's latest heartbeat (safe to read from any thread)."""
+        return self._progress
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume outputs."""
@@ -205,9 +241,11 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
-        for stream in self._streams.values():
-            stream.queue.put_nowait(UnavailableError("engine is shutting down"))
+            await asyncio.to_thread(self._thread.join, SHUTDOWN_JOIN_S)
+            if self._thread.is_alive():
+                logger.error("engine thread still inside a step after %.0fs; leaving it",
+                             SHUTDOWN_JOIN_S)
+        self._fail_streams(UnavailableError("engine is shutting down"))
 
     def add_step_listener(self, listener: StepListener) -> None:
         # Copy-on-write: the engine thread iterates the tuple without a lock.
@@ -226,8 +264,13 @@ class AsyncEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        keepalive_s: float | None = None,
     ) -> AsyncIterator[GenerateOutput]:
-        """Queue a request and yield its outputs; ValueError (nothing queued) if invalid."""
+        """Queue a request and yield its outputs; ValueError (nothing queued) if invalid.
+
+        With `keepalive_s`: an empty output whenever that long passes without one while the
+        engine loop has advanced.
+        """
         self._check_running()
         prompt = list(prompt_token_ids)
         self._engine.validate_request(prompt, params)
@@ -240,15 +283,25 @@ class AsyncEngine:
             )
         stream = _Stream(next(self._seq))
         self._streams[request_id] = stream
-        self._submit(
+        queued = self._submit(
             functools.partial(
                 self._add, request_id, stream.seq, prompt, params, priority, cache_salt
             )
         )
+        if not queued:  # the loop stopped or died since the check above
+            del self._streams[request_id]
+            self._check_running()
         finished = False
+        seen = self._progress.iterations  # for keep-alives: has the loop advanced since?
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await _next_item(stream.queue, keepalive_s)
+                if item is None:
+                    if self._progress.iterations != seen:
+                        seen = self._progress.iterations
+                        yield GenerateOutput(request_id, [], finished=False)
+                    continue
+                seen = self._progress.iterations
                 if isinstance(item, BaseException):
                     finished = True  # the engine no longer holds this request
                     raise item
@@ -280,12 +333,14 @@ class AsyncEngine:
     # -- event-loop side helpers -----------------------------------------------------------
 
     def _check_running(self) -> None:
+        if self._failure is not None:
+            raise UnavailableError(self._failure)
         if self._thread is None or self._stopping:
             raise UnavailableError("engine is not running")
 
     def _submit(self, command: _Command) -> bool:
         with self._cond:
-            if self._stopping:
+            if self._stopping or self._failure is not None:
                 return False
             self._commands.append(command)
             self._cond.notify()
@@ -297,18 +352,30 @@ class AsyncEngine:
             if stream is not None and stream.seq == seq:
                 stream.queue.put_nowait(item)
 
+    def _fail_streams(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(exc)
+
     # -- engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # nothing will step again: say so instead of hanging
+            self._die(exc)
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or self._has_work()):
+                    self._mark_progress(idle=True)
                     self._cond.wait()
                 if self._stopping:
                     self._cancel_calls()
                     return
                 commands = list(self._commands)
                 self._commands.clear()
+            self._mark_progress(idle=False)
             for command in commands:
                 try:
                     command()
@@ -317,6 +384,23 @@ class AsyncEngine:
             if self._has_work():
                 self._step()
             self._after_iteration()
+
+    def _mark_progress(self, idle: bool) -> None:
+        iterations = self._progress.iterations + (0 if idle else 1)
+        self._progress = StepProgress(iterations, time.monotonic(), idle)
+
+    def _die(self, exc: BaseException) -> None:
+        reason = f"engine thread died: {type(exc).__name__}: {exc}"
+        logger.critical("%s; failing %d request(s), refusing new ones", reason, len(self._live),
+                        exc_info=exc)
+        with self._cond:
+            self._failure = reason
+            self._progress = replace(self._progress, failure=reason)
+            self._cancel_calls()
+        self._live.clear()
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits
+                self._loop.call_soon_threadsafe(self._fail_streams, UnavailableError(reason))
 
     def _cancel_calls(self) -> None:
         # Callers of call_in_engine_thread must not wait forever on a stopped engine.

@@ -9,6 +9,11 @@ Start-up order: model loaded, engine thread running, gRPC bound, then Redis regi
 with the advertised host and the *bound* port (so port 0 works), then the port file: its
 existence means ready. Redis being down does not stop the engine from serving.
 
+Health: SERVING while the step loop advances; `step_watchdog` reports NOT_SERVING while it
+is stalled with work in flight (`--watchdog-timeout`), and for good once the engine thread
+died (the engine then also deregisters from Redis). A stalled engine refuses new requests
+with UNAVAILABLE, so routers try another engine.
+
 Shutdown (SIGTERM/SIGINT): health NOT_SERVING and new work refused, deregistration from
 Redis runs while in-flight streams finish within the grace period, the server stops, the
 engine thread stops, exit 0.
@@ -36,6 +41,8 @@ from engine.service.async_engine import AsyncEngine
 from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
 from engine.service.servicer import EngineIdentity, EngineServicer
+from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_TIMEOUT_S
+from engine.service.step_watchdog import StepWatchdog
 from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
@@ -61,6 +68,9 @@ class EngineServerOptions:
     advertise_host: str | None = None
     # Requests in flight beyond which new ones get RESOURCE_EXHAUSTED (TGI's flag).
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    # Seconds the step loop may go without a new iteration, with work in flight, before
+    # health turns NOT_SERVING (0: never; a dead engine thread always does).
+    watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -82,6 +92,7 @@ class EngineServer:
         self._publisher: RedisPublisher | None = None
         self._metrics: EngineMetrics | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
+        self._watchdog: StepWatchdog | None = None
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -126,7 +137,12 @@ class EngineServer:
             max_model_len=llm_engine.max_model_len,
             epoch=self.epoch,
         )
-        servicer = EngineServicer(self._async_engine, identity)
+        async_engine = self._async_engine
+        self._watchdog = StepWatchdog(
+            lambda: async_engine.progress, options.watchdog_timeout_s,
+            self._set_serving, self._on_engine_death,
+        )
+        servicer = EngineServicer(self._async_engine, identity, self._watchdog.problem)
         self._grpc = GrpcServer(
             [servicer.as_service()],
             host=options.server.host,
@@ -146,6 +162,7 @@ class EngineServer:
         )
         self._async_engine.add_step_listener(self._publisher.on_step)
         self._publisher.start()
+        self._watchdog.start()
         self._metrics_endpoint = start_metrics_endpoint(
             self._metrics.registry,
             options.server.host,
@@ -159,6 +176,7 @@ class EngineServer:
     async def serve_until_signal(self) -> int:
         """Serve until SIGTERM/SIGINT, then drain and stop (main thread only); exit code."""
         code = await self.grpc_server.serve_until_signal(self._deregister)
+        await self._stop_watchdog()
         await self.async_engine.shutdown()
         self._close_metrics()
         return code
@@ -170,8 +188,21 @@ class EngineServer:
         else:
             self.publisher.close()
             await self.grpc_server.shutdown()
+        await self._stop_watchdog()
         await self.async_engine.shutdown()
         self._close_metrics()
+
+    async def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            await self._watchdog.stop()
+
+    async def _set_serving(self, serving: bool) -> None:
+        await self.grpc_server.set_serving(serving)
+
+    async def _on_engine_death(self) -> None:
+        # It will never step again: routers must stop picking it (health alone is not
+        # what they read).
+        await asyncio.to_thread(self.publisher.deregister)
 
     def _close_metrics(self) -> None:
         if self._metrics_endpoint is not None:
@@ -188,6 +219,13 @@ def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _seconds(value: str) -> float:
+    number = float(value)
+    if not 0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
     return number
 
 
@@ -231,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                         help="requests in flight beyond which new ones are refused with "
                              "RESOURCE_EXHAUSTED (default: %(default)s)")
+    parser.add_argument("--watchdog-timeout", type=_seconds, default=DEFAULT_WATCHDOG_TIMEOUT_S,
+                        help="seconds the step loop may go without a new iteration while it "
+                             "has requests before health turns NOT_SERVING and new requests "
+                             "are refused; must exceed the longest step (0: off; "
+                             "default: %(default)s)")
     return parser
 
 
@@ -259,6 +302,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         model_name=args.served_model_name,
         advertise_host=args.advertise_host,
         max_concurrent_requests=args.max_concurrent_requests,
+        watchdog_timeout_s=args.watchdog_timeout,
     )
 
 

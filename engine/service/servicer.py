@@ -15,13 +15,17 @@ Invariants:
 - Cancelling a Generate call closes the `AsyncEngine.generate` iterator, which aborts the
   request and frees its KV blocks (the interceptor closes handler generators promptly).
 - Every Generate message carries engine_id; the last one carries finish_reason,
-  stop_reason, usage and num_cached_tokens.
+  stop_reason, usage and num_cached_tokens. With `kvfleet-keepalive-s` metadata, empty
+  keep-alive messages come between them while the engine progresses (`keepalive`).
+- While `health_problem()` names a problem (the step watchdog: stalled or dead engine),
+  Generate is refused with UNAVAILABLE and that message, so the caller goes elsewhere; once
+  the engine thread died, GetLoad is refused too.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc.aio
@@ -30,7 +34,9 @@ from opentelemetry import trace
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sampling_proto import to_sampling_params
+from engine.service import keepalive
 from engine.service.async_engine import AsyncEngine, GenerateOutput
+from kvfleet.errors import UnavailableError
 from kvfleet.grpc_server import Service
 from kvfleet.logs import request_context
 from kvfleet.tracing import wall_time_ns
@@ -52,9 +58,15 @@ class EngineIdentity:
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    def __init__(self, engine: AsyncEngine, identity: EngineIdentity) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        identity: EngineIdentity,
+        health_problem: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self._engine = engine
         self._identity = identity
+        self._health_problem = health_problem
 
     def as_service(self) -> Service:
         return Service(
@@ -65,6 +77,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         _check_request_id(request.request_id)
+        keepalive_s = keepalive.parse_interval(context.invocation_metadata())
+        if (problem := self._health_problem()) is not None:
+            raise UnavailableError(problem)
         if request.lora_id:
             raise ValueError("lora_id: LoRA adapters are not supported by this engine yet")
         params = to_sampling_params(request.sampling_params)
@@ -78,6 +93,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             params,
             priority=request.priority,
             cache_salt=request.cache_salt or None,
+            keepalive_s=keepalive_s,
         )
         span = trace.get_current_span()  # the RPC's server span (kvfleet.tracing)
         traced = span.is_recording()
@@ -104,6 +120,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.LoadInfo:
+        if (failure := self._engine.progress.failure) is not None:
+            raise UnavailableError(failure)  # its load will never change again
         load, identity = self._engine.load, self._identity
         return engine_pb2.LoadInfo(
             engine_id=identity.engine_id,
