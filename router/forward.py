@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -191,16 +191,22 @@ async def open_engine_stream(
     request: engine_pb2.GenerateRequest,
     max_attempts: int,
     deadlines: StreamDeadlines = NO_DEADLINES,
+    on_retry: Callable[[str], None] | None = None,
 ) -> EngineStream:
     """Start `request` on the first engine of `ranking` that produces a first token.
 
+    `on_retry(reason)` is called each time a failed attempt sends the request on to the next
+    engine (reason: the failure's status code name, lower case).
     OverloadedError when every engine tried said its queue is full, else UnavailableError.
     """
     failures: list[tuple[grpc.StatusCode, str]] = []
-    for engine in ranking[:max_attempts]:
+    candidates = ranking[:max_attempts]
+    for attempt, engine in enumerate(candidates):
         stream = await _attempt(engine, pool, request, failures, deadlines)
         if stream is not None:
             return stream
+        if on_retry is not None and attempt + 1 < len(candidates):
+            on_retry(failures[-1][0].name.lower())
     summary = "; ".join(text for _, text in failures)
     if failures and all(code is grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in failures):
         raise OverloadedError(f"every engine is at capacity: {summary}")

@@ -42,6 +42,12 @@ class RouterMetrics:
             f"{PREFIX}_http_requests", "OpenAI HTTP API requests by tenant and HTTP status",
             ["tenant", "status"], registry=r,
         )
+        self.retries = Counter(
+            f"{PREFIX}_retries",
+            "Requests sent on to the next engine after a failed attempt before the first token, "
+            "by the failure's status code",
+            ["reason"], registry=r,
+        )
         self.decisions = Counter(
             f"{PREFIX}_routing_decisions", "Requests sent to an engine, by policy and engine",
             ["policy", "engine_id"], registry=r,
@@ -91,6 +97,9 @@ class RouterMetrics:
             self.engine_waiting.labels(engine).set(view.num_waiting)
             self.engine_kv_usage.labels(engine).set(view.kv_cache_usage)
             self.engine_in_flight.labels(engine).set(view.in_flight)
+
+    def record_retry(self, reason: str) -> None:
+        self.retries.labels(reason).inc()
 
     def record_decision(self, policy: str, engine_id: str, predicted_tokens: int) -> None:
         self.decisions.labels(policy, engine_id).inc()

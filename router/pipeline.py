@@ -101,7 +101,7 @@ class GenerationPipeline:
             streams.append(
                 await open_engine_stream(
                     decision.ranking, self._pool, samples[0].engine_request, self._max_attempts,
-                    self._deadlines,
+                    self._deadlines, on_retry=self._metrics.record_retry,
                 )
             )
             chosen = streams[0].engine

@@ -126,6 +126,18 @@ def aborted(fleet: Fleet) -> int:
     return int(total)
 
 
+def router_retries(fleet: Fleet) -> dict[str, float]:
+    """The router's kvfleet:router_retries counter by reason."""
+    assert fleet.router is not None
+    url = f"http://127.0.0.1:{fleet.router.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return {
+        line.split('reason="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in lines if line.startswith("kvfleet:router_retries_total{")
+    }
+
+
 def rest_of(stream: Iterator[router_pb2.RouterGenerateResponse]) -> Any:
     """Reads the stream to its end: the RpcError it ended with, or None if it finished."""
     try:
@@ -149,6 +161,7 @@ def test_a_stall_before_the_first_token_moves_the_request_to_another_engine(
     wait_until(lambda: all(redis_client.smismember(blocks, hashes)), 10,
                what=f"{home} to publish the prompt's blocks")
     victim = next(e for e in fleet.engines if e.name == home)
+    retries_before = router_retries(fleet).get("deadline_exceeded", 0.0)
     with frozen([victim]):  # the prefix lives only on the victim: it is ranked first
         started = time.monotonic()
         done = client.generate_ids(prompt + [5, 6, 7], None, greedy(4))
@@ -157,6 +170,7 @@ def test_a_stall_before_the_first_token_moves_the_request_to_another_engine(
     assert elapsed < DEADLINE_S + 15
     expected = f"{home}: stalled, no progress for {DEADLINE_S:g}s before the first token"
     assert expected in (fleet.log_dir / "router.log").read_text()
+    assert router_retries(fleet).get("deadline_exceeded", 0.0) == retries_before + 1
     wait_idle_and_registered(fleet, redis_client)  # the thawed engine dropped the request
 
 
