@@ -111,7 +111,7 @@ def make_prefixes_resident(fleet: Fleet) -> dict[int, str]:
                 if not isinstance(epoch, bytes):
                     return False
                 key = redis_schema.blocks_key(engine, epoch.decode())
-                return all(store.smismember(key, hashes))  # type: ignore[arg-type]
+                return all(store.smismember(key, hashes))
 
             wait_until(published, 10, what=f"tenant-{tenant}'s prefix in Redis")
     finally:

@@ -128,8 +128,8 @@ def test_no_free_connection_in_time_is_busy_not_unavailable(
         index = PrefixIndex(redis_server.url, config)
         try:
             pause(client)  # the first lookup holds the only connection
-            return await asyncio.gather(index.lookup(16, []), index.lookup(16, []),
-                                        return_exceptions=True)
+            return list(await asyncio.gather(index.lookup(16, []), index.lookup(16, []),
+                                             return_exceptions=True))
         finally:
             await index.close()
 
