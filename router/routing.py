@@ -144,7 +144,7 @@ class EngineSelector:
 
     def _on_answer(self) -> None:
         if not self._redis_ok:
-            logger.info("prefix index reachable again; routing by prefix")
+            logger.info("prefix index reachable again")
         self._redis_ok = True
 
     def _on_unavailable(self, error: PrefixIndexUnavailable) -> None:

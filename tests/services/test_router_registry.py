@@ -18,6 +18,7 @@ import redis
 
 from kvfleet import redis_schema
 from kvfleet.redis_server import RedisServer
+from router.engine_discovery import DiscoveryConfig, EngineDiscovery
 from router.engine_pool import EnginePool
 from router.metrics import RouterMetrics
 from router.policy import Policy
@@ -193,3 +194,19 @@ def test_registry_flags_reach_the_config() -> None:
     assert config.discovery.dns == "kv-engine:50052"
     assert (config.index.max_connections, config.index.pool_timeout_s,
             config.index.stale_after_s) == (8, 0.5, 2.0)
+
+
+def test_discovery_addresses_are_normalised_and_survive_a_dns_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = DiscoveryConfig(("[::1]:5", "10.0.0.1:6", "10.0.0.1:6"),
+                             dns="kvfleet-no-such-engine.invalid:50052")
+    discovery = EngineDiscovery(config)
+
+    async def twice() -> tuple[list[str], list[str]]:
+        return await discovery.addresses(), await discovery.addresses()
+
+    with caplog.at_level("WARNING", logger="router.engine_discovery"):
+        first, second = asyncio.run(twice())
+    assert first == second == ["10.0.0.1:6", "[::1]:5"]
+    assert len([r for r in caplog.records if "could not resolve" in r.message]) == 1
