@@ -7,8 +7,10 @@ Request path (one module per job):
 - `prefix_index`    one Redis round trip: every live engine's leading cached blocks + load.
 - `policy`          pure ranking functions: `prefix` (default), `round_robin`, `least_load`.
 - `routing`         glues index, pool and policy into a ranked list of engines (with the
-                    load-only fallback when Redis is unreachable).
-- `engine_pool`     gRPC channels to engines, this replica's in-flight counts, suspects.
+                    load-only fallback when Redis is unreachable or busy).
+- `engine_discovery` engine addresses without Redis: `--engines` and `--engine-dns`.
+- `engine_pool`     gRPC channels to engines, this replica's in-flight counts, suspects,
+                    GetLoad polls while Redis is down.
 - `forward`         sends the request to the best engine, retrying others before the first
                     token, and relays the engine's token stream.
 - `relay`           one engine stream -> text deltas (incremental detokenization, stop strings).
@@ -23,5 +25,6 @@ Request path (one module per job):
 
 Invariant: a router holds no state that routing correctness depends on. Everything it
 caches (channels, the block size hint, the last engine list, suspects) is rebuilt from Redis
-or from engine RPCs, so any number of replicas can run side by side and restart freely.
+or from engine RPCs (engines found by --engines / --engine-dns while Redis is down), so any
+number of replicas can run side by side and restart freely.
 """

@@ -10,7 +10,12 @@ Names (counters get `_total` in the exposition, histograms `_bucket/_sum/_count`
   per-request histogram of |predicted - actual|.
 - kvfleet:router_engine_num_running / _num_waiting / _kv_cache_usage_perc / _in_flight
   {engine_id}: engine load as this router last saw it (Redis registry + own in-flight).
-- kvfleet:router_redis_latency_seconds, kvfleet:router_redis_errors: prefix-index lookups.
+- kvfleet:router_redis_latency_seconds, kvfleet:router_redis_errors: prefix-index lookups
+  (errors: Redis unreachable or failing; the router then routes by load for a while).
+- kvfleet:router_redis_pool_timeouts: lookups that found every Redis connection of this
+  router busy for --redis-pool-timeout (Redis is up; that one decision went without it).
+- kvfleet:router_engine_load_polls{outcome}: GetLoad calls while routing without Redis, by
+  outcome: ok, timeout (a busy engine, still routed to), unavailable (suspect), error.
 """
 
 from __future__ import annotations
@@ -88,6 +93,14 @@ class RouterMetrics:
         )
         self.redis_errors = Counter(
             f"{PREFIX}_redis_errors", "Prefix-index lookups that failed", registry=r
+        )
+        self.redis_pool_timeouts = Counter(
+            f"{PREFIX}_redis_pool_timeouts",
+            "Prefix-index lookups that found every Redis connection busy", registry=r,
+        )
+        self.load_polls = Counter(
+            f"{PREFIX}_engine_load_polls", "GetLoad calls while routing without Redis",
+            ["outcome"], registry=r,
         )
 
     def observe_loads(self, views: Sequence[EngineView]) -> None:

@@ -1,9 +1,9 @@
 """The routing question, answered by Redis in one round trip (a Lua script).
 
 Input: the router's block size hint and the prompt's chained block hashes. Output, for every
-*live* engine (its registry hash exists; see kvfleet/redis_schema.py): how many leading
-blocks of the prompt its current epoch's block set holds, the size of that set, and every
-registry field (address, epoch, block_size, load...).
+*live* engine (its registry hash exists and its heartbeat is fresh; see
+kvfleet/redis_schema.py): how many leading blocks of the prompt its current epoch's block set
+holds, the size of that set, and every registry field (address, epoch, block_size, load...).
 
 Invariants:
 - One EVALSHA per lookup (redis-py's Script falls back to EVAL once after a Redis restart).
@@ -12,13 +12,20 @@ Invariants:
   differ); the caller sees its block size in the result and re-asks with the right one.
 - Matching stops at the first missing block, in chunks, so a long prompt that misses early
   costs little and no Lua `unpack` limit is hit.
-- Any Redis failure (refused, timeout, script error) raises `PrefixIndexUnavailable`
-  quickly (short socket timeouts, no client-side retries) so the caller can fall back to
-  load-only routing. Redis Cluster is not supported: the script touches keys it derives.
+- The registry cleans itself: the script SREMs from the engines set every id whose hash has
+  expired. An engine whose `updated_at` is older than `stale_after_s` by Redis' clock is
+  left out of the answer (but stays registered: its next heartbeat brings it back).
+- Connections are a bounded, blocking pool (`max_connections`): a burst of decisions waits
+  for a connection instead of failing. A lookup that waited `pool_timeout_s` without getting
+  one raises `PrefixIndexBusy` (Redis is up, this router is busy); any Redis failure
+  (refused, timeout, script error) raises `PrefixIndexUnavailable` quickly (short socket
+  timeouts, no client-side retries). Either way the caller routes without the index.
+- Redis Cluster is not supported: the script touches keys it derives.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,38 +46,51 @@ BLOCKS_KEY_PREFIX = redis_schema.blocks_key("", "").removesuffix(":")
 # Blocks checked per SMISMEMBER call inside the script.
 MATCH_CHUNK = 64
 
-# KEYS[1] = engines set; ARGV = engine key prefix, blocks key prefix, block size, chunk, hashes...
+# KEYS[1] = engines set; ARGV = engine key prefix, blocks key prefix, block size, chunk,
+# max heartbeat age in seconds (0: no bound), hashes...
 LOOKUP_SCRIPT = """
 local engine_prefix, blocks_prefix = ARGV[1], ARGV[2]
 local block_size, chunk = tonumber(ARGV[3]), tonumber(ARGV[4])
-local first_hash, last_hash = 5, #ARGV
-local result = {}
+local max_age = tonumber(ARGV[5])
+local first_hash, last_hash = 6, #ARGV
+local now = 0
+if max_age > 0 then
+  local time = redis.call('TIME')
+  now = tonumber(time[1]) + tonumber(time[2]) / 1000000
+end
+local result, gone = {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local fields = redis.call('HGETALL', engine_prefix .. id)
-  if #fields > 0 then
+  if #fields == 0 then
+    table.insert(gone, id)
+  else
     local info = {}
     for i = 1, #fields, 2 do info[fields[i]] = fields[i + 1] end
-    local matched, cached = 0, 0
-    if info['epoch'] then
-      local bkey = blocks_prefix .. id .. ':' .. info['epoch']
-      cached = redis.call('SCARD', bkey)
-      if cached > 0 and tonumber(info['block_size']) == block_size then
-        local i = first_hash
-        while i <= last_hash do
-          local j = math.min(i + chunk - 1, last_hash)
-          local hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j))
-          local all = true
-          for k = 1, #hits do
-            if hits[k] == 1 then matched = matched + 1 else all = false; break end
+    local updated = tonumber(info['updated_at'])
+    if max_age <= 0 or updated == nil or now - updated <= max_age then
+      local matched, cached = 0, 0
+      if info['epoch'] then
+        local bkey = blocks_prefix .. id .. ':' .. info['epoch']
+        cached = redis.call('SCARD', bkey)
+        if cached > 0 and tonumber(info['block_size']) == block_size then
+          local i = first_hash
+          while i <= last_hash do
+            local j = math.min(i + chunk - 1, last_hash)
+            local hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j))
+            local all = true
+            for k = 1, #hits do
+              if hits[k] == 1 then matched = matched + 1 else all = false; break end
+            end
+            if not all then break end
+            i = j + 1
           end
-          if not all then break end
-          i = j + 1
         end
       end
+      table.insert(result, {id, matched, cached, fields})
     end
-    table.insert(result, {id, matched, cached, fields})
   end
 end
+for _, id in ipairs(gone) do redis.call('SREM', KEYS[1], id) end
 return result
 """
 
@@ -79,9 +99,45 @@ class PrefixIndexUnavailable(Exception):
     """Redis could not answer; route by load alone."""
 
 
+class PrefixIndexBusy(PrefixIndexUnavailable):
+    """Every connection stayed in use for the pool timeout: Redis is up, this router is busy."""
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    """How the router talks to Redis (router flags --redis-*, --engine-stale-after)."""
+
+    # Beyond these Redis counts as unreachable. A refused connection fails at once; the
+    # read timeout leaves room for a busy router's event loop to get to the reply.
+    connect_timeout_s: float = 0.5
+    read_timeout_s: float = 1.0
+    # Connections this router opens at most; further lookups wait for a free one.
+    max_connections: int = 64
+    # How long a lookup waits for a free connection before routing goes without the index.
+    pool_timeout_s: float = 2.0
+    # Heartbeat age (seconds, Redis' clock) beyond which an engine is not live; 0: no bound.
+    stale_after_s: float = redis_schema.DEFAULT_STALE_AFTER_S
+
+    def __post_init__(self) -> None:
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("Redis timeouts must be positive")
+        if self.max_connections < 1:
+            raise ValueError(
+                f"--redis-max-connections must be at least 1, got {self.max_connections}"
+            )
+        if self.pool_timeout_s <= 0:
+            raise ValueError(
+                f"--redis-pool-timeout must be positive, got {self.pool_timeout_s}"
+            )
+        if self.stale_after_s < 0:
+            raise ValueError(
+                f"--engine-stale-after must be >= 0 (0: off), got {self.stale_after_s}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineRecord:
-    """One live engine as Redis sees it, plus its match for the prompt."""
+    """One live engine as Redis (or its own GetLoad) reports it, plus its match for the prompt."""
 
     engine_id: str
     matched_blocks: int
@@ -124,24 +180,46 @@ def _int(value: str | None) -> int | None:
 class PrefixIndex:
     """Async reader of the engines' registry and block index."""
 
-    def __init__(self, redis_url: str, timeout_s: float = 0.5) -> None:
-        self._client = redis.asyncio.Redis.from_url(
+    def __init__(self, redis_url: str, config: PrefixIndexConfig | None = None) -> None:
+        self.config = config if config is not None else PrefixIndexConfig()
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
             redis_url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
+            max_connections=self.config.max_connections,
+            timeout=self.config.pool_timeout_s,
+            socket_timeout=self.config.read_timeout_s,
+            socket_connect_timeout=self.config.connect_timeout_s,
             # Fail fast: the fallback (load-only routing) beats waiting for Redis.
             retry=Retry(NoBackoff(), 0),
         )
+        self._client = redis.asyncio.Redis.from_pool(pool)
         self._script = self._client.register_script(LOOKUP_SCRIPT)
+        # One slot per connection, taken before the pool is asked: waiting for a slot is
+        # "busy", anything the pool or Redis raises after it is "unavailable".
+        self._slots = asyncio.Semaphore(self.config.max_connections)
 
     async def lookup(self, block_size: int, hashes: Sequence[bytes]) -> list[EngineRecord]:
-        """Every live engine with its leading-block match; PrefixIndexUnavailable on failure."""
-        args: list[Any] = [ENGINE_KEY_PREFIX, BLOCKS_KEY_PREFIX, block_size, MATCH_CHUNK]
+        """Every live engine with its leading-block match.
+
+        PrefixIndexBusy when no connection freed up in time, PrefixIndexUnavailable when
+        Redis failed.
+        """
+        args: list[Any] = [ENGINE_KEY_PREFIX, BLOCKS_KEY_PREFIX, block_size, MATCH_CHUNK,
+                           self.config.stale_after_s]
         args.extend(hashes)
+        try:
+            async with asyncio.timeout(self.config.pool_timeout_s):
+                await self._slots.acquire()
+        except TimeoutError as e:
+            raise PrefixIndexBusy(
+                f"all {self.config.max_connections} Redis connections stayed busy for "
+                f"{self.config.pool_timeout_s}s"
+            ) from e
         try:
             raw = await self._script(keys=[redis_schema.ENGINES_SET], args=args)
         except (redis.exceptions.RedisError, OSError) as e:
             raise PrefixIndexUnavailable(f"redis: {e}") from e
+        finally:
+            self._slots.release()
         return [_record(item) for item in raw]
 
     async def close(self) -> None:

@@ -1,7 +1,8 @@
 """One routing decision: prompt ids + tenant -> engines ranked best-first.
 
 Role: glue between the block hash (`engine.block_hash`, the engine's own function), the
-Redis lookup (`router.prefix_index`), this replica's pool (`router.engine_pool`) and the pure
+Redis lookup (`router.prefix_index`), engine discovery without Redis
+(`router.engine_discovery`), this replica's pool (`router.engine_pool`) and the pure
 policies (`router.policy`).
 
 Invariants:
@@ -10,10 +11,16 @@ Invariants:
   with the tenant, LoRA-free: exactly what the engine computes for the request we send.
 - One Redis round trip per decision; a second one only when the block size hint was wrong
   (the hint is then corrected from the registry, so it happens once per change).
-- Redis down: the last engine list is asked for its load over gRPC and ranked by load
-  (round_robin stays round robin); Redis is retried after `redis_retry_s`, not per request.
-- Suspect engines go last; an engine's `model` must equal the request's, when one is given.
-- No live engine -> UnavailableError; an unknown model -> ValueError naming the served ones.
+- Redis unreachable (or not configured): the engines are found at the last addresses Redis
+  gave plus the static list / DNS name (`--engines`, `--engine-dns`), asked for their load,
+  id and model over gRPC, and ranked by load (round_robin stays round robin); Redis is
+  retried after `redis_retry_s`, not per request, and the outage is logged once.
+- Redis busy (every connection of this router in use for the pool timeout): Redis is not
+  marked down; that one decision ranks the engines of the last answer by their last load
+  and this router's in-flight counts, without polling anyone.
+- The model filter applies whichever way the engines were found: an engine's `model` must
+  equal the request's, when one is given. Suspect engines go last.
+- No live engine -> UnavailableError; an unknown model -> NotFoundError naming the served ones.
 """
 
 from __future__ import annotations
@@ -28,14 +35,22 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import hash_token_blocks
 from kvfleet.errors import NotFoundError, UnavailableError
+from router.engine_discovery import EngineDiscovery
 from router.engine_pool import EnginePool
 from router.metrics import RouterMetrics
 from router.policy import EngineView, Policy, PrefixPolicyConfig, rank
-from router.prefix_index import EngineRecord, PrefixIndex, PrefixIndexUnavailable
+from router.prefix_index import (
+    EngineRecord,
+    PrefixIndex,
+    PrefixIndexBusy,
+    PrefixIndexUnavailable,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
+# At most one "Redis connections busy" warning per this many seconds.
+BUSY_LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -44,7 +59,7 @@ class RoutingConfig:
     prefix: PrefixPolicyConfig = field(default_factory=PrefixPolicyConfig)
     # After a Redis failure, route by load alone for this long before trying Redis again.
     redis_retry_s: float = 1.0
-    # Per-engine GetLoad deadline while Redis is down.
+    # Per-engine GetLoad deadline while Redis is down; a slower engine keeps its last load.
     load_timeout_s: float = 0.5
 
 
@@ -67,22 +82,22 @@ class EngineSelector:
         index: PrefixIndex | None,
         pool: EnginePool,
         metrics: RouterMetrics | None = None,
+        discovery: EngineDiscovery | None = None,
     ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self._index = index
         self._pool = pool
+        self._discovery = discovery
         self._block_size = DEFAULT_BLOCK_SIZE  # a hint, corrected from the registry
         self._counter = itertools.count()
         self._redis_down_until = 0.0
+        self._redis_ok = True
+        self._busy_logged_at = -BUSY_LOG_EVERY_S
 
     async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
-        views: list[EngineView] | None = None
-        if self._index is not None and time.monotonic() >= self._redis_down_until:
-            views = await self._views_from_index(prompt_ids, tenant, model)
-        used_index = views is not None
-        if views is None:
-            views = await self._pool.fetch_loads(self.config.load_timeout_s)
+        records, used_index = await self._records(prompt_ids, tenant)
+        views = self._to_views(_for_model(records, model))
         self.metrics.observe_loads(views)
         if not views:
             raise UnavailableError("no live engine to serve the request")
@@ -101,31 +116,52 @@ class EngineSelector:
         return Decision(ranking, self._block_size, used_index, policy)
 
     async def served_models(self) -> list[str]:
-        """Model names of the live engines (empty when Redis cannot answer)."""
-        if self._index is None:
-            return []
-        try:
-            records = await self._index.lookup(self._block_size, [])
-        except PrefixIndexUnavailable:
-            return []
+        """Model names of the live engines, however they were found (empty: none)."""
+        records, _ = await self._records((), "")
         return sorted({r.model for r in records if r.model})
 
-    async def _views_from_index(
-        self, prompt_ids: Sequence[int], tenant: str, model: str
-    ) -> list[EngineView] | None:
-        assert self._index is not None
-        started = time.perf_counter()
-        try:
-            records = await self._lookup(prompt_ids, tenant)
-        except PrefixIndexUnavailable as e:
-            self.metrics.redis_errors.inc()
-            logger.warning("prefix index unavailable (%s); routing by load for %.1fs",
-                           e, self.config.redis_retry_s)
-            self._redis_down_until = time.monotonic() + self.config.redis_retry_s
-            return None
-        self.metrics.redis_latency.observe(time.perf_counter() - started)
-        self._pool.remember({r.engine_id: r.address for r in records if r.address})
-        return self._to_views(_for_model(records, model))
+    async def _records(
+        self, prompt_ids: Sequence[int], tenant: str
+    ) -> tuple[list[EngineRecord], bool]:
+        """The live engines and whether they came from the prefix index (module docstring)."""
+        if self._index is not None and time.monotonic() >= self._redis_down_until:
+            started = time.perf_counter()
+            try:
+                records = await self._lookup(prompt_ids, tenant)
+            except PrefixIndexBusy as e:
+                self._on_busy(e)
+                if self._pool.known:
+                    return self._pool.known, False
+            except PrefixIndexUnavailable as e:
+                self._on_unavailable(e)
+            else:
+                self.metrics.redis_latency.observe(time.perf_counter() - started)
+                self._on_answer()
+                self._pool.remember(records)
+                return records, True
+        addresses = await self._discovery.addresses() if self._discovery is not None else []
+        return await self._pool.poll(addresses, self.config.load_timeout_s), False
+
+    def _on_answer(self) -> None:
+        if not self._redis_ok:
+            logger.info("prefix index reachable again")
+        self._redis_ok = True
+
+    def _on_unavailable(self, error: PrefixIndexUnavailable) -> None:
+        self.metrics.redis_errors.inc()
+        self._redis_down_until = time.monotonic() + self.config.redis_retry_s
+        if self._redis_ok:  # once per outage, not once per request
+            logger.warning("prefix index unavailable (%s); routing by load, retrying Redis "
+                           "every %.1fs", error, self.config.redis_retry_s)
+        self._redis_ok = False
+
+    def _on_busy(self, error: PrefixIndexBusy) -> None:
+        self.metrics.redis_pool_timeouts.inc()
+        now = time.monotonic()
+        if now - self._busy_logged_at >= BUSY_LOG_EVERY_S:
+            self._busy_logged_at = now
+            logger.warning("%s: routing such decisions by the last known load (raise "
+                           "--redis-max-connections or --redis-pool-timeout?)", error)
 
     async def _lookup(self, prompt_ids: Sequence[int], tenant: str) -> list[EngineRecord]:
         assert self._index is not None

@@ -2,7 +2,7 @@
 `python -m router.server ...`).
 
 Role: process entry point. Parses arguments once into `RouterConfig`, builds the servicer
-(auth, tokenizer client, Redis prefix index, engine pool, selector) on a
+(auth, tokenizer client, Redis prefix index, engine discovery, engine pool, selector) on a
 `kvfleet.grpc_server.GrpcServer` (health, reflection, error mapping, graceful drain) and
 serves until SIGTERM/SIGINT; exits 0 after a graceful shutdown.
 
@@ -28,6 +28,7 @@ from kvfleet.metrics import start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
 from kvfleet.tracing import init_tracing
 from router.auth import Authenticator, load_api_keys
+from router.engine_discovery import DEFAULT_DNS_REFRESH_S, DiscoveryConfig, EngineDiscovery
 from router.engine_pool import EnginePool
 from router.forward import StreamDeadlines
 from router.http_api import OpenAIApi
@@ -35,7 +36,7 @@ from router.http_server import HttpServer
 from router.metrics import RouterMetrics
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.policy import Policy, PrefixPolicyConfig
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.routing import EngineSelector, RoutingConfig
 from router.servicer import RouterServicer
 from router.tokenizer_client import TokenizerClient
@@ -55,6 +56,8 @@ class RouterConfig:
     api_keys_path: Path | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     deadlines: StreamDeadlines = field(default_factory=StreamDeadlines)
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -69,6 +72,14 @@ class RouterConfig:
             api_keys_path=args.api_keys,
             max_attempts=args.max_attempts,
             deadlines=StreamDeadlines(args.first_token_timeout, args.stream_stall_timeout),
+            index=PrefixIndexConfig(
+                max_connections=args.redis_max_connections,
+                pool_timeout_s=args.redis_pool_timeout,
+                stale_after_s=args.engine_stale_after,
+            ),
+            discovery=DiscoveryConfig.from_flags(
+                args.engines, args.engine_dns, args.engine_dns_refresh
+            ),
         )
 
 
@@ -121,10 +132,11 @@ def build_router(
     """
     auth = auth if auth is not None else load_authenticator(config)
     tokenizer = TokenizerClient(config.tokenizer_address)
-    index = PrefixIndex(config.redis_url) if config.redis_url else None
-    pool = EnginePool()
+    index = PrefixIndex(config.redis_url, config.index) if config.redis_url else None
     metrics = RouterMetrics(registry)
-    selector = EngineSelector(config.routing, index, pool, metrics)
+    pool = EnginePool(metrics=metrics)
+    discovery = EngineDiscovery(config.discovery) if config.discovery.enabled else None
+    selector = EngineSelector(config.routing, index, pool, metrics, discovery)
     pipeline = GenerationPipeline(
         tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines
     )
@@ -132,10 +144,13 @@ def build_router(
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
     http = OpenAIApi(pipeline, auth, metrics)
     logger.info(
-        "router: policy %s, tokenizer %s, redis %s, auth %s",
+        "router: policy %s, tokenizer %s, redis %s, engines without redis %s, auth %s",
         config.routing.policy.value,
         config.tokenizer_address,
         config.redis_url or "off",
+        ", ".join([*config.discovery.static_addresses,
+                   *([f"dns {config.discovery.dns}"] if config.discovery.dns else [])])
+        or "the last ones redis named",
         f"on ({auth.num_keys} keys)" if auth.enabled else "off (tenant 'anonymous')",
     )
     return RouterApp(server, tokenizer, pool, index, metrics, http)
@@ -184,7 +199,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--tokenizer", required=True, help="tokenizer service HOST:PORT")
     parser.add_argument(
-        "--redis-url", default=None, help="Redis holding the engine registry (none: no engines)"
+        "--redis-url", default=None,
+        help="Redis holding the engine registry (none: engines from --engines/--engine-dns)",
     )
     parser.add_argument(
         "--policy", choices=[p.value for p in Policy], default=Policy.PREFIX.value
@@ -215,8 +231,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port-file", type=Path, default=None,
                         help="write the bound HTTP port here once it serves")
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    add_engine_source_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)
     return parser.parse_args(argv)
+
+
+def add_engine_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """Redis pool and liveness, and where engines are found without Redis."""
+    group = parser.add_argument_group("engine registry")
+    index = PrefixIndexConfig()
+    group.add_argument("--redis-max-connections", type=int, default=index.max_connections,
+                       help="Redis connections this router opens at most; routing decisions "
+                            "beyond them wait for one (default: %(default)s)")
+    group.add_argument("--redis-pool-timeout", type=float, default=index.pool_timeout_s,
+                       help="seconds a routing decision waits for a free Redis connection "
+                            "before going without the prefix index (default: %(default)s)")
+    group.add_argument("--engine-stale-after", type=float, default=index.stale_after_s,
+                       help="seconds since an engine's last heartbeat after which it gets no "
+                            "requests (0: no bound; default: %(default)s)")
+    group.add_argument("--engines", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                       help="engines to route to while Redis is down or not configured")
+    group.add_argument("--engine-dns", default=None, metavar="NAME:PORT",
+                       help="DNS name resolving to every engine (e.g. a Kubernetes headless "
+                            "Service), used while Redis is down or not configured")
+    group.add_argument("--engine-dns-refresh", type=float, default=DEFAULT_DNS_REFRESH_S,
+                       help="seconds between resolutions of --engine-dns (default: "
+                            "%(default)s)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

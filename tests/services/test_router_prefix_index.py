@@ -20,6 +20,7 @@ from router.prefix_index import (
     ENGINE_KEY_PREFIX,
     MATCH_CHUNK,
     PrefixIndex,
+    PrefixIndexConfig,
     PrefixIndexUnavailable,
 )
 
@@ -111,7 +112,7 @@ def test_redis_down_raises_quickly() -> None:
     stopped.stop()
 
     async def run() -> None:
-        index = PrefixIndex(url, timeout_s=0.2)
+        index = PrefixIndex(url, PrefixIndexConfig(connect_timeout_s=0.2, read_timeout_s=0.2))
         try:
             with pytest.raises(PrefixIndexUnavailable):
                 await asyncio.wait_for(index.lookup(16, [b"x" * 16]), 2.0)
