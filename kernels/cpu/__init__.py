@@ -4,6 +4,12 @@ The build is cached under the kvfleet cache directory, keyed by the source, the 
 and the CPU's feature flags (the code is compiled with -march=native, so a cache shared between
 different CPUs must not hand one machine another's binary). If anything fails — no compiler, no
 ninja — `load()` returns False and callers use the PyTorch fallback.
+
+No lock is shared between processes: each builder compiles in a private directory and renames
+the finished library into place (atomic), and a process finding it there just loads it. A
+builder killed mid-build (an engine kill -9'd during its first start) therefore leaves only
+an unused directory behind, never a lock file that every later engine would wait on forever
+(torch's own build lock has no owner check).
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -27,6 +35,7 @@ _SOURCES = [
 # headers) really parallel in our code; without it every kernel runs on one core. torch
 # ships GNU OpenMP too, so both resolve to the one libgomp already loaded.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+_NAME = "kvfleet_cpu_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
@@ -59,17 +68,7 @@ def load() -> bool:
         if "loaded" in _state:
             return _state["loaded"]
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            load_extension(
-                name="kvfleet_cpu_ops",
-                sources=[str(s) for s in _SOURCES],
-                extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(_build_dir()),
-                is_python_module=False,
-                verbose=False,
-            )
+            _load_or_build(_build_dir())
             ok = all(
                 hasattr(torch.ops.kvfleet_cpu, op)
                 for op in ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_qk")
@@ -79,3 +78,26 @@ def load() -> bool:
             ok = False
         _state["loaded"] = ok
         return ok
+
+
+def _load_or_build(build_dir: Path) -> None:
+    library = build_dir / f"{_NAME}.so"
+    if library.is_file():
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils.cpp_extension import load as load_extension
+
+    private = Path(tempfile.mkdtemp(prefix=f"build-{os.getpid()}-", dir=build_dir))
+    try:
+        load_extension(  # builds and loads the library
+            name=_NAME,
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(private),
+            is_python_module=False,
+            verbose=False,
+        )
+        os.replace(private / f"{_NAME}.so", library)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

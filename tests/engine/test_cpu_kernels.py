@@ -3,6 +3,12 @@ attention over the gathered context, and the fused elementwise ops against `Laye
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -77,3 +83,21 @@ def test_fused_elementwise_ops_match_pytorch_path():
     got = fused.rotary_qkv(qkv.clone(), heads, kv_heads, dim, cos, sin)
     for a, b in zip(got, expected, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_builder_killed_mid_build_blocks_no_later_load(tmp_path, monkeypatch) -> None:
+    """What an engine kill -9'd during its first build leaves (torch's build lock, a half-done
+    build directory) must not make the next engine wait forever: it loads the library."""
+    import kernels.cpu
+
+    built = kernels.cpu._build_dir() / "kvfleet_cpu_ops.so"
+    assert built.is_file()
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path))
+    cache = kernels.cpu._build_dir()
+    shutil.copy(built, cache / built.name)
+    (cache / "lock").touch()
+    (cache / "build-12345-dead").mkdir()
+    code = "import sys; from kernels.cpu import load; sys.exit(0 if load() else 1)"
+    result = subprocess.run([sys.executable, "-c", code], env=os.environ.copy(), timeout=120,
+                            cwd=Path(__file__).resolve().parents[2], capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
