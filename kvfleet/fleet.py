@@ -229,6 +229,16 @@ class Fleet:
             env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         return self._launch(engine_id(index), command, env)
 
+    def restart_tokenizer(self) -> ServiceProcess:
+        """Start the tokenizer again on its port (routers keep its address) once it has
+        exited, and wait until it serves. Tests kill and restart it so."""
+        old = self.tokenizer
+        if old is None or old.port is None or old.process.poll() is None:
+            raise RuntimeError("restart_tokenizer() needs a tokenizer that ran and has exited")
+        self.tokenizer = self._launch("tokenizer", tokenizer_command(self.config, old.port))
+        self._wait_ready([self.tokenizer])
+        return self.tokenizer
+
     def start_router(self) -> ServiceProcess:
         """(Re)start the router process and wait until it serves."""
         self.router = self._start_router_process("router", self.config.policy,
@@ -369,9 +379,9 @@ def engine_id(index: int) -> str:
     return f"engine-{index}"
 
 
-def tokenizer_command(config: FleetConfig) -> list[str]:
+def tokenizer_command(config: FleetConfig, port: int = 0) -> list[str]:
     return [sys.executable, "-m", "tokenizer_svc.server", "--model", str(config.model_dir),
-            "--host", config.host, "--port", "0"]
+            "--host", config.host, "--port", str(port)]
 
 
 def engine_command(config: FleetConfig, name: str, redis_url: str) -> list[str]:
