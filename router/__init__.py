@@ -3,7 +3,8 @@
 Request path (one module per job):
 
 - `auth`            API key in gRPC metadata -> tenant (the tenant is the cache salt).
-- `tokenizer_client` text / chat -> token ids, and streamed detokenization, via tokenizer_svc.
+- `tokenizer_client` text / chat -> token ids via tokenizer_svc (once per request, retried
+                    once on UNAVAILABLE over a new connection).
 - `prefix_index`    one Redis round trip: every live engine's leading cached blocks + load.
 - `policy`          pure ranking functions: `prefix` (default), `round_robin`, `least_load`.
 - `routing`         glues index, pool and policy into a ranked list of engines (with the
@@ -13,7 +14,8 @@ Request path (one module per job):
                     GetLoad polls while Redis is down.
 - `forward`         sends the request to the best engine, retrying others before the first
                     token, and relays the engine's token stream.
-- `relay`           one engine stream -> text deltas (incremental detokenization, stop strings).
+- `relay`           one engine stream -> client messages (the engine's text deltas, stop
+                    strings applied).
 - `merge`           interleaves several streams (n samples, batched prompts), each tagged.
 - `pipeline`        one request end to end: validate, tokenize, route, forward, relay (n > 1
                     fans out to one engine); shared by both front doors.

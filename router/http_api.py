@@ -130,8 +130,7 @@ class OpenAIApi:
                 return self._failed(tenant, exc)
             choices = Choices(n=body.n, kind=kind, logprobs=_wants_logprobs(body))
             prefix = "cmpl" if kind == "completion" else "chatcmpl"
-            renderer = StreamRenderer(choices, *new_id(prefix), model,
-                                      self._pipeline.tokenizer, echo)
+            renderer = StreamRenderer(choices, *new_id(prefix), model, echo)
         if body.stream:
             return StreamingResponse(
                 self._sse(span, renderer, first, stream, body.include_usage, tenant),

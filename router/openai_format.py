@@ -9,8 +9,9 @@ Invariants:
 - Choice index = prompt index * n + sample index (vLLM's numbering for batched prompts).
 - usage.prompt_tokens counts each prompt once however many samples it has;
   completion_tokens adds up every sample.
-- Logprob token strings come from the tokenizer service (each id decoded on its own), the
-  completions shape carries text_offset into the choice's text (echoed prompt included).
+- Logprob token strings are the engine's decoded_token (each id decoded on its own, no
+  tokenizer call here); the completions shape carries text_offset into the choice's text
+  (echoed prompt included).
   With echo and logprobs the prompt's tokens come first (the first with logprob None), from
   the engine's prompt logprobs.
 """
@@ -69,7 +70,6 @@ class Choices:
         self,
         prompt_index: int,
         response: router_pb2.RouterGenerateResponse,
-        token_texts: dict[int, str],
         prefix: str = "",
     ) -> tuple[Choice, Json | list[Json] | None]:
         """Fold one message in; returns its choice and this message's logprobs (rendered)."""
@@ -79,7 +79,7 @@ class Choices:
         if not with_prompt:  # echoed prompt tokens advance the offset themselves
             choice.offset += len(prefix)
         choice.completion_tokens += len(response.token_ids)
-        rendered = self._logprobs(choice, response, token_texts, with_prompt)
+        rendered = self._logprobs(choice, response, with_prompt)
         if response.HasField("finish_reason"):
             choice.finish_reason = response.finish_reason
             choice.stop_reason = stop_reason(response)
@@ -93,26 +93,24 @@ class Choices:
         self,
         choice: Choice,
         response: router_pb2.RouterGenerateResponse,
-        texts: dict[int, str],
         with_prompt: bool = False,
     ) -> Json | list[Json] | None:
         if not self.logprobs:
             return None
         if self.kind == "chat":
-            entries = [_chat_entry(lp, texts) for lp in response.logprobs]
+            entries = [_chat_entry(lp) for lp in response.logprobs]
             assert choice.chat_logprobs is not None
             choice.chat_logprobs.extend(entries)
             return entries
         delta: Json = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         if with_prompt:
             # echo + logprobs: the prompt's tokens come first; the first has no logprob.
-            first = response.prompt_token_ids[0] if response.prompt_token_ids else None
-            if first is not None:
-                _completion_entry(choice, delta, texts.get(first, ""), None, texts)
+            if response.prompt_token_ids:
+                _completion_entry(choice, delta, response.first_prompt_token_text, None)
             for lp in response.prompt_logprobs:
-                _completion_entry(choice, delta, texts.get(lp.sampled.token_id, ""), lp, texts)
+                _completion_entry(choice, delta, lp.sampled.decoded_token, lp)
         for lp in response.logprobs:
-            _completion_entry(choice, delta, texts.get(lp.sampled.token_id, ""), lp, texts)
+            _completion_entry(choice, delta, lp.sampled.decoded_token, lp)
         assert choice.completion_logprobs is not None
         for key, values in delta.items():
             choice.completion_logprobs[key].extend(values)
@@ -215,24 +213,15 @@ def usage_chunk(response_id: str, model: str, created: int, obj: str, usage: Jso
     }
 
 
-def logprob_token_ids(response: router_pb2.RouterGenerateResponse) -> list[int]:
-    ids: list[int] = list(response.prompt_token_ids[:1])
-    for lp in (*response.prompt_logprobs, *response.logprobs):
-        ids.append(lp.sampled.token_id)
-        ids.extend(t.token_id for t in lp.top)
-    return ids
-
-
 def _completion_entry(
-    choice: Choice, delta: Json, token: str, lp: common_pb2.TokenLogprobs | None,
-    texts: dict[int, str],
+    choice: Choice, delta: Json, token: str, lp: common_pb2.TokenLogprobs | None
 ) -> None:
     top: dict[str, float] | None = None
     if lp is not None:
         # Tokens can decode to the same string (byte pieces): keep the likelier entry.
         top = {}
         for alternative in lp.top:
-            top.setdefault(texts.get(alternative.token_id, ""), alternative.logprob)
+            top.setdefault(alternative.decoded_token, alternative.logprob)
         top.setdefault(token, lp.sampled.logprob)
     delta["tokens"].append(token)
     delta["token_logprobs"].append(None if lp is None else lp.sampled.logprob)
@@ -256,17 +245,17 @@ def new_id(prefix: str) -> tuple[str, int]:
     return f"{prefix}-{uuid.uuid4().hex}", int(time.time())
 
 
-def _chat_entry(lp: common_pb2.TokenLogprobs, texts: dict[int, str]) -> Json:
-    token = texts.get(lp.sampled.token_id, "")
+def _chat_entry(lp: common_pb2.TokenLogprobs) -> Json:
+    token = lp.sampled.decoded_token
     return {
         "token": token,
         "logprob": lp.sampled.logprob,
         "bytes": list(token.encode("utf-8")),
         "top_logprobs": [
             {
-                "token": texts.get(t.token_id, ""),
+                "token": t.decoded_token,
                 "logprob": t.logprob,
-                "bytes": list(texts.get(t.token_id, "").encode("utf-8")),
+                "bytes": list(t.decoded_token.encode("utf-8")),
             }
             for t in lp.top
         ],

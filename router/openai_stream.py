@@ -2,8 +2,9 @@
 
 Role: the per-request state between the pipeline and the HTTP response: it folds every
 message into `openai_format.Choices` (so streamed deltas and the whole body come from the
-same text), looks up logprob token strings, prepends the echoed prompt, and for chat sends
-the assistant role first on each choice.
+same text), prepends the echoed prompt, and for chat sends the assistant role first on each
+choice. Logprob token strings travel in the messages (the engine decodes them): rendering
+calls no service.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from router.openai_format import (
     Json,
     chat_chunk,
     completion_chunk,
-    logprob_token_ids,
     usage_chunk,
 )
-from router.tokenizer_client import TokenizerClient
 
 Tagged = tuple[int, router_pb2.RouterGenerateResponse]
 
@@ -32,14 +31,12 @@ class StreamRenderer:
         response_id: str,
         created: int,
         model: str,
-        tokenizer: TokenizerClient,
         echo: Sequence[str] = (),
     ) -> None:
         self.choices = choices
         self.response_id = response_id
         self.created = created
         self.model = model
-        self._tokenizer = tokenizer
         self._echo = list(echo)
 
     async def fold(self, item: Tagged) -> None:
@@ -80,9 +77,5 @@ class StreamRenderer:
         prefix = ""
         if self._echo and self._index(item) not in self.choices.choices:
             prefix = self._echo[prompt_index]
-        texts: dict[int, str] = {}
-        if self.choices.logprobs and response.logprobs:
-            ids = sorted(set(logprob_token_ids(response)))
-            texts = dict(zip(ids, await self._tokenizer.token_texts(ids), strict=True))
-        choice, logprobs = self.choices.add(prompt_index, response, texts, prefix)
+        choice, logprobs = self.choices.add(prompt_index, response, prefix)
         return choice, prefix + response.text_delta, logprobs

@@ -15,8 +15,9 @@ Invariants:
 - An engine's silence is bounded (`forward.StreamDeadlines`): a stall before the first
   token moves the request to the next engine, after it ends the stream with UNAVAILABLE.
 - Whatever way the stream ends (finished, stop string, client cancel, error), every engine
-  call still open is cancelled and every detokenize stream closed: a cancelled client request
-  frees its engine blocks at once.
+  call still open is cancelled: a cancelled client request frees its engine blocks at once.
+- The tokenizer service is called once per request (tokenize), never per token: engines
+  stream their text already detokenized.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from router.metrics import RouterMetrics
 from router.policy import EngineView
 from router.relay import ResponseRelay
 from router.routing import Decision, EngineSelector
-from router.tokenizer_client import StreamingDetokenizer, TokenizerClient
+from router.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,6 @@ class GenerationPipeline:
         decision = await self._route(prompt_ids, tenant, request.model, request_id)
         samples = _samples(request, prompt_ids, params, engine_request_id, tenant)
         streams: list[EngineStream] = []
-        detokenizers: list[StreamingDetokenizer] = []
         try:
             streams.append(
                 await open_engine_stream(
@@ -111,19 +111,14 @@ class GenerationPipeline:
             span.set_attribute("kvfleet.routing.engine_id", chosen.engine_id)
             span.set_attribute("kvfleet.routing.predicted_cached_tokens", predicted)
             span.set_attribute("gen_ai.usage.prompt_tokens", len(prompt_ids))
-            streams.extend(
-                await _open_siblings(chosen, self._pool, samples[1:], self._deadlines)
-            )
-            relays = []
-            for sample, stream in zip(samples, streams, strict=True):
-                detokenizer = self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens)
-                detokenizers.append(detokenizer)
-                relays.append(ResponseRelay(
+            streams.extend(await _open_siblings(chosen, self._pool, samples[1:], self._deadlines))
+            relays = [
+                ResponseRelay(
                     request_id, sample.engine_request.request_id, prompt_ids, params.min_tokens,
-                    stream, detokenizer,
-                    StopStringMatcher(params.stop, params.include_stop_str_in_output),
-                    params.include_stop_str_in_output,
-                ))
+                    stream, StopStringMatcher(params.stop, params.include_stop_str_in_output),
+                )
+                for sample, stream in zip(samples, streams, strict=True)
+            ]
             merged = merge_tagged([relay.responses() for relay in relays])
             async with contextlib.aclosing(merged):
                 async for index, response in merged:
@@ -134,8 +129,6 @@ class GenerationPipeline:
         finally:
             for stream in streams:
                 stream.close()
-            for detokenizer in detokenizers:
-                detokenizer.cancel()
 
     async def prompt_ids(self, request: router_pb2.RouterGenerateRequest) -> list[int]:
         if request.WhichOneof("input") == "prompt_token_ids":

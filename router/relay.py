@@ -1,8 +1,9 @@
 """Engine token stream -> client text stream, one response per engine message.
 
-Role: for each engine message, detokenize the new ids incrementally (tokenizer_svc), apply
+Role: for each engine message, take the text the engine detokenized (its text_delta), apply
 stop strings, and build the router's response; the engine's last message becomes the
-router's last message (finish_reason, usage, num_cached_tokens, engine_id).
+router's last message (finish_reason, usage, num_cached_tokens, engine_id). No call leaves
+the router per token: a tokenizer service outage never disturbs a stream in flight.
 
 Invariants:
 - The first response carries the request id; the last one carries finish_reason.
@@ -11,7 +12,7 @@ Invariants:
   the tokens received so far. Text after the stop string never reaches the client.
 - Stop strings are only checked once `min_tokens` tokens exist (vLLM's semantics).
 - The EOS or stop token that ends generation is in token_ids but not in the text, unless
-  include_stop_str_in_output (vLLM).
+  include_stop_str_in_output (vLLM; the engine leaves it out of its text_delta).
 - An engine stream that ends without a final message is an error (UNAVAILABLE), never a
   silently truncated answer.
 """
@@ -24,7 +25,6 @@ from kvfleet.errors import UnavailableError
 from kvfleet.stop_strings import StopStringMatcher
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
 from router.forward import EngineStream
-from router.tokenizer_client import StreamingDetokenizer
 
 
 class ResponseRelay:
@@ -35,18 +35,14 @@ class ResponseRelay:
         prompt_ids: Sequence[int],
         min_tokens: int,
         stream: EngineStream,
-        detokenizer: StreamingDetokenizer,
         matcher: StopStringMatcher,
-        include_stop_str_in_output: bool = False,
     ) -> None:
-        self._include_stop = include_stop_str_in_output
         self._request_id = request_id
         self._engine_request_id = engine_request_id
         self._prompt_ids = list(prompt_ids)
         self._num_prompt_tokens = len(prompt_ids)
         self._min_tokens = min_tokens
         self._stream = stream
-        self._detokenizer = detokenizer
         self._matcher = matcher
         self._num_completion_tokens = 0
 
@@ -67,22 +63,17 @@ class ResponseRelay:
     async def _convert(
         self, message: engine_pb2.GenerateResponse
     ) -> router_pb2.RouterGenerateResponse:
-        ids = list(message.token_ids)
-        self._num_completion_tokens += len(ids)
+        self._num_completion_tokens += len(message.token_ids)
         final = message.HasField("finish_reason")
-        text_ids = ids
-        if final and message.finish_reason == "stop" and ids and not self._include_stop:
-            # vLLM: the EOS or stop token that ended generation is not part of the text.
-            text_ids = ids[:-1]
-        text = await self._detokenizer.add(text_ids)
-        if final:
-            text += await self._detokenizer.finish()
         check = self._num_completion_tokens >= self._min_tokens
-        emitted = self._matcher.add(text, check)
-        response = router_pb2.RouterGenerateResponse(token_ids=ids, logprobs=message.logprobs)
+        emitted = self._matcher.add(message.text_delta, check)
+        response = router_pb2.RouterGenerateResponse(
+            token_ids=message.token_ids, logprobs=message.logprobs
+        )
         if message.prompt_logprobs:
             response.prompt_token_ids.extend(self._prompt_ids)
             response.prompt_logprobs.extend(message.prompt_logprobs)
+            response.first_prompt_token_text = message.first_prompt_token_text
         if self._matcher.matched is not None:
             last = message if final else await self._stream.abort(self._engine_request_id)
             self._finish_on_stop_string(response, last, self._matcher.matched)

@@ -1,30 +1,48 @@
-"""The router's side of tokenizer_svc: prompts -> token ids, token stream -> text deltas.
+"""The router's side of tokenizer_svc: prompts -> token ids (and whole-text decodes for echo).
 
-Role: the router never loads a tokenizer itself; one tokenizer service (or a pool behind one
-address) does text work for every replica, so routers stay model-agnostic and light.
+Role: the router never loads a tokenizer itself; a tokenizer service (a pool of replicas
+behind one address) does text work for every router replica, so routers stay model-agnostic
+and light. It is called once per request, never per generated token: engines stream their
+text already detokenized.
 
 Invariants:
 - `tokenize` sends text with special tokens added (BOS) and chat with the template applied,
   exactly as the Router proto documents; pre-tokenized prompts never reach this module.
-- `StreamingDetokenizer` follows DetokenizeStream's lockstep protocol: one response per
-  request message, then at most one tail message after half-close. Text is therefore
-  exactly `Detokenize(all generated ids)` and never ends inside a character.
-- Errors from the tokenizer keep their status (INVALID_ARGUMENT for a bad chat, UNAVAILABLE
-  when the service is down) through `kvfleet.errors`.
+- Every call is retried once on UNAVAILABLE, over a fresh connection: a restarted tokenizer
+  (or, behind a Service, another replica) answers the retry without waiting out the old
+  channel's reconnect backoff. Calls still running on the old channel finish on it (it is
+  closed with a grace period). A second UNAVAILABLE fails the request with UNAVAILABLE.
+  Tokenization is idempotent, so a retry never changes a result.
+- Other errors from the tokenizer keep their status (e.g. INVALID_ARGUMENT for a bad chat)
+  through `kvfleet.errors`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
+from kvfleet.errors import UnavailableError
 from kvfleet.tracing import trace_metadata
 from kvfleet.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
-# Prompt ids sent as left context for the first generated tokens (the service uses fewer).
-PROMPT_CONTEXT_IDS = 16
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# A dropped connection is retried soon (gRPC's default backoff starts at 1 s, grows to 120 s).
+# A private subchannel pool per channel: otherwise a replacement channel shares the old one's
+# connection (gRPC pools them process-wide) and with it the reconnect backoff it must skip.
+CHANNEL_OPTIONS = (
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 
 
 class TokenizerClient:
@@ -33,16 +51,21 @@ class TokenizerClient:
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._info: tokenizer_pb2.TokenizerInfo | None = None
+        # Replaced channels, closing once their calls end (kept so close() can await them).
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def info(self) -> tokenizer_pb2.TokenizerInfo:
         """The tokenizer's static facts, fetched once (they never change for a server)."""
         if self._info is None:
-            self._info = await self._stub.GetInfo(
-                tokenizer_pb2.GetInfoRequest(), timeout=self._timeout_s
+            request = tokenizer_pb2.GetInfoRequest()
+            info: tokenizer_pb2.TokenizerInfo = await self._call(
+                lambda stub, **kw: stub.GetInfo(request, **kw)
             )
+            self._info = info
+            return info
         return self._info
 
     async def tokenize(self, request: router_pb2.RouterGenerateRequest) -> list[int]:
@@ -58,86 +81,51 @@ class TokenizerClient:
             tokenize = tokenizer_pb2.TokenizeRequest(messages=request.messages)
         else:
             raise ValueError(f"tokenize() got input {kind!r}; expected prompt or messages")
-        response = await self._stub.Tokenize(
-            tokenize, timeout=self._timeout_s, metadata=trace_metadata()
-        )
+        response = await self._call(lambda stub, **kw: stub.Tokenize(tokenize, **kw))
         return list(response.token_ids)
-
-    async def token_texts(self, token_ids: Sequence[int]) -> list[str]:
-        """Each id decoded on its own (the strings logprobs show); one round trip."""
-        if not token_ids:
-            return []
-        response = await self._stub.Detokenize(
-            tokenizer_pb2.DetokenizeRequest(token_ids=list(token_ids), per_token=True),
-            timeout=self._timeout_s,
-            metadata=trace_metadata(),
-        )
-        return list(response.token_texts)
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
         """Text of `token_ids` in one piece (echo of a pre-tokenized prompt)."""
-        response = await self._stub.Detokenize(
-            tokenizer_pb2.DetokenizeRequest(
-                token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
-            ),
-            timeout=self._timeout_s,
-            metadata=trace_metadata(),
+        request = tokenizer_pb2.DetokenizeRequest(
+            token_ids=list(token_ids), skip_special_tokens=skip_special_tokens
         )
+        response = await self._call(lambda stub, **kw: stub.Detokenize(request, **kw))
         return str(response.text)
-
-    def detokenizer(
-        self, prompt_ids: Sequence[int], skip_special_tokens: bool
-    ) -> StreamingDetokenizer:
-        return StreamingDetokenizer(self._stub, prompt_ids, skip_special_tokens)
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
+    async def _call(self, rpc: Callable[..., Awaitable[T]]) -> T:
+        """`rpc(stub, timeout=..., metadata=...)`, retried once on UNAVAILABLE."""
+        stub = self._stub
+        try:
+            return await rpc(stub, **self._call_options())
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            logger.warning("tokenizer %s unavailable (%s); retrying on a new connection",
+                           self.address, e.details())
+        self._reconnect(stub)
+        try:
+            return await rpc(self._stub, **self._call_options())
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            raise UnavailableError(
+                f"tokenizer service {self.address} is unavailable: {e.details()}"
+            ) from e
 
-class StreamingDetokenizer:
-    """One DetokenizeStream call: `add(ids)` -> text delta; `finish()` -> held-back tail."""
+    def _call_options(self) -> dict[str, Any]:
+        return {"timeout": self._timeout_s, "metadata": trace_metadata()}
 
-    def __init__(
-        self,
-        stub: tokenizer_pb2_grpc.TokenizerStub,
-        prompt_ids: Sequence[int],
-        skip_special_tokens: bool,
-    ) -> None:
-        self._stub = stub
-        self._first = tokenizer_pb2.DetokenizeStreamRequest(
-            skip_special_tokens=skip_special_tokens,
-            prompt_token_ids=list(prompt_ids[-PROMPT_CONTEXT_IDS:]),
-        )
-        self._call: grpc.aio.StreamStreamCall | None = None
-
-    async def add(self, token_ids: Sequence[int]) -> str:
-        if not token_ids:
-            return ""
-        if self._call is None:
-            # Opened lazily: a request that fails before its first token costs no stream.
-            self._call = self._stub.DetokenizeStream(metadata=trace_metadata())
-            message = self._first
-            message.token_ids.extend(token_ids)
-        else:
-            message = tokenizer_pb2.DetokenizeStreamRequest(token_ids=list(token_ids))
-        await self._call.write(message)
-        response = await self._call.read()
-        if response is grpc.aio.EOF:
-            raise RuntimeError("tokenizer closed the detokenize stream early")
-        return str(response.text_delta)
-
-    async def finish(self) -> str:
-        """Half-close and return the text still held back (usually empty)."""
-        if self._call is None:
-            return ""
-        call, self._call = self._call, None
-        await call.done_writing()
-        tail: list[str] = []
-        while (response := await call.read()) is not grpc.aio.EOF:
-            tail.append(response.text_delta)
-        return "".join(tail)
-
-    def cancel(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
-            self._call = None
+    def _reconnect(self, failed: tokenizer_pb2_grpc.TokenizerStub) -> None:
+        if failed is not self._stub:
+            return  # a concurrent call already replaced that channel
+        old = self._channel
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        task = asyncio.ensure_future(old.close(grace=self._timeout_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)

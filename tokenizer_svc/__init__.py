@@ -1,6 +1,8 @@
 """kvfleet's tokenizer service: text <-> token ids, chat templates, streaming detokenization.
 
 Modules: `service` (the kvfleet.v1.Tokenizer servicer over engine.tokenizer.Tokenizer),
-`incremental` (IncrementalDetokenizer, also usable in-process by the router) and `server`
-(the process entry point). Importing the package starts nothing and imports no gRPC.
+`incremental` (IncrementalDetokenizer, which engines also use in-process to stream their
+own text) and `server` (the process entry point). The router calls this service once per
+request (Tokenize), never per generated token; replicas are interchangeable (no state
+between RPCs). Importing the package starts nothing and imports no gRPC.
 """

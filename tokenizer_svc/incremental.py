@@ -1,11 +1,13 @@
 """Incremental detokenization: token ids arrive one (or a few) at a time, text leaves in
 pieces that never split a character.
 
-Role: the router's streaming text. Decoding each new token on its own is wrong for
-byte-level BPE (a character's UTF-8 bytes can span tokens) and for SentencePiece-style
-decoders (whether a token starts with a space depends on its left neighbour). Decoding the
-whole sequence every step is right but O(n^2). This uses the prefix-offset / read-offset
-technique of TGI and vLLM: decode only a window of recent tokens,
+Role: the text of generation streams, one implementation for all of them: the engine's
+Generate stream (`engine.service.output_text`), the offline API's stop strings
+(`engine.output_processor`) and tokenizer_svc's DetokenizeStream. Decoding each new token
+on its own is wrong for byte-level BPE (a character's UTF-8 bytes can span tokens) and for
+SentencePiece-style decoders (whether a token starts with a space depends on its left
+neighbour). Decoding the whole sequence every step is right but O(n^2). This uses the
+prefix-offset / read-offset technique of TGI and vLLM: decode only a window of recent tokens,
 
     prefix_text = decode(ids[prefix_offset:read_offset])   # already emitted
     new_text    = decode(ids[prefix_offset:])              # window + new tokens

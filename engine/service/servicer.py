@@ -9,14 +9,16 @@ Invariants:
   common.proto (which may differ from the engine's offline defaults, e.g. max_tokens unset
   means "up to the remaining context"), an explicit zero stays zero.
 - Fields the engine cannot honour are refused rather than silently ignored: n > 1 (the
-  router fans a request out into n engine requests) and LoRA. `stop` and
-  `include_stop_str_in_output` are ignored, as the engine proto specifies: stop strings are
-  the router's job.
+  router fans a request out into n engine requests) and LoRA. `stop` is ignored, as the
+  engine proto specifies: stop strings are the router's job (on this text);
+  `include_stop_str_in_output` only decides whether the ending EOS / stop token adds text.
 - Cancelling a Generate call closes the `AsyncEngine.generate` iterator, which aborts the
   request and frees its KV blocks (the interceptor closes handler generators promptly).
-- Every Generate message carries engine_id; the last one carries finish_reason,
-  stop_reason, usage and num_cached_tokens. With `kvfleet-keepalive-s` metadata, empty
-  keep-alive messages come between them while the engine progresses (`keepalive`).
+- Every Generate message carries engine_id and its text_delta (`output_text`: the engine
+  detokenizes its own output, so no token waits on the tokenizer service); the last one
+  carries finish_reason, stop_reason, usage and num_cached_tokens. Logprob entries carry
+  their decoded_token. With `kvfleet-keepalive-s` metadata, empty keep-alive messages come
+  between them while the engine progresses (`keepalive`).
 - While `health_problem()` names a problem (the step watchdog: stalled or dead engine),
   Generate is refused with UNAVAILABLE and that message, so the caller goes elsewhere; once
   the engine thread died, GetLoad is refused too.
@@ -36,6 +38,7 @@ from engine.sampling_params import SamplingParams
 from engine.sampling_proto import to_sampling_params
 from engine.service import keepalive
 from engine.service.async_engine import AsyncEngine, GenerateOutput
+from engine.service.output_text import StreamText, TokenTexts
 from kvfleet.errors import UnavailableError
 from kvfleet.grpc_server import Service
 from kvfleet.logs import request_context
@@ -67,6 +70,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._engine = engine
         self._identity = identity
         self._health_problem = health_problem
+        # Immutable once loaded (decode never mutates it): safe to use on the event loop.
+        self._tokenizer = engine.engine.tokenizer
+        self._token_texts = TokenTexts(self._tokenizer)
 
     def as_service(self) -> Service:
         return Service(
@@ -100,6 +106,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if traced:
             _start_span(span, request, params)
         first_token_time: float | None = None
+        text = StreamText(self._tokenizer, request.prompt_token_ids, params)
+        first = True
         with request_context(request.request_id, request.cache_salt or None):
             async for output in outputs:
                 if traced:
@@ -109,7 +117,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         span.add_event("first_token")
                     if output.finished:
                         _finish_span(span, output, first_token_time, now)
-                yield self._response(output)
+                response = self._response(output, text.delta(output))
+                if first and output.prompt_logprobs:
+                    response.first_prompt_token_text = self._token_texts(
+                        request.prompt_token_ids[0]
+                    )
+                first = False
+                yield response
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -136,14 +150,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             max_model_len=identity.max_model_len,
         )
 
-    def _response(self, output: GenerateOutput) -> engine_pb2.GenerateResponse:
+    def _response(self, output: GenerateOutput, text_delta: str) -> engine_pb2.GenerateResponse:
         response = engine_pb2.GenerateResponse(
-            token_ids=output.token_ids, engine_id=self._identity.engine_id
+            token_ids=output.token_ids, engine_id=self._identity.engine_id, text_delta=text_delta
         )
+        texts = self._token_texts
         if output.logprobs:
-            response.logprobs.extend(_logprobs_proto(lp) for lp in output.logprobs)
+            response.logprobs.extend(_logprobs_proto(lp, texts) for lp in output.logprobs)
         if output.prompt_logprobs:
-            response.prompt_logprobs.extend(_logprobs_proto(lp) for lp in output.prompt_logprobs)
+            response.prompt_logprobs.extend(
+                _logprobs_proto(lp, texts) for lp in output.prompt_logprobs
+            )
         if not output.finished:
             return response
         response.finish_reason = output.finish_reason or "stop"
@@ -158,9 +175,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return response
 
 
-def _logprobs_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+def _logprobs_proto(logprobs: TokenLogprobs, texts: TokenTexts) -> common_pb2.TokenLogprobs:
     def one(lp: Logprob) -> common_pb2.Logprob:
-        return common_pb2.Logprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank)
+        return common_pb2.Logprob(
+            token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+            decoded_token=texts(lp.token_id),
+        )
 
     return common_pb2.TokenLogprobs(
         sampled=one(logprobs.sampled), top=[one(lp) for lp in logprobs.top]

@@ -87,14 +87,16 @@ class StopReason(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class Logprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "rank")
+    __slots__ = ("token_id", "logprob", "rank", "decoded_token")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    DECODED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     rank: int
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ...) -> None: ...
+    decoded_token: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., decoded_token: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("sampled", "top")

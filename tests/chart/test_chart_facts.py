@@ -141,7 +141,7 @@ def test_routers_reach_the_tokenizer_service() -> None:
 SIZED: dict[str, dict[str, Any]] = {
     "router": {"replicas": 3, "resources": {"requests": {"cpu": "1", "memory": "1Gi"},
                                             "limits": {"memory": "2Gi"}}},
-    "tokenizer": {"replicas": 2},
+    "tokenizer": {"replicas": 3},
     "engine": {"replicas": 5, "threads": 8,
                "resources": {"requests": {"cpu": "8", "memory": "16Gi"},
                              "limits": {"cpu": "8", "memory": "24Gi"}}},
@@ -157,6 +157,11 @@ def test_replicas_and_resources_follow_values() -> None:
         assert resources == SIZED[component]["resources"]
     env = container_env(rendered, rendered.container("engine"), POD_FIELDS)
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "8"
+
+
+def test_the_tokenizer_runs_two_replicas_by_default() -> None:
+    # One replica can restart or drain while the other serves the routers.
+    assert render().workload("tokenizer")["spec"]["replicas"] == 2
 
 
 def test_gpu_toggle_adds_the_gpu_resource_and_toleration() -> None:

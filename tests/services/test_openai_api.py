@@ -239,6 +239,8 @@ def test_echo_with_logprobs_shows_the_prompt_tokens_first(client: OpenAI, model:
     assert len(logprobs.tokens) == usage.prompt_tokens + usage.completion_tokens
     values = logprobs.token_logprobs or []
     assert values[0] is None and (logprobs.top_logprobs or [])[0] is None
+    # Each prompt token's own text (the first one's too): together they spell the prompt.
+    assert "".join(logprobs.tokens[: usage.prompt_tokens]) == PROMPT
     assert all(v is not None and v <= 0.0 for v in values[1:])
     offsets = logprobs.text_offset or []
     assert offsets[0] == 0 and offsets == sorted(offsets)

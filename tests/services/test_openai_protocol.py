@@ -93,10 +93,10 @@ def _final(index: int, text: str, tokens: int, prompt: int, cached: int):
 
 def test_choices_number_by_prompt_then_sample_and_count_prompts_once() -> None:
     choices = Choices(n=2, kind="completion")
-    choices.add(1, _final(1, "d", 3, 10, 0), {})
-    choices.add(0, _final(0, "a", 2, 7, 0), {})
-    choices.add(0, _final(1, "b", 2, 7, 0), {})
-    choices.add(1, _final(0, "c", 3, 10, 0), {})
+    choices.add(1, _final(1, "d", 3, 10, 0))
+    choices.add(0, _final(0, "a", 2, 7, 0))
+    choices.add(0, _final(1, "b", 2, 7, 0))
+    choices.add(1, _final(0, "c", 3, 10, 0))
     body = choices.completion_body("cmpl-1", "m", 0)
     assert [(c["index"], c["text"]) for c in body["choices"]] == [
         (0, "a"), (1, "b"), (2, "c"), (3, "d")]
