@@ -15,6 +15,9 @@ Invariants:
   gave plus the static list / DNS name (`--engines`, `--engine-dns`), asked for their load,
   id and model over gRPC, and ranked by load (round_robin stays round robin); Redis is
   retried after `redis_retry_s`, not per request, and the outage is logged once.
+- Redis answering with no engine registered (it restarted empty; engines re-register within a
+  heartbeat) is treated like Redis unreachable for that decision: the known and discoverable
+  engines are polled, so a Redis restart does not turn into a burst of UNAVAILABLE.
 - Redis busy (every connection of this router in use for the pool timeout): Redis is not
   marked down; that one decision ranks the engines of the last answer by their last load
   and this router's in-flight counts, without polling anyone.
@@ -137,8 +140,11 @@ class EngineSelector:
             else:
                 self.metrics.redis_latency.observe(time.perf_counter() - started)
                 self._on_answer()
-                self._pool.remember(records)
-                return records, True
+                if records:
+                    self._pool.remember(records)
+                    return records, True
+                # No engine registered: typically a Redis that just restarted empty, before
+                # the engines' next heartbeat. The engines known or discoverable may serve.
         addresses = await self._discovery.addresses() if self._discovery is not None else []
         return await self._pool.poll(addresses, self.config.load_timeout_s), False
 
