@@ -18,7 +18,7 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -31,6 +31,7 @@ from router.auth import Authenticator, load_api_keys
 from router.engine_pool import EnginePool
 from router.http_api import OpenAIApi
 from router.http_server import HttpServer
+from router.limits import RequestLimits, add_limit_arguments
 from router.metrics import RouterMetrics
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.policy import Policy, PrefixPolicyConfig
@@ -53,6 +54,7 @@ class RouterConfig:
     routing: RoutingConfig
     api_keys_path: Path | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -66,6 +68,7 @@ class RouterConfig:
             routing=RoutingConfig(policy=Policy(args.policy), prefix=prefix),
             api_keys_path=args.api_keys,
             max_attempts=args.max_attempts,
+            limits=RequestLimits.from_args(args),
         )
 
 
@@ -122,7 +125,9 @@ def build_router(
     pool = EnginePool()
     metrics = RouterMetrics(registry)
     selector = EngineSelector(config.routing, index, pool, metrics)
-    pipeline = GenerationPipeline(tokenizer, selector, pool, metrics, config.max_attempts)
+    pipeline = GenerationPipeline(
+        tokenizer, selector, pool, metrics, config.max_attempts, config.limits
+    )
     servicer = RouterServicer(auth, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
     http = OpenAIApi(pipeline, auth, metrics)
@@ -193,6 +198,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port-file", type=Path, default=None,
                         help="write the bound HTTP port here once it serves")
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    add_limit_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)
     return parser.parse_args(argv)
 
