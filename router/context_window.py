@@ -84,17 +84,17 @@ def check_fits(
     """InvalidFieldError unless the prompt plus max_tokens (at least one) fits the context."""
     if num_prompt_tokens + (max_tokens or 1) <= max_model_len:
         return
+    limit = f"This model's maximum context length (max_model_len) is {max_model_len} tokens."
     if max_tokens is None or num_prompt_tokens >= max_model_len:
         raise InvalidFieldError(
             prompt_param,
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"{prompt_param} is {num_prompt_tokens} tokens long, which leaves no room for "
-            f"output. Please reduce the length of the {prompt_param}.",
+            f"{limit} However, the input ({prompt_param}) is {num_prompt_tokens} tokens long, "
+            f"which leaves no room for the completion. Please reduce the length of the "
+            f"{prompt_param}.",
         )
     raise InvalidFieldError(
         "max_tokens",
-        f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-        f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of the "
-        f"{prompt_param} or completion.",
+        f"{limit} However, you requested {num_prompt_tokens + max_tokens} tokens "
+        f"({num_prompt_tokens} in the {prompt_param}, {max_tokens} in the completion). "
+        f"Please reduce the length of the {prompt_param} or completion.",
     )
