@@ -65,6 +65,14 @@ class ContextWindows:
             pending.add_done_callback(lambda _: self._pending.pop(key, None))
         return await asyncio.shield(pending)
 
+    def largest_known(self) -> int | None:
+        """The largest max_model_len a live engine reported: no prompt longer than it fits
+        anywhere, so it can be refused before routing (None until an engine reported)."""
+        now = self._clock()
+        known = [value for expires, value in self._known.values()
+                 if value is not None and expires > now]
+        return max(known, default=None)
+
     async def _fetch(self, engine: EngineView) -> int | None:
         stub = self._pool.stub(engine.engine_id, engine.address)
         value: int | None = None

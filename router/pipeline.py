@@ -106,6 +106,9 @@ class GenerationPipeline:
             prompt_ids = await self.prompt_ids(request)
         prompt_param = "messages" if request.WhichOneof("input") == "messages" else "prompt"
         self.limits.check_prompt_tokens(len(prompt_ids), prompt_param)
+        largest = self._windows.largest_known()  # before hashing a prompt that cannot fit
+        if largest is not None:
+            check_fits(len(prompt_ids), params.max_tokens, largest, prompt_param)
         decision = await self._route(prompt_ids, tenant, request.model, request_id)
         max_model_len = await self._windows.max_model_len(decision.ranking[0])
         if max_model_len is not None:
