@@ -34,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from prometheus_client import make_asgi_app
+from starlette.background import BackgroundTask
 
 from kvfleet.logs import set_tenant
 from kvfleet.tracing import tracer
@@ -128,9 +129,11 @@ class OpenAIApi:
                 return self._failed(tenant, exc)
         renderer, first, stream = started
         if body.stream:
+            # The background task closes the stream even if the response never iterated
+            # it (the client left as the first message arrived).
             return StreamingResponse(
                 self._sse(span, renderer, first, stream, body.include_usage, tenant),
-                media_type="text/event-stream",
+                media_type="text/event-stream", background=BackgroundTask(stream.aclose),
             )
         with trace.use_span(span, end_on_exit=True):
             return await self._whole(request, renderer, first, stream, tenant)
@@ -174,6 +177,8 @@ class OpenAIApi:
             return Response(status_code=499)
         except Exception as exc:
             return self._failed(tenant, exc)
+        finally:
+            await stream.aclose()  # a no-op unless fold() never got to run
         self._count(tenant, "200")
         return JSONResponse(renderer.body())
 
