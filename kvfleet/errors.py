@@ -7,6 +7,9 @@ can use `HTTP_STATUS_FOR_CODE` to answer with the matching OpenAI-style status.
 Invariants:
 - ValueError (and subclasses) -> INVALID_ARGUMENT with the exception's message: raise
   ValueError only for problems with the *request*, phrased for the client.
+  `InvalidFieldError` is a ValueError that also names the offending field (`param`), which
+  the HTTP API puts in OpenAI's error JSON; its HTTP status may differ from 400 (413 for a
+  body that is too large).
 - OverloadedError -> RESOURCE_EXHAUSTED, UnavailableError -> UNAVAILABLE,
   NotFoundError -> NOT_FOUND.
 - An error from a downstream gRPC call keeps its status code and details, so a router
@@ -18,6 +21,15 @@ Invariants:
 from __future__ import annotations
 
 import grpc
+
+
+class InvalidFieldError(ValueError):
+    """The request's field `param` is invalid (INVALID_ARGUMENT; HTTP `http_status`)."""
+
+    def __init__(self, param: str | None, message: str, http_status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.http_status = http_status
 
 
 class OverloadedError(Exception):

@@ -8,8 +8,9 @@ they all behave the same to clients, load balancers and Kubernetes:
 - Standard health service (grpc.health.v1): "" and every hosted service report SERVING
   (or NOT_SERVING until `set_serving(True)`, for services that load slowly).
 - Server reflection lists the hosted services, health and reflection.
-- Every RPC runs through `ErrorMappingInterceptor` (exceptions -> status codes, one place)
-  and `DrainTracker`, then `TracingInterceptor` (a span per RPC when tracing is on, see
+- Every RPC runs through `ErrorMappingInterceptor` (exceptions -> status codes, one place;
+  it also decodes the request, so an undecodable one is INVALID_ARGUMENT) and
+  `DrainTracker`, then `TracingInterceptor` (a span per RPC when tracing is on, see
   kvfleet.tracing) and the service's own interceptors (e.g. RPC metrics).
 
 Shutdown (SIGTERM/SIGINT under `serve_until_signal`, or `shutdown()`), in this order:

@@ -15,6 +15,11 @@ Invariants:
   mapped, and never twice.
 - Health and reflection RPCs are exempt from drain tracking: they are not work, and a
   Watch stream never ends on its own.
+- Request messages are decoded inside error mapping (grpc is handed raw bytes): a message
+  that does not parse is INVALID_ARGUMENT naming the expected type, on every service
+  (health and reflection included), never grpc's UNKNOWN with a Python class name.
+  Request-streaming handlers must therefore read their requests from the request
+  iterator, not with `context.read()`.
 """
 
 from __future__ import annotations
@@ -60,7 +65,19 @@ class _ScopedInterceptor(grpc.aio.ServerInterceptor):
 
 
 class ErrorMappingInterceptor(_ScopedInterceptor):
-    """Maps exceptions escaping a handler to a status code (see kvfleet.errors)."""
+    """Maps exceptions escaping a handler (or its request decoding) to a status code."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return wrap_handler(
+            decoding_in_handler(handler), handler_call_details.method, self.scope
+        )
 
     def scope(
         self, method: str, context: grpc.aio.ServicerContext
@@ -166,10 +183,12 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, scope: RpcScope) -
         ) -> AsyncIterator[Any]:
             # aclosing: if grpc stops iterating early, the handler's own cleanup (finally
             # blocks, e.g. aborting an engine request) runs now, not when the GC finds it.
-            responses = contextlib.aclosing(_responses(inner(request, context)))
-            async with scope(method, context), responses as stream:
-                async for response in stream:
-                    yield response
+            # inner() is called inside the scope: it may raise (request decoding).
+            async with scope(method, context):
+                responses = contextlib.aclosing(_responses(inner(request, context)))
+                async with responses as stream:
+                    async for response in stream:
+                        yield response
 
         factory = (
             grpc.stream_stream_rpc_method_handler
@@ -182,6 +201,47 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, scope: RpcScope) -
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )
+
+
+def decoding_in_handler(handler: grpc.RpcMethodHandler) -> Any:
+    """A copy of `handler` that gets raw bytes from grpc and decodes them itself.
+
+    grpc turns a failing deserializer into UNKNOWN ("Unexpected <class ...DecodeError>");
+    decoding inside the handler lets error mapping answer INVALID_ARGUMENT instead.
+    """
+    decode = handler.request_deserializer
+    if decode is None:
+        return handler
+
+    def parse(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except Exception as exc:  # DecodeError, or anything a custom deserializer raises
+            raise ValueError(f"the request message could not be decoded: {exc}") from None
+
+    async def decoded(requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        async for raw in requests:
+            yield parse(raw)
+
+    adapt: Callable[[Any], Any] = decoded if handler.request_streaming else parse
+    kind = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    inner = getattr(handler, kind)
+
+    def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return inner(adapt(request), context)
+
+    factory = getattr(grpc, f"{kind}_rpc_method_handler")
+    return factory(
+        behavior, request_deserializer=None, response_serializer=handler.response_serializer
+    )
+
+
+_HANDLER_KINDS = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}
 
 
 async def _responses(result: Any) -> AsyncGenerator[Any, None]:

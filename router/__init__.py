@@ -17,11 +17,15 @@ Request path (one module per job):
 - `relay`           one engine stream -> client messages (the engine's text deltas, stop
                     strings applied).
 - `merge`           interleaves several streams (n samples, batched prompts), each tagged.
+- `limits`          the request limits (flags) checked before any work; `context_window`
+                    the chosen engine's max_model_len, so a prompt that cannot fit is refused
+                    before it is sent.
 - `pipeline`        one request end to end: validate, tokenize, route, forward, relay (n > 1
                     fans out to one engine); shared by both front doors.
 - `servicer`        the kvfleet.v1.Router gRPC servicer.
-- `http_api`        the OpenAI-compatible HTTP API (`openai_protocol` parses bodies,
-                    `openai_format` / `openai_stream` render JSON and SSE chunks);
+- `http_api`        the OpenAI-compatible HTTP API (`http_body` reads bodies under limits,
+                    `openai_protocol` parses them, `openai_format` / `openai_stream` render
+                    JSON and SSE chunks, `http_errors` renders every error);
                     `http_server` runs it with uvicorn beside gRPC.
 - `server`          the process entry point.
 

@@ -7,12 +7,18 @@ answer in OpenAI's JSON or SSE chunk format (`openai_format`).
 
 Invariants:
 - Errors are OpenAI error JSON, {"error": {"message", "type", "param", "code"}}, with
-  400 (bad request), 401 (API key), 404 (unknown model), 429 (overloaded), 503 (no engine).
+  400 (bad request, `param` naming the field), 401 (API key), 404 (unknown model or
+  route), 408 / 413 (body too slow / too large, `router.http_body`), 429 (overloaded),
+  503 (no engine); see `router.http_errors`.
+- Every prompt of a request is checked (`router.limits`, sampling rules) before any of
+  them is tokenized or routed.
 - A streamed response starts only once the first token exists, so every failure before
   it (validation, tokenization, routing, an engine refusing) is a proper HTTP status. A
   failure after it is sent as an error chunk, then `data: [DONE]`.
-- A client that disconnects (streaming or not) closes the pipeline: engine calls are
-  cancelled and their KV blocks freed.
+- The client's disconnect is watched from the moment the body is read, streaming or not:
+  a client that leaves while its request waits in an engine queue or is being prefilled
+  closes the pipeline just as one that leaves mid-stream does. Engine calls are cancelled
+  (the engines abort the requests and free their KV blocks) and nothing more is computed.
 """
 
 from __future__ import annotations
@@ -21,52 +27,41 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from prometheus_client import make_asgi_app
+from starlette.background import BackgroundTask
 
-from kvfleet.errors import HTTP_STATUS_FOR_CODE, status_for_exception
 from kvfleet.logs import set_tenant
 from kvfleet.tracing import tracer
 from kvfleet.v1 import router_pb2
 from router.auth import AuthenticationError, Authenticator
+from router.http_body import BodyReader, decode_json
+from router.http_errors import error_body, error_response, install_handlers, status_of
 from router.merge import merge_tagged
 from router.metrics import RouterMetrics
 from router.openai_format import Choices, new_id
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from router.openai_stream import StreamRenderer
 from router.pipeline import GenerationPipeline
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["OpenAIApi", "status_of"]
+
 Tagged = tuple[int, router_pb2.RouterGenerateResponse]
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    429: "RateLimitError",
-    503: "ServiceUnavailableError",
-}
+Body = CompletionRequest | ChatCompletionRequest
+T = TypeVar("T")
+# What a request that has its first message carries on to the response.
+Started = tuple[StreamRenderer, Tagged, AsyncGenerator[Tagged, None]]
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "InternalServerError"),
-                      "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
-
-
-def status_of(exc: BaseException) -> tuple[int, str]:
-    if isinstance(exc, AuthenticationError):
-        return 401, str(exc)
-    code, message, unexpected = status_for_exception(exc)
-    if unexpected:
-        logger.error("request failed", exc_info=exc)
-    return HTTP_STATUS_FOR_CODE.get(code, 500), message
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was complete."""
 
 
 class OpenAIApi:
@@ -79,7 +74,8 @@ class OpenAIApi:
 
     def app(self) -> FastAPI:
         app = FastAPI(title="kvfleet", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_exception_handler(RequestValidationError, _validation_error)
+        install_handlers(app)
+        app.add_middleware(BodyReader, limits=self._pipeline.limits)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
@@ -102,15 +98,13 @@ class OpenAIApi:
             for name in names
         ]})
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        return await self._serve(body, request, "completion")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest, "completion")
 
-    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        return await self._serve(body, request, "chat")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest, "chat")
 
-    async def _serve(
-        self, body: CompletionRequest | ChatCompletionRequest, request: Request, kind: str
-    ) -> Response:
+    async def _serve(self, request: Request, cls: type[Body], kind: str) -> Response:
         tenant = "unknown"
         span_cm = tracer().start_as_current_span(
             f"POST {request.url.path}", context=propagate.extract(dict(request.headers)),
@@ -120,24 +114,51 @@ class OpenAIApi:
             try:
                 tenant = self._tenant(request)
                 set_tenant(tenant)
-                router_requests = body.to_router_requests()
-                model = await self._model(body.model)
-                echo = await self._echo_texts(body, router_requests)
-                stream = _run_prompts(self._pipeline, router_requests, tenant)
-                first = await anext(stream)
+                body = parse_body(cls, decode_json(await request.body()),
+                                  self._pipeline.limits)
+                router_requests = self._checked(body)
+                started = await until_disconnected(
+                    request, self._start(body, router_requests, tenant, kind)
+                )
+            except ClientDisconnected:
+                span.end()
+                self._count(tenant, "499")
+                return Response(status_code=499)
             except Exception as exc:
                 span.end()
                 return self._failed(tenant, exc)
-            choices = Choices(n=body.n, kind=kind, logprobs=_wants_logprobs(body))
-            prefix = "cmpl" if kind == "completion" else "chatcmpl"
-            renderer = StreamRenderer(choices, *new_id(prefix), model, echo)
+        renderer, first, stream = started
         if body.stream:
+            # The background task closes the stream even if the response never iterated
+            # it (the client left as the first message arrived).
             return StreamingResponse(
                 self._sse(span, renderer, first, stream, body.include_usage, tenant),
-                media_type="text/event-stream",
+                media_type="text/event-stream", background=BackgroundTask(stream.aclose),
             )
         with trace.use_span(span, end_on_exit=True):
             return await self._whole(request, renderer, first, stream, tenant)
+
+    def _checked(self, body: Body) -> list[router_pb2.RouterGenerateRequest]:
+        """The body's router requests, every one checked before any is started."""
+        requests = body.to_router_requests()
+        self._pipeline.limits.check_choices(body.n, len(requests))
+        for request in requests:
+            self._pipeline.check(request)
+        return requests
+
+    async def _start(
+        self, body: Body, requests: Sequence[router_pb2.RouterGenerateRequest], tenant: str,
+        kind: str,
+    ) -> Started:
+        """Run the prompts up to their first message (tokenize, route, queue, prefill)."""
+        model = await self._model(body.model)
+        echo = await self._echo_texts(body, requests)
+        stream = _run_prompts(self._pipeline, requests, tenant)
+        first = await anext(stream)
+        choices = Choices(n=body.n, kind=kind, logprobs=_wants_logprobs(body))
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        renderer = StreamRenderer(choices, *new_id(prefix), model, echo)
+        return renderer, first, stream
 
     async def _whole(
         self, request: Request, renderer: StreamRenderer, first: Tagged,
@@ -149,23 +170,15 @@ class OpenAIApi:
                 async for item in stream:
                     await renderer.fold(item)
 
-        work = asyncio.ensure_future(fold())
-        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not work.done():  # the client left (or we are cancelled): close engine calls
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-        if work.cancelled():
+            await until_disconnected(request, fold())
+        except ClientDisconnected:
             self._count(tenant, "499")
             return Response(status_code=499)
-        try:
-            work.result()
         except Exception as exc:
             return self._failed(tenant, exc)
+        finally:
+            await stream.aclose()  # a no-op unless fold() never got to run
         self._count(tenant, "200")
         return JSONResponse(renderer.body())
 
@@ -188,9 +201,9 @@ class OpenAIApi:
                 code = "499"
                 raise
             except Exception as exc:
-                status, message = status_of(exc)
+                status, message, param = status_of(exc)
                 code = str(status)
-                yield _event(json.loads(bytes(error_response(status, message).body)))
+                yield _event(error_body(status, message, param))
             finally:
                 self._count(tenant, code)
             yield "data: [DONE]\n\n"
@@ -207,7 +220,7 @@ class OpenAIApi:
 
     async def _echo_texts(
         self,
-        body: CompletionRequest | ChatCompletionRequest,
+        body: Body,
         requests: Sequence[router_pb2.RouterGenerateRequest],
     ) -> list[str]:
         if not isinstance(body, CompletionRequest) or not body.echo:
@@ -223,9 +236,9 @@ class OpenAIApi:
         return texts
 
     def _failed(self, tenant: str, exc: BaseException) -> JSONResponse:
-        status, message = status_of(exc)
+        status, message, param = status_of(exc)
         self._count(tenant, str(status))
-        return error_response(status, message)
+        return error_response(status, message, param)
 
     def _count(self, tenant: str, code: str) -> None:
         self._metrics.http_requests.labels(tenant, code).inc()
@@ -239,13 +252,30 @@ def _run_prompts(
     return merge_tagged([pipeline.generate(request, tenant) for request in requests])
 
 
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled (and
+    with it every engine call it opened) and ClientDisconnected is raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():  # the client left (or we are cancelled): stop the work
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
 async def _disconnected(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the disconnect.
+    # The body has been read (router.http_body), so the next ASGI message is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-def _wants_logprobs(body: CompletionRequest | ChatCompletionRequest) -> bool:
+def _wants_logprobs(body: Body) -> bool:
     if isinstance(body, ChatCompletionRequest):
         return body.logprobs
     return body.logprobs is not None
@@ -253,14 +283,3 @@ def _wants_logprobs(body: CompletionRequest | ChatCompletionRequest) -> bool:
 
 def _event(chunk: dict[str, Any]) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-
-
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    problems = []
-    param = None
-    for error in exc.errors():
-        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
-        param = param or (".".join(loc) or None)
-        problems.append(f"{'.'.join(loc) or 'body'}: {error.get('msg', 'invalid')}")
-    return error_response(400, "; ".join(problems) or "invalid request", param)

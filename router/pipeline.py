@@ -5,8 +5,12 @@ best engine, retrying others before the first token (`forward`) -> relay text (`
 The gRPC servicer and the OpenAI HTTP API both call `generate` after authenticating.
 
 Invariants:
-- Sampling parameters are checked with the engine's own rules (`engine.sampling_proto`)
-  before anything is tokenized or routed, so a bad request costs no compute anywhere.
+- Sampling parameters are checked with the engine's own rules (`engine.sampling_proto`),
+  and the request's sizes against the router's limits (`router.limits`), before anything
+  is tokenized or routed, so a bad request costs no compute anywhere. After tokenizing,
+  the prompt must fit `--max-input-tokens` and, once an engine is chosen, that engine's
+  max_model_len with max_tokens (`router.context_window`); max_tokens unset stays unset:
+  the engine generates up to its max_model_len - prompt tokens (vLLM's rule).
 - n > 1 becomes n engine requests (`engine.parallel_sampling`: seed + i per sample) on the
   engine chosen for the first one. The siblings are sent once the first has produced its
   first token, so the prompt's full blocks are in that engine's prefix cache and they share
@@ -38,8 +42,10 @@ from kvfleet.logs import set_request_id
 from kvfleet.stop_strings import StopStringMatcher
 from kvfleet.tracing import tracer
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
+from router.context_window import ContextWindows, check_fits
 from router.engine_pool import EnginePool
 from router.forward import EngineStream, StreamDeadlines, open_engine_stream
+from router.limits import RequestLimits
 from router.merge import merge_tagged
 from router.metrics import RouterMetrics
 from router.policy import EngineView
@@ -70,20 +76,29 @@ class GenerationPipeline:
         metrics: RouterMetrics,
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         deadlines: StreamDeadlines | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.selector = selector
+        self.limits = limits if limits is not None else RequestLimits()
         self._pool = pool
         self._metrics = metrics
         self._max_attempts = max_attempts
         self._deadlines = deadlines if deadlines is not None else StreamDeadlines()
+        self._windows = ContextWindows(pool)
+
+    def check(self, request: router_pb2.RouterGenerateRequest) -> SamplingParams:
+        """Every check that needs no tokenizing; ValueError naming the field."""
+        params = validate_request(request)
+        self.limits.check_request(request)
+        return params
 
     async def generate(
         self, request: router_pb2.RouterGenerateRequest, tenant: str
     ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
         """Stream the response messages of every sample; raises for a bad request."""
         span = trace.get_current_span()
-        params = validate_request(request)
+        params = self.check(request)
         request_id = request.request_id or uuid.uuid4().hex
         set_request_id(request_id)
         # Client ids need only be unique per client; engines need them unique per engine.
@@ -94,7 +109,15 @@ class GenerationPipeline:
         span.set_attribute("gen_ai.request.id", request_id)
         with tracer().start_as_current_span("tokenize"):
             prompt_ids = await self.prompt_ids(request)
+        prompt_param = "messages" if request.WhichOneof("input") == "messages" else "prompt"
+        self.limits.check_prompt_tokens(len(prompt_ids), prompt_param)
+        largest = self._windows.largest_known()  # before hashing a prompt that cannot fit
+        if largest is not None:
+            check_fits(len(prompt_ids), params.max_tokens, largest, prompt_param)
         decision = await self._route(prompt_ids, tenant, request.model, request_id)
+        max_model_len = await self._windows.max_model_len(decision.ranking[0])
+        if max_model_len is not None:
+            check_fits(len(prompt_ids), params.max_tokens, max_model_len, prompt_param)
         samples = _samples(request, prompt_ids, params, engine_request_id, tenant)
         streams: list[EngineStream] = []
         try:

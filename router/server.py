@@ -33,6 +33,7 @@ from router.engine_pool import EnginePool
 from router.forward import StreamDeadlines
 from router.http_api import OpenAIApi
 from router.http_server import HttpServer
+from router.limits import RequestLimits, add_limit_arguments
 from router.metrics import RouterMetrics
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.policy import Policy, PrefixPolicyConfig
@@ -58,6 +59,7 @@ class RouterConfig:
     deadlines: StreamDeadlines = field(default_factory=StreamDeadlines)
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -80,6 +82,7 @@ class RouterConfig:
             discovery=DiscoveryConfig.from_flags(
                 args.engines, args.engine_dns, args.engine_dns_refresh
             ),
+            limits=RequestLimits.from_args(args),
         )
 
 
@@ -138,7 +141,8 @@ def build_router(
     discovery = EngineDiscovery(config.discovery) if config.discovery.enabled else None
     selector = EngineSelector(config.routing, index, pool, metrics, discovery)
     pipeline = GenerationPipeline(
-        tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines
+        tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines,
+        config.limits,
     )
     servicer = RouterServicer(auth, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
@@ -232,6 +236,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="write the bound HTTP port here once it serves")
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
     add_engine_source_arguments(parser)
+    add_limit_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)
     return parser.parse_args(argv)
 
