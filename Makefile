@@ -82,9 +82,11 @@ test: lint
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
-# kvfleet vs vLLM-CPU vs transformers, offline, float32 and bfloat16, side by side with ratios.
+# kvfleet vs vLLM-CPU vs transformers, offline (float32 and bfloat16), then kvfleet's fleet vs
+# `vllm serve` under vLLM's own `bench serve` client: side by side, with ratios.
 bench: model peers
 	$(PY) -m benchmarks.offline_throughput
+	$(PY) -m benchmarks.online
 
 bench-serve: model
 	$(PY) -m benchmarks.serve
