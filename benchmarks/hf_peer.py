@@ -31,6 +31,7 @@ from transformers import (
     ContinuousBatchingConfig,
     GenerationConfig,
 )
+from transformers.utils import logging as hf_logging
 
 # Its warnings (persistent manager sizing, eos_token_id=None -> -1) are expected here.
 logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
@@ -43,6 +44,7 @@ class Timed:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype) -> Any:
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar would split the report
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     model.eval()
     return model

