@@ -40,6 +40,10 @@ CLEAR_CODES = frozenset(
 )
 
 
+TEXT_PROMPT = "The quick brown fox jumps over the lazy dog while the fleet keeps serving."
+ERROR_BACKOFF_S = 0.1
+
+
 @dataclass(frozen=True)
 class Outcome:
     kind: str  # ok | error | unclear | hung | lost | cancelled (by the client, on purpose)
@@ -127,24 +131,35 @@ class Load:
 
     def _worker(self, index: int) -> None:
         rng = random.Random(self.config.seed * 1000 + index)
+        count = 0
         while (prompt := self._next_prompt(rng)) is not None:
-            outcome = self.send(prompt)
+            # Every other request is text, so the router also needs the tokenizer service.
+            text = TEXT_PROMPT if count % 2 == 1 else None
+            count += 1
+            outcome = self.send(prompt, text=text)
             with self._lock:
                 self.outcomes.append(outcome)
+            if outcome.kind != "ok":
+                time.sleep(ERROR_BACKOFF_S)  # like a client's retry backoff, not a hot loop
 
     def send(
         self,
         prompt: Sequence[int],
         cancel_after_tokens: int | None = None,
         cancel_after_s: float | None = None,
+        text: str | None = None,
     ) -> Outcome:
-        """One streamed request; `cancel_after_*` make the client vanish on purpose."""
-        request = router_pb2.RouterGenerateRequest(
-            prompt_token_ids=common_pb2.TokenIds(ids=list(prompt)),
-            sampling_params=common_pb2.SamplingParams(
-                temperature=0.0, max_tokens=self.config.max_tokens, ignore_eos=True
-            ),
+        """One streamed request (of `text` when given, else of the token ids);
+        `cancel_after_*` make the client vanish on purpose."""
+        params = common_pb2.SamplingParams(
+            temperature=0.0, max_tokens=self.config.max_tokens, ignore_eos=True
         )
+        if text is not None:
+            request = router_pb2.RouterGenerateRequest(prompt=text, sampling_params=params)
+        else:
+            request = router_pb2.RouterGenerateRequest(
+                prompt_token_ids=common_pb2.TokenIds(ids=list(prompt)), sampling_params=params
+            )
         started = time.monotonic()
         first_token: float | None = None
         num_tokens = 0

@@ -281,7 +281,10 @@ def vanishing_clients(fleet: Fleet, config: LoadConfig, num_each: int = 4) -> Sc
 
     def vanish(via_http: bool, after_first_token: bool) -> None:
         if via_http:
+            started = time.monotonic()
             http_vanish(fleet, prompt, VANISH_MAX_TOKENS, after_first_token)
+            with lock:
+                abandoned.append(Outcome("cancelled", started, time.monotonic()))
             return
         sender = Load(fleet.router_address, abandon)
         if after_first_token:
