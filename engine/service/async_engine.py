@@ -49,9 +49,8 @@ from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.scheduler import RequestUpdate
 from engine.llm_engine import LLMEngine
-from engine.logprobs import TokenLogprobs
-from engine.request import Request, RequestTiming
 from engine.sampling_params import SamplingParams
+from engine.service.engine_state import EngineLoad, GenerateOutput, StepProgress
 from kvfleet.errors import OverloadedError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -68,87 +67,6 @@ _Command = Callable[[], object]
 _Delivery = tuple[str, int, "GenerateOutput | BaseException"]
 # A wedged step must not hang shutdown (the thread is a daemon: the process still ends).
 SHUTDOWN_JOIN_S = 10.0
-
-
-@dataclass(frozen=True)
-class GenerateOutput:
-    """One step's new tokens for one request; the last one has finished=True and the totals."""
-
-    request_id: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the last item
-    stop_reason: int | str | None = None  # the stop_token_ids entry that matched, if any
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # cumulative
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    # On the last item only: when the request was queued / first scheduled / preempted
-    # (time.monotonic(), for tracing).
-    timing: RequestTiming | None = None
-    # Parallel to token_ids when the request asked for logprobs.
-    logprobs: Sequence[TokenLogprobs] | None = None
-    # On the first item only, when the request asked for prompt_logprobs: one entry per prompt
-    # token after the first.
-    prompt_logprobs: Sequence[TokenLogprobs] | None = None
-
-    @classmethod
-    def of(
-        cls,
-        request: Request,
-        new_token_ids: Sequence[int],
-        finished: bool,
-        logprobs: Sequence[TokenLogprobs] | None = None,
-        prompt_logprobs: Sequence[TokenLogprobs | None] | None = None,
-    ) -> GenerateOutput:
-        # Built on the engine thread: a snapshot, since the Request keeps changing there.
-        return cls(
-            request_id=request.request_id,
-            token_ids=list(new_token_ids),
-            logprobs=logprobs,
-            prompt_logprobs=(
-                None if prompt_logprobs is None
-                else [lp for lp in prompt_logprobs if lp is not None]
-            ),
-            finished=finished,
-            finish_reason=request.status.finish_reason if finished else None,
-            stop_reason=request.stop_reason if finished else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            timing=RequestTiming.of(request) if finished else None,
-        )
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """Load and KV occupancy at one instant (cached free blocks count as free)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    kv_blocks_free: int
-    kv_blocks_total: int
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineLoad:
-        stats = engine.get_stats()
-        return cls(
-            num_running=int(stats["num_requests_running"]),
-            num_waiting=int(stats["num_requests_waiting"]),
-            kv_cache_usage=float(stats["kv_cache_usage"]),
-            kv_blocks_free=int(stats["kv_blocks_free"]),
-            kv_blocks_total=int(stats["kv_blocks_total"]),
-        )
-
-
-@dataclass(frozen=True)
-class StepProgress:
-    """The engine loop's heartbeat, replaced (never mutated) by the engine thread."""
-
-    iterations: int  # loop iterations that began (running commands and/or one step)
-    at: float  # time.monotonic() when the current iteration began, or the loop went idle
-    idle: bool  # waiting for work: nothing is due, so however old `at` is, all is well
-    failure: str | None = None  # set once the engine thread died; final
 
 
 class _Call(Generic[T]):

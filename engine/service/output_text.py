@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.sampling_params import SamplingParams
-from engine.service.async_engine import GenerateOutput
+from engine.service.engine_state import GenerateOutput
 from tokenizer_svc.incremental import Decoder, IncrementalDetokenizer
 
 

@@ -50,7 +50,7 @@ from redis.retry import Retry
 
 from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheEvents
-from engine.service.async_engine import EngineLoad
+from engine.service.engine_state import EngineLoad
 from kvfleet import redis_schema
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,8 @@ from engine.logprobs import Logprob, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sampling_proto import to_sampling_params
 from engine.service import keepalive
-from engine.service.async_engine import AsyncEngine, GenerateOutput
+from engine.service.async_engine import AsyncEngine
+from engine.service.engine_state import GenerateOutput
 from engine.service.output_text import StreamText, TokenTexts
 from kvfleet.errors import UnavailableError
 from kvfleet.grpc_server import Service

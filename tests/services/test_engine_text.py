@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from engine.sampling_params import SamplingParams
-from engine.service.async_engine import GenerateOutput
+from engine.service.engine_state import GenerateOutput
 from engine.service.output_text import StreamText
 from engine.tokenizer import Tokenizer
 from kvfleet.redis_server import RedisServer
