@@ -7,6 +7,8 @@ run (at lighter load, with assertions) in `tests/faults/test_faults.py`.
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -41,6 +43,20 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 
+# The fault fleet's model: the tiny model with a longer context, so an abandoned request can
+# ask for more tokens than it could generate before its cancellation lands (no timing race).
+FAULT_CONTEXT = 8192
+
+
+def long_context_copy(model_dir: Path, dest: Path) -> Path:
+    """A copy of `model_dir` whose config allows FAULT_CONTEXT positions (RoPE has no limit)."""
+    shutil.copytree(model_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["max_position_embeddings"] = FAULT_CONTEXT
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
 def fault_fleet_config(model_dir: Path, log_dir: Path) -> FleetConfig:
     return FleetConfig(
         model_dir=model_dir, num_engines=2, metrics=True, log_dir=log_dir,
@@ -69,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from tests.fixtures.tiny_model import build_tiny_model_dir
 
     with tempfile.TemporaryDirectory(prefix="kvfleet-chaos-") as tmp:
-        model_dir = build_tiny_model_dir(Path(tmp) / "model")
+        model_dir = long_context_copy(build_tiny_model_dir(Path(tmp) / "tiny"), Path(tmp) / "model")
         log_dir = args.log_dir or Path(tmp) / "logs"
         load = replace(LoadConfig(), concurrency=args.concurrency, max_tokens=args.max_tokens)
         results = []

@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -148,6 +148,7 @@ class Load:
         cancel_after_tokens: int | None = None,
         cancel_after_s: float | None = None,
         text: str | None = None,
+        hold: Callable[[], None] | None = None,
     ) -> Outcome:
         """One streamed request (of `text` when given, else of the token ids);
         `cancel_after_*` make the client vanish on purpose."""
@@ -174,6 +175,8 @@ class Load:
                     first_token = time.monotonic()
                 num_tokens += len(response.token_ids)
                 if cancel_after_tokens is not None and num_tokens >= cancel_after_tokens:
+                    if hold is not None:
+                        hold()  # the caller decides when this client vanishes
                     call.cancel()
                     return Outcome("cancelled", started, time.monotonic(), first_token,
                                    num_tokens=num_tokens)
