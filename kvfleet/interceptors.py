@@ -61,23 +61,19 @@ class _ScopedInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:  # unknown method: let grpc answer UNIMPLEMENTED
             return handler
-        return wrap_handler(handler, handler_call_details.method, self.scope)
+        return wrap_handler(self.prepare(handler), handler_call_details.method, self.scope)
+
+    def prepare(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """The handler to wrap (subclasses may change it first)."""
+        return handler
 
 
 class ErrorMappingInterceptor(_ScopedInterceptor):
     """Maps exceptions escaping a handler (or its request decoding) to a status code."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        return wrap_handler(
-            decoding_in_handler(handler), handler_call_details.method, self.scope
-        )
+    def prepare(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        # Request bytes are decoded inside the scope, so an undecodable message maps too.
+        return decoding_in_handler(handler)
 
     def scope(
         self, method: str, context: grpc.aio.ServicerContext
