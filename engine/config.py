@@ -29,6 +29,9 @@ class EngineConfig:
     # "auto": the compiled CPU decode-attention kernel when it builds, else PyTorch;
     # "torch": always the PyTorch path; "kernel": the kernel or fail.
     attention_backend: str = "auto"
+    # CPU GEMM path of every projection and the LM head: "auto" times the candidates on this
+    # machine at start-up (engine.models.gemm_select); "onednn", "mkl" or "dense" force one.
+    linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -50,6 +53,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "kernel"):
             raise ValueError(
                 f"attention_backend must be auto, torch or kernel; got {self.attention_backend!r}"
+            )
+        if self.linear_backend not in ("auto", "onednn", "mkl", "dense"):
+            raise ValueError(
+                "linear_backend must be auto, onednn, mkl or dense; "
+                f"got {self.linear_backend!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(

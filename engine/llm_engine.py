@@ -71,6 +71,7 @@ class LLMEngine:
             self.dtype,
             config.seed,
             config.attention_backend,
+            config.linear_backend,
         )
         self.kv_event_hook = kv_event_hook
         self._arrival_seq = 0

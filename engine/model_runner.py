@@ -58,9 +58,10 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         self.model = model
-        model.prepack()
+        self.linear_backend = model.prepack(linear_backend)
         self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
         # The fused elementwise kernels come from the same build; they are float32-only.
         model.use_fused_ops(self.use_decode_kernel and dtype == torch.float32)

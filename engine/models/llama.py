@@ -21,19 +21,13 @@ import re
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
 from engine.models.layer_ops import LayerOps
-from engine.models.linear import (
-    PACKED_MAX_ROWS,
-    Linear,
-    pack_weight,
-    packed_linear,
-    prepack_linears,
-)
+from engine.models.gemm_select import choose_backend
+from engine.models.linear import Linear, apply_linear, pack_weight, prepack_linears
 from engine.models.rope import RotaryEmbedding
 
 
@@ -139,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._lm_head_backend = "dense"
         self._packed_lm_head: torch.Tensor | None = None
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -167,15 +162,25 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab]; computed in the model dtype, then upcast, as HF does."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self._packed_lm_head is not None and 0 < hidden.shape[0] <= PACKED_MAX_ROWS:
-            return packed_linear(hidden, self._packed_lm_head, weight).float()
-        return F.linear(hidden, weight).float()
+        logits = apply_linear(hidden, weight, None, self._lm_head_backend, self._packed_lm_head)
+        return logits.float()
 
-    def prepack(self) -> None:
-        """MKL-prepack every projection and the LM head for small (decode) batches."""
-        prepack_linears(self)
+    def prepack(self, requested: str = "auto") -> str:
+        """Pick the linear backend (measured on this machine unless `requested` names one) and
+        pack every projection and the LM head for it; returns the backend's name."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._packed_lm_head = pack_weight(weight)
+        first = self.layers[0]
+        shapes = [
+            first.self_attn.qkv_proj.weight,
+            first.self_attn.o_proj.weight,
+            first.mlp.gate_up_proj.weight,
+            first.mlp.down_proj.weight,
+        ]
+        backend = choose_backend([w.detach() for w in shapes], weight.detach(), requested).backend
+        prepack_linears(self, backend)
+        self._lm_head_backend = backend
+        self._packed_lm_head = pack_weight(weight, backend)
+        return backend
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

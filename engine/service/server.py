@@ -265,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True)
     engine.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    engine.add_argument("--linear-backend", default="auto",
+                        choices=["auto", "onednn", "mkl", "dense"],
+                        help="CPU GEMM path; auto measures the candidates at start-up "
+                             "(default: %(default)s)")
     parser.add_argument("--max-concurrent-requests", type=_positive_int,
                         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                         help="requests in flight beyond which new ones are refused with "
@@ -292,6 +296,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        linear_backend=args.linear_backend,
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded
     return EngineServerOptions(
