@@ -28,13 +28,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks import machine, report
+from benchmarks import grpc_load, machine, report
 from benchmarks.kvfleet_runner import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS
 from benchmarks.vllm_runner import PeerConfig
 from benchmarks.vllm_serving import VllmServer, bench_serve, wait_http_ok
 from kvfleet.fleet import Fleet, FleetConfig
 
 SYSTEMS = ("kvfleet", "vllm")
+POISSON_CASE = "random_poisson"
+# "Near saturation": this fraction of the first system's rate-inf req/s on the random dataset.
+POISSON_FRACTION = 0.8
+TARGET_VLLM = 1.1  # kvfleet >= 1.1x vllm serve req/s, mean TTFT and TPOT no worse
+TARGET_ROUTER = 0.95  # through the router >= 0.95x the engine driven directly
 DATASETS = ("random", "prefix_repetition")
 METRICS = ("ttft", "tpot")
 Row = dict[str, Any]
@@ -43,6 +48,11 @@ LABELS = {"completed": "completed", "failed": "failed", "req_per_s": "req/s",
           "output_tok_per_s": "output tok/s",
           **{f"{m}_{s}_ms": f"{m.upper()} {'p50' if s == 'median' else s} ms"
              for m in METRICS for s in ("mean", "median", "p99")}}
+
+
+def vocab_size(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return int(config["vocab_size"])
 
 
 def dataset_args(name: str, args: argparse.Namespace) -> list[str]:
@@ -57,7 +67,7 @@ def dataset_args(name: str, args: argparse.Namespace) -> list[str]:
 
 
 @contextmanager
-def kvfleet_server(model_dir: Path, args: argparse.Namespace, work: Path) -> Iterator[str]:
+def kvfleet_server(model_dir: Path, args: argparse.Namespace, work: Path) -> Iterator[Fleet]:
     kv_bytes = args.kvcache_gib * 1024**3
     config = FleetConfig(
         model_dir=model_dir, num_engines=1, engine_threads=args.threads,
@@ -68,7 +78,7 @@ def kvfleet_server(model_dir: Path, args: argparse.Namespace, work: Path) -> Ite
         log_dir=work / "kvfleet-logs", log_level="WARNING")
     with Fleet(config) as fleet:
         wait_http_ok(f"{fleet.http_url}/health", 60, what="kvfleet router")
-        yield fleet.http_url
+        yield fleet
 
 
 @contextmanager
@@ -93,16 +103,29 @@ def summary(raw: Row) -> Row:
 
 def measure(system: str, base_url: str, model_dir: Path, args: argparse.Namespace,
             cfg: PeerConfig, work: Path) -> dict[str, Row]:
+    """Every dataset at rate inf, then the random dataset at `args.poisson_rate` (set from
+    the first system's rate-inf result when it is "auto", and reused for the other)."""
     rows: dict[str, Row] = {}
     for i, name in enumerate(args.datasets):
-        raw = bench_serve(base_url, model_dir.name, model_dir, dataset_args(name, args), cfg,
-                          work / f"bench-serve-{system}-{name}.json",
-                          work / f"bench-serve-{system}-{name}.log",
-                          num_prompts=args.num_prompts,
-                          num_warmups=args.num_warmups if i == 0 else 0, seed=args.seed,
-                          timeout_s=args.timeout_s)
-        rows[name] = summary(raw)
+        rows[name] = _run_case(system, base_url, model_dir, name, None, args, cfg, work,
+                               num_warmups=args.num_warmups if i == 0 else 0)
+    if args.poisson_rate == "auto" and "random" in rows and rows["random"]["req_per_s"]:
+        args.poisson_rate = round(POISSON_FRACTION * rows["random"]["req_per_s"], 2)
+    if isinstance(args.poisson_rate, float) and "random" in args.datasets:
+        rows[POISSON_CASE] = _run_case(system, base_url, model_dir, "random",
+                                       args.poisson_rate, args, cfg, work, num_warmups=0)
     return rows
+
+
+def _run_case(system: str, base_url: str, model_dir: Path, dataset: str, rate: float | None,
+              args: argparse.Namespace, cfg: PeerConfig, work: Path, num_warmups: int) -> Row:
+    case = dataset if rate is None else POISSON_CASE
+    raw = bench_serve(base_url, model_dir.name, model_dir, dataset_args(dataset, args), cfg,
+                      work / f"bench-serve-{system}-{case}.json",
+                      work / f"bench-serve-{system}-{case}.log",
+                      num_prompts=args.num_prompts, num_warmups=num_warmups, seed=args.seed,
+                      timeout_s=args.timeout_s, request_rate=rate)
+    return summary(raw)
 
 
 def ratios(kv: Row, vl: Row) -> Row:
@@ -119,20 +142,29 @@ def fmt(v: Any, unit: str = "") -> str:
     return "-" if v is None else f"{v:,.1f}{unit}" if isinstance(v, float) else f"{v}{unit}"
 
 
+def case_shape(name: str, cfg: Row) -> str:
+    if name == "prefix_repetition":
+        return (f"{cfg['num_prefixes']} prefixes x {cfg['prefix_len']} + {cfg['suffix_len']} "
+                f"/ {cfg['output_len']} out, rate inf")
+    rate = "rate inf" if name == "random" else f"Poisson {cfg['poisson_rate']} req/s"
+    return f"random {cfg['input_len']} in / {cfg['output_len']} out, {rate}"
+
+
 def print_report(res: Row) -> None:
     cfg = res["config"]
     print(f"\n== D. online: vllm bench serve against each server ({cfg['dtype']}, "
-          f"{cfg['num_prompts']} prompts, rate inf, {cfg['output_len']} output tokens) ==")
+          f"{cfg['num_prompts']} prompts, {cfg['output_len']} output tokens) ==")
     for line in res["system_lines"]:
         print(line)
     print("(kvfleet/vLLM: above 1 favours kvfleet for req/s and tok/s, below 1 for TTFT, TPOT)")
     keys = ("completed", "failed", "req_per_s", "output_tok_per_s",
             *(f"{m}_{s}_ms" for m in METRICS for s in ("mean", "median", "p99")))
-    for name in cfg["datasets"]:
-        shape = (f"random {cfg['input_len']} in" if name == "random" else
-                 f"{cfg['num_prefixes']} prefixes x {cfg['prefix_len']} + {cfg['suffix_len']}")
-        print(f"\n{name} ({shape} / {cfg['output_len']} out)")
+    cases = [*cfg["datasets"], POISSON_CASE]
+    for name in cases:
         per = {s: res["results"][s][name] for s in res["results"] if name in res["results"][s]}
+        if not per:
+            continue
+        print(f"\n{name} ({case_shape(name, cfg)})")
         both = len(per) == 2
         rat = ratios(per["kvfleet"], per["vllm"]) if both else {}
         print(f"{'':<18}" + "".join(f"{HEADERS[c]:>12}" for c in per)
@@ -141,6 +173,44 @@ def print_report(res: Row) -> None:
             ratio = f"{rat[key]:.2f}x" if rat.get(key) is not None else ""
             print(f"{LABELS[key]:<18}" + "".join(f"{fmt(per[c].get(key)):>12}" for c in per)
                   + (f"{ratio:>14}" if both else ""))
+    cost = res.get("router_cost")
+    if cost:
+        print(f"\nrouter cost (same engine, gRPC client, random {cfg['input_len']} in / "
+              f"{cfg['output_len']} out, {cfg['num_prompts']} prompts, rate inf, "
+              f"{cfg['router_rounds']} alternated rounds each)")
+        print(f"{'':<18}{'engine':>12}{'router':>12}{'router/engine':>15}")
+        for key in ("req_per_s", "ttft_mean_ms", "tpot_mean_ms"):
+            a, b = cost["engine"][key], cost["router"][key]
+            print(f"{LABELS[key]:<18}{fmt(a):>12}{fmt(b):>12}{b / a:>14.2f}x")
+    targets = res.get("targets", [])
+    if targets:
+        print("\ntargets:")
+        for line in targets:
+            print(f"  {line}")
+
+
+def check_targets(res: Row) -> list[str]:
+    """One line per target: kvfleet vs vLLM per case, and the router's own cost."""
+    lines: list[str] = []
+    per = res["results"]
+    if "kvfleet" in per and "vllm" in per:
+        for name, kv in per["kvfleet"].items():
+            vl = per["vllm"].get(name)
+            if not vl or not kv.get("req_per_s") or not vl.get("req_per_s"):
+                continue
+            r = kv["req_per_s"] / vl["req_per_s"]
+            ttft_ok = (kv["ttft_mean_ms"] or 0) <= (vl["ttft_mean_ms"] or 0)
+            tpot_ok = (kv["tpot_mean_ms"] or 0) <= (vl["tpot_mean_ms"] or 0)
+            ok = r >= TARGET_VLLM and ttft_ok and tpot_ok
+            lines.append(f"D {name}: req/s {r:.2f}x (>= {TARGET_VLLM}x), mean TTFT "
+                         f"{'no worse' if ttft_ok else 'WORSE'}, mean TPOT "
+                         f"{'no worse' if tpot_ok else 'WORSE'}: {'PASS' if ok else 'MISS'}")
+    cost = res.get("router_cost")
+    if cost and cost.get("router_over_engine") is not None:
+        r = cost["router_over_engine"]
+        lines.append(f"D router cost: router/engine req/s {r:.2f}x (>= {TARGET_ROUTER}x): "
+                     f"{'PASS' if r >= TARGET_ROUTER else 'MISS'}")
+    return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -159,6 +229,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache of each server")
     p.add_argument("--vllm-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--poisson-rate", default="auto",
+                   help="req/s of the Poisson run of the random dataset; auto: "
+                        f"{POISSON_FRACTION} x the first system's rate-inf req/s; 0: skip")
+    p.add_argument("--router-rounds", type=int, default=2,
+                   help="rounds of each mode in the router-cost check (0: skip)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per bench serve run")
     p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M)")
     p.add_argument("--out", default="bench_results/online.json")
@@ -169,6 +244,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--systems: choose from {', '.join(SYSTEMS)}")
     if not args.datasets or not set(args.datasets) <= set(DATASETS):
         p.error(f"--datasets: choose from {', '.join(DATASETS)}")
+    if args.poisson_rate != "auto":
+        try:
+            args.poisson_rate = float(args.poisson_rate) or None
+        except ValueError:
+            p.error(f"--poisson-rate: a number or auto, got {args.poisson_rate!r}")
     if min(args.num_prompts, args.input_len, args.output_len, args.threads) < 1:
         p.error("--num-prompts, --input-len, --output-len and --threads must be at least 1")
     return args
@@ -192,9 +272,19 @@ def main(argv: list[str] | None = None) -> int:
         "vllm": lambda: vllm_server(model_dir, args, cfg, work)}
     t0, load_before = time.perf_counter(), os.getloadavg()
     results: dict[str, dict[str, Row]] = {}
+    router_cost: Row | None = None
     for system in args.systems:
-        with servers[system]() as base_url:
-            results[system] = measure(system, base_url, model_dir, args, cfg, work)
+        with servers[system]() as handle:
+            if isinstance(handle, Fleet):
+                results[system] = measure(system, handle.http_url, model_dir, args, cfg, work)
+                if args.router_rounds > 0:
+                    router_cost = grpc_load.measure(
+                        handle.engines[0].address, handle.router_address,
+                        vocab=vocab_size(model_dir), num_prompts=args.num_prompts,
+                        input_len=args.input_len, output_len=args.output_len,
+                        rounds=args.router_rounds, seed=args.seed)
+            else:
+                results[system] = measure(system, handle, model_dir, args, cfg, work)
     cpu = machine.cpu_info()
     alloc = f"tcmalloc (LD_PRELOAD {tcmalloc})" if tcmalloc else \
         "glibc malloc: tcmalloc not found, running without it"
@@ -207,10 +297,12 @@ def main(argv: list[str] | None = None) -> int:
             f"vLLM: vllm serve, OpenMP threads bound to CPUs 0-{args.threads - 1}, {alloc}, "
             f"{'eager' if args.vllm_eager else 'torch.compile'}",
             "client: vllm bench serve (.venv-peers), on the same machine"],
+        "router_cost": router_cost,
         "total_run_s": time.perf_counter() - t0,
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
+    res["targets"] = check_targets(res)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")
     print_report(res)

@@ -100,14 +100,17 @@ class VllmServer:
 
 def bench_serve(base_url: str, served_name: str, tokenizer_dir: Path, dataset_args: Sequence[str],
                 cfg: PeerConfig, result_path: Path, log_path: Path, *, num_prompts: int,
-                num_warmups: int, seed: int, timeout_s: float) -> dict[str, Any]:
-    """Run `vllm bench serve` (OpenAI completions, rate inf, greedy, EOS ignored)."""
+                num_warmups: int, seed: int, timeout_s: float,
+                request_rate: float | None = None) -> dict[str, Any]:
+    """Run `vllm bench serve` (OpenAI completions, greedy, EOS ignored) at `request_rate`
+    requests/s (Poisson arrivals; None: every request at once, rate inf)."""
     result_path.parent.mkdir(parents=True, exist_ok=True)
     result_path.unlink(missing_ok=True)
     argv = [str(_peer_python()), "-I", str(LAUNCHER), "bench", "serve", "--backend", "openai",
             "--base-url", base_url, "--endpoint", "/v1/completions", "--model", served_name,
             "--tokenizer", str(tokenizer_dir), *dataset_args, "--num-prompts", str(num_prompts),
-            "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+            "--request-rate", "inf" if request_rate is None else f"{request_rate:.3f}",
+            "--ignore-eos", "--temperature", "0", "--seed", str(seed),
             "--num-warmups", str(num_warmups), "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result",
             "--result-dir", str(result_path.parent), "--result-filename", result_path.name]

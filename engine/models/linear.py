@@ -30,7 +30,7 @@ def backend_supported(backend: str, dtype: torch.dtype) -> bool:
     if backend == "mkl":
         return dtype == torch.float32 and torch.backends.mkl.is_available()
     if backend == "onednn":
-        return (
+        return bool(
             dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
             and torch.backends.mkldnn.enabled

@@ -170,6 +170,7 @@ class LlamaForCausalLM(nn.Module):
         pack every projection and the LM head for it; returns the backend's name."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         first = self.layers[0]
+        assert isinstance(first, LlamaDecoderLayer)
         shapes = [
             first.self_attn.qkv_proj.weight,
             first.self_attn.o_proj.weight,
