@@ -17,6 +17,7 @@ import torch
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
 from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from engine.host_malloc import tune_for_reuse
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_dtype
@@ -46,6 +47,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         torch.manual_seed(config.seed)
+        tune_for_reuse()  # before the model's buffers exist (engine.host_malloc)
         self.model, _ = load_model(model_dir, self.dtype)
         self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))

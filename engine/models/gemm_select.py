@@ -12,6 +12,7 @@ Invariant: the decision depends on measured speed only, never on the CPU's vendo
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -57,7 +58,8 @@ def _score(
     for weight, rows in cases:
         packed = pack_weight(weight, backend)
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        total += _best_time(lambda: apply_linear(x, weight, None, backend, packed), repeats)
+        call = functools.partial(apply_linear, x, weight, None, backend, packed)
+        total += _best_time(call, repeats)
     return total
 
 

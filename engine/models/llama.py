@@ -25,8 +25,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
-from engine.models.layer_ops import LayerOps
 from engine.models.gemm_select import choose_backend
+from engine.models.layer_ops import LayerOps
 from engine.models.linear import Linear, apply_linear, pack_weight, prepack_linears
 from engine.models.rope import RotaryEmbedding
 
