@@ -3,9 +3,10 @@
 For each scheduled request the step computes tokens [num_computed, num_computed + n). Their ids
 and positions are concatenated into one flat batch; every token gets a cache slot
 (block_id * block_size + offset) from the request's block table. Requests computing one token
-form the decode batch; the rest are prefill segments. `sample_indices` are the flat positions
-whose hidden states produce logits: the last token of each request that reaches the end of its
-known tokens this step.
+form the decode batch; the rest are prefill segments (with the compiled kernels, also gathered
+into one `PrefillBatch` of int32 tensors that every layer's prefill kernel call shares).
+`sample_indices` are the flat positions whose hidden states produce logits: the last token of
+each request that reaches the end of its known tokens this step.
 
 A request still owing prompt logprobs (`Request.needs_prompt_logprobs`) also gets a
 `PromptLogprobRows`: its positions p in this chunk with p + 1 < num_prompt_tokens, which are
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from engine.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillSegment
 from engine.core.scheduler import ScheduledRequest
 
 
@@ -62,6 +63,7 @@ def build_model_input(
     decode_idx: list[int] = []
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
+    prefill_tables: list[list[int]] = []
     sample_indices: list[int] = []
     sampled: list[ScheduledRequest] = []
     prompt_rows: list[PromptLogprobRows] = []
@@ -81,6 +83,7 @@ def build_model_input(
             context = _context_slots(table, start + n, block_size)
             slots.extend(context[start:].tolist())
             prefills.append(PrefillSegment(offset, offset + n, start, context))
+            prefill_tables.append(table[: -(-(start + n) // block_size)])
         if request.needs_prompt_logprobs:
             prompt_rows.extend(_prompt_logprob_rows(item, offset))
         offset += n
@@ -93,6 +96,7 @@ def build_model_input(
         decode=_decode_batch(decode_idx, decode_tables, decode_lens, block_size),
         num_tokens=offset,
         use_decode_kernel=use_decode_kernel,
+        prefill_batch=_prefill_batch(prefills, prefill_tables) if use_decode_kernel else None,
     )
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -115,6 +119,23 @@ def _prompt_logprob_rows(item: ScheduledRequest, offset: int) -> list[PromptLogp
     num_top = request.sampling_params.prompt_logprobs or 0
     targets = request.prompt_token_ids[start + 1 : end + 1]
     return [PromptLogprobRows(request.request_id, offset, targets, num_top)]
+
+
+def _prefill_batch(
+    segments: list[PrefillSegment], tables: list[list[int]]
+) -> PrefillBatch | None:
+    if not segments:
+        return None
+    width = max(len(t) for t in tables)
+    return PrefillBatch(
+        query_starts=torch.tensor([s.query_start for s in segments], dtype=torch.int32),
+        query_lens=torch.tensor([s.query_end - s.query_start for s in segments], dtype=torch.int32),
+        context_lens=torch.tensor(
+            [s.num_context_tokens + s.query_end - s.query_start for s in segments],
+            dtype=torch.int32,
+        ),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+    )
 
 
 def _decode_batch(

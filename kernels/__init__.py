@@ -1,2 +1,3 @@
-"""Compute kernels. `kernels.cpu`: a C++ paged decode-attention op for CPU, compiled on first
-use; the PyTorch path in `engine.attention` is the fallback wherever it cannot be built."""
+"""Compute kernels. `kernels.cpu`: C++ CPU ops (paged prefill and decode attention, fused
+elementwise ops), compiled on first use; the PyTorch paths in `engine` are the fallback wherever
+they cannot be built."""

@@ -4,9 +4,11 @@ The flattened batch holds T query tokens. Every token's K/V is written to the ca
 `slot_mapping[t]` (slot = block_id * block_size + offset) before attention runs, so attention
 can read any request's whole context, this step's tokens included, through the cache.
 
-Requests with several query tokens (prefill or a prefill chunk) are `PrefillSegment`s and are
-attended one by one; requests with a single query token are gathered into one `DecodeBatch`
-and attended together.
+Requests with several query tokens (prefill or a prefill chunk) are `PrefillSegment`s; requests
+with a single query token are gathered into one `DecodeBatch` and attended together. With the
+compiled kernels, the segments are also described once per step as one `PrefillBatch` (int32
+vectors and block tables) and every layer attends all of them in one kernel call; the PyTorch
+fallback attends the segments one by one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,21 @@ class PrefillSegment:
     num_context_tokens: int
     # Slots of the request's whole context (context + this chunk), in position order.
     context_slots: torch.Tensor  # [num_context_tokens + chunk_len] int64
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillBatch:
+    """Every prefill segment of the step, as the compiled prefill kernel reads them.
+
+    Row s describes `prefills[s]`: its queries are flat rows [query_starts[s], query_starts[s]
+    + query_lens[s]); its context (earlier tokens, then this chunk) is context_lens[s] tokens,
+    found through block_tables[s] (padding: block 0, never read).
+    """
+
+    query_starts: torch.Tensor  # [S] int32
+    query_lens: torch.Tensor  # [S] int32
+    context_lens: torch.Tensor  # [S] int32, this chunk included
+    block_tables: torch.Tensor  # [S, max_blocks] int32
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,3 +84,6 @@ class AttentionMetadata:
     num_tokens: int
     # Whether decode attention uses the compiled CPU kernel (else the PyTorch gather path).
     use_decode_kernel: bool = False
+    # Set (with the compiled kernels, when the step has prefill segments): prefill attention is
+    # one kernel call per layer instead of the per-segment PyTorch loop.
+    prefill_batch: PrefillBatch | None = None

@@ -1,8 +1,13 @@
-"""Per-layer paged attention (PyTorch; the CPU backend).
+"""Per-layer paged attention on CPU: the compiled kernels, or PyTorch as the fallback.
 
 Invariants: the layer's cache is one tensor [2, num_blocks, block_size, num_kv_heads,
 head_dim] (index 0 = K, 1 = V). This step's K/V is written to every token's slot first; then
-each query attends causally to its request's context read back through the slot lists.
+each query attends causally to its request's context read back from the cache.
+
+With `meta.prefill_batch` set (compiled kernels loaded) all prefill segments are one
+`paged_prefill_attention` call reading the cache in place through block tables; otherwise each
+segment gathers its context and runs `F.scaled_dot_product_attention`. Decodes use
+`paged_decode_attention` when `meta.use_decode_kernel`, else a padded PyTorch batch.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention.metadata import AttentionMetadata
+from engine.attention.metadata import AttentionMetadata, PrefillSegment
 
 
 class PagedAttention(nn.Module):
@@ -21,6 +26,8 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # The prefill kernel is instantiated for these head sizes only.
+        self.prefill_kernel_fits = head_dim in (16, 32, 64, 128)
 
     def forward(
         self,
@@ -37,7 +44,22 @@ class PagedAttention(nn.Module):
 
         # Contiguous (query may be a strided view of the fused qkv projection).
         out = query.new_empty(query.shape)
-        for seg in meta.prefills:
+        batch = meta.prefill_batch
+        if (
+            batch is not None
+            and self.prefill_kernel_fits
+            and query.dtype == kv_cache.dtype
+            and query.stride(-1) == 1
+        ):
+            # Reads the strided query in place; writes every prefill row of `out`.
+            torch.ops.kvfleet_cpu.paged_prefill_attention(
+                out, query, kv_cache[0], kv_cache[1], batch.block_tables, batch.query_starts,
+                batch.query_lens, batch.context_lens, self.scale,
+            )
+            prefills: tuple[PrefillSegment, ...] = ()
+        else:
+            prefills = meta.prefills
+        for seg in prefills:
             out[seg.query_start : seg.query_end] = self._prefill(
                 query[seg.query_start : seg.query_end],
                 key[seg.query_start : seg.query_end],

@@ -28,6 +28,7 @@ logger = logging.getLogger("kvfleet.kernels")
 
 _SOURCES = [
     Path(__file__).with_name("paged_decode_attention.cpp"),
+    Path(__file__).with_name("paged_prefill_attention.cpp"),
     Path(__file__).with_name("fused_elementwise.cpp"),
 ]
 # -ffast-math lets GCC vectorise expf through glibc's libmvec; the kernels never rely on
@@ -54,7 +55,8 @@ def _cpu_fingerprint() -> str:
 def _build_dir() -> Path:
     root = os.environ.get("KVFLEET_CACHE_DIR") or str(Path.home() / ".cache" / "kvfleet")
     digest = hashlib.sha256(" ".join(_FLAGS).encode())
-    for source in _SOURCES:
+    # Headers the sources include are part of the key too.
+    for source in [*_SOURCES, *sorted(Path(__file__).parent.glob("*.h"))]:
         digest.update(source.read_bytes())
     key = digest.hexdigest()[:10]
     path = Path(root) / "torch_extensions" / f"{key}-{_cpu_fingerprint()}"
@@ -71,7 +73,13 @@ def load() -> bool:
             _load_or_build(_build_dir())
             ok = all(
                 hasattr(torch.ops.kvfleet_cpu, op)
-                for op in ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_qk")
+                for op in (
+                    "paged_decode_attention",
+                    "paged_prefill_attention",
+                    "rms_norm",
+                    "silu_and_mul",
+                    "rotary_qk",
+                )
             )
         except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
             logger.warning("CPU attention kernel unavailable, using PyTorch fallback: %s", exc)

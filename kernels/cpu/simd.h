@@ -1,0 +1,106 @@
+// Portable 16-lane float vectors (GCC/Clang vector extensions) for the attention kernels.
+//
+// The extension code compiles to one AVX-512 register per v16 under -march=native on an
+// AVX-512 machine and to pairs/quads of narrower registers elsewhere, so the kernels need no
+// intrinsics and no second code path. Loads and stores go through memcpy: unaligned access is
+// allowed everywhere and the compiler turns it into plain vector moves.
+//
+// exp2v is a polynomial exp2 (relative error ~2e-7) valid for x <= 0, which is all softmax
+// needs once the running maximum is subtracted; inputs below -126 are clamped (the result is
+// then ~1e-38, never denormal, never zero: callers zero masked terms explicitly).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace kvfleet {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+__attribute__((always_inline)) inline v16 bcast(float x) { return v16{} + x; }
+
+__attribute__((always_inline)) inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// bfloat16 is the top half of a float32: widen and shift.
+__attribute__((always_inline)) inline v16 load16(const c10::BFloat16* p) {
+  v16h h;
+  std::memcpy(&h, p, sizeof h);
+  const v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+__attribute__((always_inline)) inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+__attribute__((always_inline)) inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+
+__attribute__((always_inline)) inline float hmax(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+__attribute__((always_inline)) inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// In-register transpose of a 16x16 block (rows[i] lane j -> rows[j] lane i): four rounds of
+// two-source permutes, round s exchanging bit s of the row and lane indices.
+__attribute__((always_inline)) inline void transpose16(v16* rows) {
+  constexpr v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  constexpr v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  constexpr v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  constexpr v16i hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  constexpr v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  constexpr v16i hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  constexpr v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  constexpr v16i hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const v16i* lo[4] = {&lo8, &lo4, &lo2, &lo1};
+  const v16i* hi[4] = {&hi8, &hi4, &hi2, &hi1};
+#pragma GCC unroll 4
+  for (int round = 0; round < 4; ++round) {
+    const int s = 8 >> round;
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      if (i & s) continue;
+      const v16 a = rows[i], b = rows[i + s];
+      rows[i] = __builtin_shuffle(a, b, *lo[round]);
+      rows[i + s] = __builtin_shuffle(a, b, *hi[round]);
+    }
+  }
+}
+
+// 2^x for x <= 0: x = n + f with n integer, f in (-0.5, 0.5]; 2^f by its degree-6 Taylor
+// polynomial (error < 1.2e-7 relative on that range), 2^n by building the exponent bits.
+__attribute__((always_inline)) inline v16 exp2v(v16 x) {
+  const v16 lo = bcast(-126.f);
+  x = x < lo ? lo : x;
+  // Truncation toward zero of x - 0.5 rounds x <= 0 to the nearest integer.
+  const v16i n = __builtin_convertvector(x - 0.5f, v16i);
+  const v16 f = x - __builtin_convertvector(n, v16);
+  v16 p = bcast(1.5403530393381606e-4f);  // ln2^6 / 720
+  p = p * f + 1.3333558146428443e-3f;     // ln2^5 / 120
+  p = p * f + 9.6181291076284772e-3f;     // ln2^4 / 24
+  p = p * f + 5.5504108664821580e-2f;     // ln2^3 / 6
+  p = p * f + 2.4022650695910071e-1f;     // ln2^2 / 2
+  p = p * f + 6.9314718055994531e-1f;     // ln2
+  p = p * f + 1.f;
+  const v16i bits = (n + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace kvfleet
