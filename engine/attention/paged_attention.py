@@ -89,7 +89,7 @@ class PagedAttention(nn.Module):
         q = query[span[0] : span[1]] if span else query[decode.query_indices]
         dest = out[span[0] : span[1]] if span else None
         if meta.use_decode_kernel:
-            q = q.contiguous()
+            # The kernel reads q through its strides (a view of the fused qkv projection).
             result = dest if dest is not None else torch.empty_like(q)
             torch.ops.kvfleet_cpu.paged_decode_attention(
                 result, q, kv_cache[0], kv_cache[1], decode.block_tables,

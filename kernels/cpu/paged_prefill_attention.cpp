@@ -28,9 +28,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "paged_rows.h"
 #include "simd.h"
 
 namespace {
@@ -164,16 +165,17 @@ template <typename T, int D>
 inline void chunk_rows(const Problem<T>& pb, const int32_t* table, int64_t kv_head, int c0,
                        int nkeys, Scratch& sc, const float** kp, const float** vp) {
   const int64_t row = pb.kv_heads * D;
+  const T* krows[kChunk];
+  const T* vrows[kChunk];
+  kvfleet::chunk_rows(pb.k_cache, table, pb.block_size, row, c0, nkeys, krows);
+  kvfleet::chunk_rows(pb.v_cache, table, pb.block_size, row, c0, nkeys, vrows);
   for (int j = 0; j < kChunk; ++j) {
     if (j >= nkeys) {
       kp[j] = vp[j] = kZeros;
       continue;
     }
-    const int64_t t = c0 + j;
-    const int64_t slot = static_cast<int64_t>(table[t / pb.block_size]) * pb.block_size +
-                         t % pb.block_size;
-    const T* k = pb.k_cache + slot * row + kv_head * D;
-    const T* v = pb.v_cache + slot * row + kv_head * D;
+    const T* k = krows[j] + kv_head * D;
+    const T* v = vrows[j] + kv_head * D;
     if constexpr (std::is_same_v<T, float>) {
       kp[j] = k;
       vp[j] = v;

@@ -56,31 +56,54 @@ __attribute__((always_inline)) inline float hsum(v16 v) {
   return s;
 }
 
-// In-register transpose of a 16x16 block (rows[i] lane j -> rows[j] lane i): four rounds of
-// two-source permutes, round s exchanging bit s of the row and lane indices.
+// Permutes of the 16x16 transpose network: round s (8, 4, 2, 1) exchanges bit s of the row
+// and lane indices between rows i and i + s; kLo[k]/kHi[k] build the new rows i and i + s from
+// (rows[i], rows[i + s]) for s = 8 >> k.
+constexpr v16i kLo[4] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+constexpr v16i kHi[4] = {
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+
+// In-register transpose of a 16x16 block (rows[i] lane j -> rows[j] lane i).
 __attribute__((always_inline)) inline void transpose16(v16* rows) {
-  constexpr v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  constexpr v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  constexpr v16i lo4 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  constexpr v16i hi4 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-  constexpr v16i lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  constexpr v16i hi2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-  constexpr v16i lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  constexpr v16i hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-  const v16i* lo[4] = {&lo8, &lo4, &lo2, &lo1};
-  const v16i* hi[4] = {&hi8, &hi4, &hi2, &hi1};
 #pragma GCC unroll 4
-  for (int round = 0; round < 4; ++round) {
-    const int s = 8 >> round;
+  for (int k = 0; k < 4; ++k) {
+    const int s = 8 >> k;
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
       if (i & s) continue;
       const v16 a = rows[i], b = rows[i + s];
-      rows[i] = __builtin_shuffle(a, b, *lo[round]);
-      rows[i + s] = __builtin_shuffle(a, b, *hi[round]);
+      rows[i] = __builtin_shuffle(a, b, kLo[k]);
+      rows[i + s] = __builtin_shuffle(a, b, kHi[k]);
     }
   }
 }
+
+// Lane j of the result = the sum of rows[j]'s lanes (rows is clobbered). The transpose network
+// with each exchanged pair added instead of kept: after round s a row's bit s indexes the
+// original lane, the index being summed over, so the pair may be merged (the remaining rounds
+// treat both rows alike). 30 permutes and 15 adds instead of 16 horizontal sums.
+__attribute__((always_inline)) inline v16 reduce16(v16* rows) {
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const int s = 8 >> k;
+#pragma GCC unroll 8
+    for (int i = 0; i < s; ++i) {
+      const v16 a = rows[i], b = rows[i + s];
+      rows[i] = __builtin_shuffle(a, b, kLo[k]) + __builtin_shuffle(a, b, kHi[k]);
+    }
+  }
+  return rows[0];
+}
+
+// Lane indices 0..15, for masking partial chunks.
+constexpr v16 kIota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // 2^x for x <= 0: x = n + f with n integer, f in (-0.5, 0.5]; 2^f by its degree-6 Taylor
 // polynomial (error < 1.2e-7 relative on that range), 2^n by building the exponent bits.

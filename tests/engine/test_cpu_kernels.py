@@ -1,5 +1,7 @@
 """The compiled CPU kernels equal their PyTorch counterparts: paged decode attention against
-attention over the gathered context, and the fused elementwise ops against `LayerOps`."""
+attention over the gathered context (head sizes 16..128, GQA groups 1..5, block sizes 1..32,
+a strided query, bfloat16), and the fused elementwise ops against `LayerOps`. The prefill
+kernel has its own file, test_cpu_prefill_kernel.py."""
 
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ import torch.nn.functional as F
 
 from kernels.cpu import load
 
-BLOCK_SIZE = 16
-
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_built() -> None:
@@ -24,9 +24,9 @@ def kernel_built() -> None:
 
 
 def reference(q, k_cache, v_cache, table, length, scale):
-    slots = (table.long().unsqueeze(1) * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()
+    block_size, kvh, d = k_cache.shape[1:]
+    slots = (table.long().unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
     slots = slots[:length]
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
     k = k_cache.reshape(-1, kvh, d)[slots].transpose(0, 1)
     v = v_cache.reshape(-1, kvh, d)[slots].transpose(0, 1)
     out = F.scaled_dot_product_attention(
@@ -35,27 +35,51 @@ def reference(q, k_cache, v_cache, table, length, scale):
     return out.squeeze(1)
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_matches_gathered_attention(dtype, tol):
-    gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, num_blocks = 9, 3, 64, 48
-    lengths = [1, 15, 16, 17, 100, 200]
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
+def decode_case(lengths, heads, kv_heads, dim, dtype, block_size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(dtype)
     # Scattered, non-contiguous block ids, as a long-running pool hands them out.
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    width = -(-max(lengths) // BLOCK_SIZE)
+    width = -(-max(lengths) // block_size) + 1  # padded
     tables = torch.zeros(len(lengths), width, dtype=torch.int32)
     for row, length in enumerate(lengths):
-        n = -(-length // BLOCK_SIZE)
+        n = -(-length // block_size)
         tables[row, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
-    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
-    out = torch.empty_like(q)
-    lens = torch.tensor(lengths, dtype=torch.int32)
+    # q is a strided view, as the fused qkv projection produces.
+    wide = torch.randn(len(lengths), heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    return wide[:, :heads], k_cache, v_cache, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+def check_decode(lengths, heads, kv_heads, dim, dtype, tol, block_size=16):
+    q, k_cache, v_cache, tables, lens = decode_case(
+        lengths, heads, kv_heads, dim, dtype, block_size
+    )
+    out = torch.empty(q.shape, dtype=dtype)
     torch.ops.kvfleet_cpu.paged_decode_attention(out, q, k_cache, v_cache, tables, lens, 0.125)
     for row, length in enumerate(lengths):
         expected = reference(q[row], k_cache, v_cache, tables[row], length, 0.125)
-        assert torch.allclose(out[row].float(), expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(out[row].float(), expected, atol=tol, rtol=tol)
+
+
+LENGTHS = [1, 15, 16, 17, 100, 200, 333]
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim"),
+    [(9, 3, 64), (4, 4, 128), (8, 2, 128), (4, 1, 64), (4, 2, 16), (6, 3, 32), (10, 2, 64)],
+)
+def test_decode_kernel_matches_gathered_attention(dtype, tol, heads, kv_heads, dim):
+    check_decode(LENGTHS, heads, kv_heads, dim, dtype, tol)
+    # Many requests: one work item per request instead of per (request, KV head).
+    check_decode(LENGTHS * 3, heads, kv_heads, dim, dtype, tol)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 8, 32])
+def test_decode_kernel_any_block_size(block_size):
+    check_decode(LENGTHS, 9, 3, 64, torch.float32, 1e-5, block_size)
 
 
 def test_fused_elementwise_ops_match_pytorch_path():
