@@ -25,8 +25,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
-from engine.models.layer_ops import LayerOps
 from engine.models.gemm_select import choose_backend
+from engine.models.layer_ops import LayerOps
 from engine.models.linear import Linear, apply_linear, pack_weight, prepack_linears
 from engine.models.rope import RotaryEmbedding
 
@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
 
     def use_fused_ops(self, enabled: bool) -> None:
-        """Switch the elementwise steps to the C++ CPU kernels (float32 only)."""
+        """Switch the elementwise steps to the C++ CPU kernels (float32 and bfloat16)."""
         self.ops.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

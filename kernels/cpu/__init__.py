@@ -29,7 +29,10 @@ logger = logging.getLogger("kvfleet.kernels")
 _SOURCES = [
     Path(__file__).with_name("paged_decode_attention.cpp"),
     Path(__file__).with_name("fused_elementwise.cpp"),
+    Path(__file__).with_name("fused_elementwise_bf16.cpp"),
 ]
+# Included by the sources: part of the cache key, not compiled on their own.
+_HEADERS = [Path(__file__).with_name("fused_elementwise.h")]
 # -ffast-math lets GCC vectorise expf through glibc's libmvec; the kernels never rely on
 # infinities or NaNs. -fopenmp makes at::parallel_for (an inline OpenMP loop in the ATen
 # headers) really parallel in our code; without it every kernel runs on one core. torch
@@ -54,7 +57,7 @@ def _cpu_fingerprint() -> str:
 def _build_dir() -> Path:
     root = os.environ.get("KVFLEET_CACHE_DIR") or str(Path.home() / ".cache" / "kvfleet")
     digest = hashlib.sha256(" ".join(_FLAGS).encode())
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     key = digest.hexdigest()[:10]
     path = Path(root) / "torch_extensions" / f"{key}-{_cpu_fingerprint()}"
