@@ -22,6 +22,7 @@ from engine.core.scheduler import ScheduledRequest
 from engine.input_batch import PromptLogprobRows, build_model_input
 from engine.logprobs import TokenLogprobs
 from engine.models.config import ModelConfig
+from engine.models.layer_ops import FUSED_DTYPES
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SamplingRow, gather_logprobs
@@ -63,8 +64,9 @@ class ModelRunner:
         self.model = model
         self.linear_backend = model.prepack(linear_backend)
         self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
-        # The fused elementwise kernels come from the same build; they are float32-only.
-        model.use_fused_ops(self.use_decode_kernel and dtype == torch.float32)
+        # The fused elementwise kernels come from the same build; float32 and bfloat16 only
+        # (bfloat16 ones bit-identical to the PyTorch path), float16 keeps the PyTorch ops.
+        model.use_fused_ops(self.use_decode_kernel and dtype in FUSED_DTYPES)
         self.block_size = block_size
         shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [

@@ -1,10 +1,14 @@
 """The decoder layer's elementwise steps, fused (C++ CPU kernels) or in plain PyTorch.
 
 Both paths compute the same math in the same order as transformers: the residual stream is
-updated in place (`residual += x`, the same float32 add as `h + x`), then RMSNorm in float32.
-The PyTorch path is op-for-op transformers' and is used for bfloat16, for devices other than
+updated in place (`residual += x`, the same add as `h + x`), then RMSNorm in float32.
+The PyTorch path is op-for-op transformers' and is used for float16, for devices other than
 CPU, and wherever the kernels could not be built; the fused path makes one pass per row
-instead of several passes over the whole batch.
+instead of several passes over the whole batch, for float32 and bfloat16.
+
+Invariant: in bfloat16 the fused path is bit-identical to the PyTorch path (the kernels round
+to bf16 wherever one of its ops would, and sum in ATen's order; tests/engine/test_cpu_kernels.py
+holds them to it). In float32 it agrees to float rounding (fast-math kernels).
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ import torch.nn.functional as F
 
 from engine.models.rope import apply_rotary
 
+# The dtypes the C++ kernels are built for; others take the PyTorch path even when fused.
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class LayerOps:
     def __init__(self, fused: bool = False) -> None:
         self.fused = fused
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self.fused and x.dtype == torch.float32:
+        if self.fused and x.dtype in FUSED_DTYPES:
             out = torch.empty_like(x)
             torch.ops.kvfleet_cpu.rms_norm(out, x.contiguous(), weight, eps)
             return out
@@ -33,7 +40,7 @@ class LayerOps:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual) * weight."""
-        if self.fused and x.dtype == torch.float32:
+        if self.fused and x.dtype in FUSED_DTYPES:
             out = torch.empty_like(x)
             torch.ops.kvfleet_cpu.add_rms_norm(out, x.contiguous(), residual, weight, eps)
             return out
@@ -41,7 +48,7 @@ class LayerOps:
         return self.rms_norm(residual, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused and gate_up.dtype == torch.float32:
+        if self.fused and gate_up.dtype in FUSED_DTYPES:
             out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
             torch.ops.kvfleet_cpu.silu_and_mul(out, gate_up)
             return out
@@ -60,7 +67,7 @@ class LayerOps:
         """Split fused qkv [T, (H + 2 KVH) * D] into rotated q, rotated k, and v."""
         t = qkv.shape[0]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        if self.fused and qkv.dtype == torch.float32:
+        if self.fused and qkv.dtype in FUSED_DTYPES:
             torch.ops.kvfleet_cpu.rotary_qk(
                 qkv, num_heads, num_kv_heads, head_dim, cos[:, 0], sin[:, 0]
             )

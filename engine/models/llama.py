@@ -156,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
 
     def use_fused_ops(self, enabled: bool) -> None:
-        """Switch the elementwise steps to the C++ CPU kernels (float32 only)."""
+        """Switch the elementwise steps to the C++ CPU kernels (float32 and bfloat16)."""
         self.ops.fused = enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,20 +2,25 @@
 // [T, hidden] tensor with one pass per row, so large prefill batches stay in cache instead of
 // streaming every intermediate through memory. Math follows transformers' op order (RMSNorm in
 // float32: x * rsqrt(mean(x^2) + eps), then weight * x; SiLU gate times up; rotate-half RoPE).
+//
+// This file holds the ops' entry points (checks, dtype dispatch, registration) and the float32
+// row kernels; the bfloat16 ones, which must round exactly where PyTorch does, live in
+// fused_elementwise_bf16.cpp (see fused_elementwise.h).
+#include "fused_elementwise.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
 
-namespace {
-
-constexpr int64_t kGrain = 16;
+namespace kvfleet_cpu {
 
 // residual (optional) += x; out = weight * rmsnorm(residual or x). All float32, contiguous rows.
-void rms_norm_rows(float* out, float* x, float* residual, const float* weight, int64_t rows,
-                   int64_t hidden, double eps) {
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+template <>
+void rms_norm_rows<float>(float* out, float* x, float* residual, const float* weight,
+                          int64_t rows, int64_t hidden, double eps) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = x + r * hidden;
       float* src = xr;
@@ -36,56 +41,24 @@ void rms_norm_rows(float* out, float* x, float* residual, const float* weight, i
   });
 }
 
-void check_f32(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name,
-              " must be a contiguous float32 tensor");
-}
-
-void rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& weight, double eps) {
-  check_f32(out, "out");
-  check_f32(x, "x");
-  check_f32(weight, "weight");
-  const int64_t hidden = x.size(-1);
-  rms_norm_rows(out.data_ptr<float>(), x.data_ptr<float>(), nullptr, weight.data_ptr<float>(),
-                x.numel() / hidden, hidden, eps);
-}
-
-// residual += x; out = rmsnorm(residual) * weight.
-void add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, const at::Tensor& weight,
-                  double eps) {
-  check_f32(out, "out");
-  check_f32(x, "x");
-  check_f32(residual, "residual");
-  check_f32(weight, "weight");
-  const int64_t hidden = x.size(-1);
-  rms_norm_rows(out.data_ptr<float>(), x.data_ptr<float>(), residual.data_ptr<float>(),
-                weight.data_ptr<float>(), x.numel() / hidden, hidden, eps);
-}
-
-// out[t, i] = silu(x[t, i]) * x[t, I + i] for x [T, 2I].
-void silu_and_mul(at::Tensor out, const at::Tensor& x) {
-  check_f32(out, "out");
-  check_f32(x, "x");
-  const int64_t rows = x.size(0), inter = x.size(1) / 2;
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+template <>
+void silu_and_mul_rows<float>(float* out, const float* x, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = xp + r * 2 * inter;
+      const float* g = x + r * 2 * inter;
       const float* u = g + inter;
-      float* o = op + r * inter;
+      float* o = out + r * inter;
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });
 }
 
-// In place on x [T, heads, D] (rows may be strided by `row_stride` floats): rotate-half RoPE
-// with cos/sin [T, D/2].
-void rotary_rows(float* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride,
-                 const float* cos, const float* sin) {
+template <>
+void rotary_rows<float>(float* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride,
+                        const float* cos, const float* sin) {
   const int64_t half = dim / 2;
-  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cos + r * half;
       const float* s = sin + r * half;
@@ -103,18 +76,93 @@ void rotary_rows(float* x, int64_t rows, int64_t heads, int64_t dim, int64_t row
   });
 }
 
-// q and k are views into one fused qkv tensor [T, (H + 2 KVH) * D]: rotate both in place.
+}  // namespace kvfleet_cpu
+
+namespace {
+
+using kvfleet_cpu::rms_norm_rows;
+using kvfleet_cpu::rotary_rows;
+using kvfleet_cpu::silu_and_mul_rows;
+
+// Runs `body` with T the C++ type of `dtype`: float32 or bfloat16, the dtypes with row kernels.
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* op, F&& body) {
+  if (dtype == at::kFloat) {
+    body(float{});
+  } else if (dtype == at::kBFloat16) {
+    body(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, "kvfleet_cpu::", op, ": float32 or bfloat16 only, got ", dtype);
+  }
+}
+
+void check(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), name,
+              " must be a contiguous CPU ", dtype, " tensor");
+}
+
+void rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& weight, double eps) {
+  const auto dtype = x.scalar_type();
+  check(out, dtype, "out");
+  check(x, dtype, "x");
+  check(weight, dtype, "weight");
+  const int64_t hidden = x.size(-1);
+  dispatch(dtype, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), nullptr, weight.data_ptr<T>(),
+                     x.numel() / hidden, hidden, eps);
+  });
+}
+
+// residual += x; out = rmsnorm(residual) * weight.
+void add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, const at::Tensor& weight,
+                  double eps) {
+  const auto dtype = x.scalar_type();
+  check(out, dtype, "out");
+  check(x, dtype, "x");
+  check(residual, dtype, "residual");
+  check(weight, dtype, "weight");
+  const int64_t hidden = x.size(-1);
+  dispatch(dtype, "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), residual.data_ptr<T>(),
+                     weight.data_ptr<T>(), x.numel() / hidden, hidden, eps);
+  });
+}
+
+// out[t, i] = silu(x[t, i]) * x[t, I + i] for x [T, 2I].
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  const auto dtype = x.scalar_type();
+  check(out, dtype, "out");
+  check(x, dtype, "x");
+  dispatch(dtype, "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_and_mul_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.size(0), x.size(1) / 2);
+  });
+}
+
+// q and k are views into one fused qkv tensor [T, (H + 2 KVH) * D] (its rows may be strided,
+// e.g. a column slice of a wider buffer): rotate both in place.
 void rotary_qk(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                const at::Tensor& cos, const at::Tensor& sin) {
-  check_f32(qkv, "qkv");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
-  const int64_t rows = qkv.size(0), stride = qkv.size(1);
-  float* base = qkv.data_ptr<float>();
-  rotary_rows(base, rows, num_heads, head_dim, stride, cos.data_ptr<float>(),
-              sin.data_ptr<float>());
-  rotary_rows(base + num_heads * head_dim, rows, num_kv_heads, head_dim, stride,
-              cos.data_ptr<float>(), sin.data_ptr<float>());
+  const auto dtype = qkv.scalar_type();
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.stride(1) == 1 &&
+                  qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "qkv must be a CPU [T, (H + 2 KVH) * D] tensor with unit column stride");
+  check(cos, dtype, "cos");
+  check(sin, dtype, "sin");
+  TORCH_CHECK(cos.size(0) == qkv.size(0) && cos.numel() == qkv.size(0) * (head_dim / 2) &&
+                  sin.sizes() == cos.sizes(),
+              "cos and sin must be [T, head_dim / 2]");
+  const int64_t rows = qkv.size(0), stride = qkv.stride(0);
+  dispatch(dtype, "rotary_qk", [&](auto tag) {
+    using T = decltype(tag);
+    T* base = qkv.data_ptr<T>();
+    rotary_rows<T>(base, rows, num_heads, head_dim, stride, cos.data_ptr<T>(),
+                   sin.data_ptr<T>());
+    rotary_rows<T>(base + num_heads * head_dim, rows, num_kv_heads, head_dim, stride,
+                   cos.data_ptr<T>(), sin.data_ptr<T>());
+  });
 }
 
 }  // namespace

@@ -109,6 +109,108 @@ def test_fused_elementwise_ops_match_pytorch_path():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+ROW_COUNTS = [1, 7, 64, 300]  # one token, a kRowGrain remainder, a full batch, a prefill
+
+
+def same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bitwise equality of two bf16 tensors; NaNs match any NaN (payloads are not specified)."""
+    nan = expected.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(
+        got[~nan].view(torch.int16), expected[~nan].view(torch.int16)
+    )
+
+
+def wide_range_bf16(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Activations whose rows differ in scale by orders of magnitude and carry outliers, so a
+    different summation order or rounding point shows up in the results."""
+    scale = torch.exp(2 * torch.randn(rows, 1, generator=gen))
+    x = torch.randn(rows, cols, generator=gen) * scale
+    spikes = torch.rand(rows, cols, generator=gen) < 0.01
+    return torch.where(spikes, x * 300, x).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("hidden", [576, 100, 2048, 4104])  # 100: tails; 2048+: cascaded sums
+def test_bf16_rms_norms_equal_the_pytorch_path_bit_for_bit(rows: int, hidden: int) -> None:
+    from engine.models.layer_ops import LayerOps
+
+    gen = torch.Generator().manual_seed(rows * 10_000 + hidden)
+    fused, plain = LayerOps(fused=True), LayerOps(fused=False)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16)
+    x = wide_range_bf16(rows, hidden, gen)
+    assert same_bits(fused.rms_norm(x, weight, 1e-5), plain.rms_norm(x, weight, 1e-5))
+    residual = wide_range_bf16(rows, hidden, gen)
+    res_fused, res_plain = residual.clone(), residual.clone()
+    out_fused = fused.add_rms_norm(x, res_fused, weight, 1e-6)
+    out_plain = plain.add_rms_norm(x, res_plain, weight, 1e-6)
+    assert same_bits(res_fused, res_plain)
+    assert same_bits(out_fused, out_plain)
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize("inter", [1536, 72])  # 72: a partial 16-lane chunk per row
+def test_bf16_silu_and_mul_equals_the_pytorch_path_bit_for_bit(rows: int, inter: int) -> None:
+    from engine.models.layer_ops import LayerOps
+
+    gen = torch.Generator().manual_seed(rows * 10_000 + inter)
+    gate_up = wide_range_bf16(rows, 2 * inter, gen)
+    expected = LayerOps(fused=False).silu_and_mul(gate_up)
+    assert same_bits(LayerOps(fused=True).silu_and_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("width", [256, 16])  # ATen's vectorised loop, and its scalar tail
+def test_bf16_silu_is_exact_for_every_bf16_input(width: int) -> None:
+    """The kernel reads SiLU from a table of F.silu's own results; every one of the 65,536 gate
+    values (NaNs and infinities included) must come out as the PyTorch path computes it."""
+    from engine.models.layer_ops import LayerOps
+
+    gen = torch.Generator().manual_seed(2)
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    gate = gate.view(torch.bfloat16).reshape(-1, width)
+    for up in (torch.ones_like(gate), torch.randn(gate.shape, generator=gen).to(torch.bfloat16)):
+        gate_up = torch.cat((gate, up), dim=-1)
+        expected = LayerOps(fused=False).silu_and_mul(gate_up)
+        assert same_bits(LayerOps(fused=True).silu_and_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 16), (2, 1, 128)])
+def test_bf16_rotary_equals_the_pytorch_path_bit_for_bit(
+    rows: int, heads: int, kv_heads: int, dim: int
+) -> None:
+    """On the model's rope tables and on a qkv that is a column slice of a wider buffer (rows
+    strided), rotating q and k in place and leaving v and the rest of the buffer untouched."""
+    from engine.models.layer_ops import LayerOps
+    from engine.models.rope import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(rows * 1_000 + dim)
+    width = (heads + 2 * kv_heads) * dim
+    positions = torch.randint(0, 4096, (rows,), generator=gen)
+    cos, sin = RotaryEmbedding(dim, 4096, 10000.0).lookup(positions, torch.bfloat16)
+    buffer = wide_range_bf16(rows, width + 24, gen)
+    expected = LayerOps(fused=False).rotary_qkv(
+        buffer[:, 8 : 8 + width].clone(), heads, kv_heads, dim, cos, sin
+    )
+    before = buffer.clone()
+    got = LayerOps(fused=True).rotary_qkv(buffer[:, 8 : 8 + width], heads, kv_heads, dim, cos, sin)
+    for a, b in zip(got, expected, strict=True):
+        assert same_bits(a, b)
+    assert torch.equal(buffer[:, :8], before[:, :8]) and torch.equal(
+        buffer[:, 8 + width :], before[:, 8 + width :]
+    )
+
+
+def test_float16_stays_on_the_pytorch_path() -> None:
+    from engine.models.layer_ops import LayerOps
+
+    x = torch.randn(5, 64).half()
+    weight = torch.ones(64).half()
+    assert torch.equal(
+        LayerOps(fused=True).rms_norm(x, weight, 1e-5),
+        LayerOps(fused=False).rms_norm(x, weight, 1e-5),
+    )
+
+
 def test_a_builder_killed_mid_build_blocks_no_later_load(tmp_path, monkeypatch) -> None:
     """What an engine kill -9'd during its first build leaves (torch's build lock, a half-done
     build directory) must not make the next engine wait forever: it loads the library."""

@@ -5,7 +5,8 @@ step after it) and compares logits with transformers' forward on the same direct
 max abs difference < 1e-4 and identical argmax. Variants cover Qwen2 (q/k/v bias, tied
 embeddings), Mistral (sliding-window config), Llama with attention_bias, llama3 RoPE
 scaling, both RoPE config spellings, and sharded checkpoints. Config parsing, dtype
-resolution and weight-loading errors are checked here too.
+resolution and weight-loading errors are checked here too. In bfloat16, the fused C++
+elementwise kernels are held to the PyTorch ops bit for bit.
 """
 
 from __future__ import annotations
@@ -189,6 +190,33 @@ def test_bfloat16_load_runs(tiny_model_dir: Path) -> None:
     # bf16 rounding moves logits; the fixture's wide margins keep most argmaxes in place.
     agreement = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agreement >= 0.8
+
+
+def test_bfloat16_fused_kernels_leave_prefill_and_decode_logits_bit_identical(
+    tiny_model_dir: Path,
+) -> None:
+    """The bf16 C++ elementwise kernels round where the PyTorch ops do, so switching them on
+    changes no bit of a prefill's or the following decode step's logits."""
+    from kernels.cpu import load
+
+    assert load()
+    model, config = load_model(tiny_model_dir, torch.bfloat16)
+    ids = prompt_ids()
+    results = []
+    for fused in (False, True):
+        model.use_fused_ops(fused)
+        caches = empty_caches(config, len(ids) + 1, torch.bfloat16)
+        prefill = our_prefill(model, ids, caches)
+        position = len(ids)
+        with torch.inference_mode():
+            hidden = model(
+                torch.tensor([int(prefill[-1].argmax())]), torch.tensor([position]), caches,
+                decode_meta(position),
+            )
+        results.append((prefill, model.compute_logits(hidden), caches))
+    (prefill_a, decode_a, caches_a), (prefill_b, decode_b, caches_b) = results
+    assert torch.equal(prefill_a, prefill_b) and torch.equal(decode_a, decode_b)
+    assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b, strict=True))
 
 
 def test_fixture_logits_are_well_separated(tiny_model_dir: Path) -> None:

@@ -1,0 +1,53 @@
+// Row kernels behind the fused elementwise ops, templated on the element type.
+//
+// Each specialisation reproduces what the PyTorch path (engine/models/layer_ops.py) computes for
+// its dtype, so the two paths are interchangeable:
+// - float: defined in fused_elementwise.cpp (compiled with -ffast-math; matches the PyTorch
+//   path to float rounding, not bit for bit).
+// - c10::BFloat16: defined in fused_elementwise_bf16.cpp, which is compiled without fast-math's
+//   licences so that every rounding point and the order of the float32 sum of squares are
+//   those of PyTorch's CPU kernels (bit-exact).
+// The primary templates are declared only: other dtypes are refused before reaching them.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+namespace kvfleet_cpu {
+
+// Rows handed to one at::parallel_for task.
+constexpr int64_t kRowGrain = 16;
+
+// residual (optional) += x; out = weight * rmsnorm(residual or x). Contiguous [rows, hidden].
+template <typename T>
+void rms_norm_rows(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t hidden,
+                   double eps);
+
+// out[t, i] = silu(x[t, i]) * x[t, inter + i] for x [rows, 2 * inter]; out [rows, inter].
+template <typename T>
+void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t inter);
+
+// In place on x [rows, heads, dim] whose rows start `row_stride` elements apart: rotate-half
+// RoPE with cos/sin [rows, dim / 2].
+template <typename T>
+void rotary_rows(T* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride,
+                 const T* cos, const T* sin);
+
+template <>
+void rms_norm_rows<float>(float*, float*, float*, const float*, int64_t, int64_t, double);
+template <>
+void silu_and_mul_rows<float>(float*, const float*, int64_t, int64_t);
+template <>
+void rotary_rows<float>(float*, int64_t, int64_t, int64_t, int64_t, const float*, const float*);
+
+template <>
+void rms_norm_rows<c10::BFloat16>(c10::BFloat16*, c10::BFloat16*, c10::BFloat16*,
+                                  const c10::BFloat16*, int64_t, int64_t, double);
+template <>
+void silu_and_mul_rows<c10::BFloat16>(c10::BFloat16*, const c10::BFloat16*, int64_t, int64_t);
+template <>
+void rotary_rows<c10::BFloat16>(c10::BFloat16*, int64_t, int64_t, int64_t, int64_t,
+                                const c10::BFloat16*, const c10::BFloat16*);
+
+}  // namespace kvfleet_cpu
