@@ -26,8 +26,9 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        # The prefill kernel is instantiated for these head sizes only.
-        self.prefill_kernel_fits = head_dim in (16, 32, 64, 128)
+        # The compiled kernels are instantiated for these head sizes only; other models keep
+        # the PyTorch paths.
+        self.kernel_fits = head_dim in (16, 32, 64, 128)
 
     def forward(
         self,
@@ -44,13 +45,11 @@ class PagedAttention(nn.Module):
 
         # Contiguous (query may be a strided view of the fused qkv projection).
         out = query.new_empty(query.shape)
+        use_kernels = (
+            self.kernel_fits and query.dtype == kv_cache.dtype and query.stride(-1) == 1
+        )
         batch = meta.prefill_batch
-        if (
-            batch is not None
-            and self.prefill_kernel_fits
-            and query.dtype == kv_cache.dtype
-            and query.stride(-1) == 1
-        ):
+        if batch is not None and use_kernels:
             # Reads the strided query in place; writes every prefill row of `out`.
             torch.ops.kvfleet_cpu.paged_prefill_attention(
                 out, query, kv_cache[0], kv_cache[1], batch.block_tables, batch.query_starts,
@@ -70,7 +69,7 @@ class PagedAttention(nn.Module):
                 seg.context_slots,
             )
         if meta.decode is not None:
-            self._decode_into(out, query, kv_cache, flat_k, flat_v, meta)
+            self._decode_into(out, query, kv_cache, flat_k, flat_v, meta, use_kernels)
         return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
 
     def _decode_into(
@@ -81,6 +80,7 @@ class PagedAttention(nn.Module):
         flat_k: torch.Tensor,
         flat_v: torch.Tensor,
         meta: AttentionMetadata,
+        use_kernels: bool,
     ) -> None:
         decode = meta.decode
         assert decode is not None
@@ -88,7 +88,7 @@ class PagedAttention(nn.Module):
         span = decode.query_span
         q = query[span[0] : span[1]] if span else query[decode.query_indices]
         dest = out[span[0] : span[1]] if span else None
-        if meta.use_decode_kernel:
+        if meta.use_decode_kernel and use_kernels:
             # The kernel reads q through its strides (a view of the fused qkv projection).
             result = dest if dest is not None else torch.empty_like(q)
             torch.ops.kvfleet_cpu.paged_decode_attention(
