@@ -3,9 +3,9 @@ machine, on the model's own weight shapes, at start-up.
 
 Measured: one decoder layer's projections and the LM head at a decode-sized batch
 (`DECODE_ROWS`), and the projections at a prefill-sized batch (`PREFILL_ROWS`). Each candidate's
-score is the sum over shapes of its best time of `REPEATS` calls (the minimum resists a
-shared machine's noise better than the mean); the lowest score wins. The whole measurement
-takes well under a second for a small model, once per engine start.
+score is the sum over shapes of its best time over `REPEATS` interleaved rounds (the minimum
+resists a shared machine's noise better than the mean); the lowest score wins. The whole
+measurement takes about a second for a small model, once per engine start.
 
 Invariant: the decision depends on measured speed only, never on the CPU's vendor string.
 """
@@ -26,7 +26,7 @@ logger = logging.getLogger("kvfleet.engine")
 
 DECODE_ROWS = 32
 PREFILL_ROWS = 512
-REPEATS = 4
+REPEATS = 5
 
 
 @dataclass(frozen=True)
@@ -36,31 +36,40 @@ class GemmChoice:
     scores: dict[str, float]
 
 
-def _best_time(call: Callable[[], object], repeats: int) -> float:
-    call()  # warm-up: primitive creation, caches
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _cases(
+    backend: str, layer_weights: Sequence[torch.Tensor], lm_head: torch.Tensor
+) -> list[Callable[[], object]]:
+    shapes = [(w, DECODE_ROWS) for w in (*layer_weights, lm_head)]
+    shapes += [(w, PREFILL_ROWS) for w in layer_weights]
+    calls: list[Callable[[], object]] = []
+    for weight, rows in shapes:
+        packed = pack_weight(weight, backend)
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        calls.append(functools.partial(apply_linear, x, weight, None, backend, packed))
+    return calls
 
 
-def _score(
-    backend: str,
+def _scores(
+    candidates: Sequence[str],
     layer_weights: Sequence[torch.Tensor],
     lm_head: torch.Tensor,
     repeats: int,
-) -> float:
-    total = 0.0
-    cases = [(w, DECODE_ROWS) for w in (*layer_weights, lm_head)]
-    cases += [(w, PREFILL_ROWS) for w in layer_weights]
-    for weight, rows in cases:
-        packed = pack_weight(weight, backend)
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-        call = functools.partial(apply_linear, x, weight, None, backend, packed)
-        total += _best_time(call, repeats)
-    return total
+) -> dict[str, float]:
+    """Per candidate, the sum over shapes of the best time seen. Rounds interleave the
+    candidates, so a burst of load from a neighbour (services starting beside the engine)
+    slows every candidate's round alike instead of deciding the choice."""
+    calls = {b: _cases(b, layer_weights, lm_head) for b in candidates}
+    best = {b: [float("inf")] * len(c) for b, c in calls.items()}
+    for b in candidates:
+        for call in calls[b]:
+            call()  # warm-up: primitive creation, caches
+    for _ in range(repeats):
+        for b in candidates:
+            for i, call in enumerate(calls[b]):
+                start = time.perf_counter()
+                call()
+                best[b][i] = min(best[b][i], time.perf_counter() - start)
+    return {b: sum(times) for b, times in best.items()}
 
 
 def choose_backend(
@@ -80,7 +89,7 @@ def choose_backend(
         return GemmChoice("dense", {})
     candidates = [b for b in BACKENDS if backend_supported(b, dtype)]
     with torch.inference_mode():
-        scores = {b: _score(b, layer_weights, lm_head, repeats) for b in candidates}
+        scores = _scores(candidates, layer_weights, lm_head, repeats)
     best = min(scores, key=lambda b: scores[b])
     logger.info(
         "linear backend %s (measured ms: %s)",
