@@ -29,6 +29,7 @@ logger = logging.getLogger("kvfleet.kernels")
 _SOURCES = [
     Path(__file__).with_name("paged_decode_attention.cpp"),
     Path(__file__).with_name("paged_prefill_attention.cpp"),
+    Path(__file__).with_name("kv_cache_write.cpp"),
     Path(__file__).with_name("fused_elementwise.cpp"),
 ]
 # -ffast-math lets GCC vectorise expf through glibc's libmvec; the kernels never rely on
@@ -76,6 +77,7 @@ def load() -> bool:
                 for op in (
                     "paged_decode_attention",
                     "paged_prefill_attention",
+                    "write_kv_cache",
                     "rms_norm",
                     "silu_and_mul",
                     "rotary_qk",
