@@ -40,8 +40,12 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
         flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, key.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, value.to(flat_v.dtype))
+        # meta.use_decode_kernel: the compiled kernels are loaded.
+        if meta.use_decode_kernel and key.dtype == value.dtype == kv_cache.dtype:
+            torch.ops.kvfleet_cpu.write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+        else:
+            flat_k.index_copy_(0, meta.slot_mapping, key.to(flat_k.dtype))
+            flat_v.index_copy_(0, meta.slot_mapping, value.to(flat_v.dtype))
 
         # Contiguous (query may be a strided view of the fused qkv projection).
         out = query.new_empty(query.shape)

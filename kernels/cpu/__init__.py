@@ -29,6 +29,7 @@ logger = logging.getLogger("kvfleet.kernels")
 _SOURCES = [
     Path(__file__).with_name("paged_decode_attention.cpp"),
     Path(__file__).with_name("paged_prefill_attention.cpp"),
+    Path(__file__).with_name("kv_cache_write.cpp"),
     Path(__file__).with_name("fused_elementwise.cpp"),
     Path(__file__).with_name("fused_elementwise_bf16.cpp"),
 ]
@@ -77,6 +78,7 @@ def load() -> bool:
                 for op in (
                     "paged_decode_attention",
                     "paged_prefill_attention",
+                    "write_kv_cache",
                     "rms_norm",
                     "silu_and_mul",
                     "rotary_qk",

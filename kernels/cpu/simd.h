@@ -40,7 +40,9 @@ __attribute__((always_inline)) inline v16 load16(const c10::BFloat16* p) {
   return v;
 }
 
-__attribute__((always_inline)) inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+__attribute__((always_inline)) inline void store16(float* p, v16 v) {
+  std::memcpy(p, &v, sizeof v);
+}
 
 __attribute__((always_inline)) inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 

@@ -1,7 +1,7 @@
 """The compiled CPU kernels equal their PyTorch counterparts: paged decode attention against
 attention over the gathered context (head sizes 16..128, GQA groups 1..5, block sizes 1..32,
-a strided query, bfloat16), and the fused elementwise ops against `LayerOps`. The prefill
-kernel has its own file, test_cpu_prefill_kernel.py."""
+a strided query, bfloat16), the K/V cache write against index_copy_, and the fused elementwise
+ops against `LayerOps`. The prefill kernel has its own file, test_cpu_prefill_kernel.py."""
 
 from __future__ import annotations
 
@@ -227,3 +227,20 @@ def test_a_builder_killed_mid_build_blocks_no_later_load(tmp_path, monkeypatch) 
     result = subprocess.run([sys.executable, "-c", code], env=os.environ.copy(), timeout=120,
                             cwd=Path(__file__).resolve().parents[2], capture_output=True)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_index_copy(dtype):
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.randn(2, 9, 16, 3, 64, generator=gen).to(dtype)
+    expected = cache.clone()
+    # key/value are strided views of a fused qkv projection, slots scattered.
+    qkv = torch.randn(40, 15, 64, generator=gen).to(dtype)
+    key, value = qkv[:, 9:12], qkv[:, 12:15]
+    slots = torch.randperm(9 * 16, generator=gen)[:40]
+    expected[0].view(-1, 3, 64).index_copy_(0, slots, key)
+    expected[1].view(-1, 3, 64).index_copy_(0, slots, value)
+    torch.ops.kvfleet_cpu.write_kv_cache(cache, key, value, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.kvfleet_cpu.write_kv_cache(cache, key[:1], value[:1], torch.tensor([9 * 16]))
