@@ -65,17 +65,19 @@ def tail_lines(path: Path, num_lines: int) -> list[str]:
     return lines[-num_lines:]
 
 
-def print_tails(logs: dict[str, Path], num_lines: int, out: TextIO = sys.stdout) -> None:
+def print_tails(logs: dict[str, Path], num_lines: int, out: TextIO | None = None) -> None:
     """Each log's last lines; with several logs, each line prefixed by its service."""
+    out = out or sys.stdout  # looked up per call: sys.stdout may be replaced
     for name, path in logs.items():
         for line in tail_lines(path, num_lines):
             out.write(_prefixed(name, line, len(logs) > 1))
     out.flush()
 
 
-def follow(logs: dict[str, Path], out: TextIO = sys.stdout,
+def follow(logs: dict[str, Path], out: TextIO | None = None,
            stop_after_s: float | None = None) -> None:
     """Print lines appended to `logs` from now on, until interrupted (or `stop_after_s`)."""
+    out = out or sys.stdout
     files = {name: open(path, encoding="utf-8", errors="replace")  # noqa: SIM115
              for name, path in logs.items()}
     deadline = None if stop_after_s is None else time.monotonic() + stop_after_s
