@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvfleet.fleet import FleetConfig, engine_command, tokenizer_command
 from kvfleet.grpc_server import GrpcServer
 from kvfleet.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.services.conftest import ThreadedServer
@@ -75,3 +76,14 @@ def test_a_bad_template_stops_the_start(tiny_model_dir: Path, tmp_path: Path) ->
     argv = ["--model", str(tiny_model_dir), "--no-metrics", "--port", "0"]
     assert tokenizer_server.main([*argv, "--chat-template", str(tmp_path / "nope.jinja")]) == 2
     assert tokenizer_server.main([*argv, "--chat-template", "{% if %}"]) == 2
+
+
+def test_a_fleet_passes_the_template_and_the_name_on(tiny_model_dir: Path) -> None:
+    config = FleetConfig(model_dir=tiny_model_dir, chat_template=TEMPLATE,
+                         served_model_name="named")
+    tokenizer = tokenizer_command(config)
+    assert tokenizer[tokenizer.index("--chat-template") + 1] == TEMPLATE
+    assert tokenizer[tokenizer.index("--served-model-name") + 1] == "named"
+    engine = engine_command(config, "engine-0", "redis://127.0.0.1:1")
+    assert engine[engine.index("--served-model-name") + 1] == "named"
+    assert "--chat-template" not in engine  # only the tokenizer renders chats

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(240)
 KEY = API_KEYS["tenant-0"]
 PROMPT = "Once upon a time, in a small village by the sea"
 MAX_MODEL_LEN = 384
+MODEL = "kvfleet-tiny"  # --served-model-name, for engines and the tokenizer alike
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Name a colour. ünïcödé ✓"}]
 # Every route the router serves over HTTP (besides /docs and /openapi.json themselves).
@@ -48,6 +49,7 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         api_keys=write_api_keys(work / "keys.json"),
         engine_args=("--num-kv-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN)),
         engine_threads=1,
+        served_model_name=MODEL,
         log_dir=work / "logs",
         start_timeout_s=120,
     )
@@ -61,8 +63,8 @@ def tokenizer(tiny_model_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir: Path) -> str:
-    return tiny_model_dir.name
+def model() -> str:
+    return MODEL
 
 
 def call(fleet: Fleet, method: str, path: str, body: object = None,
@@ -197,7 +199,9 @@ def test_openapi_document_is_valid_and_lists_every_route(fleet: Fleet) -> None:
     check(post(fleet, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})[1], "Completion")
     check(post(fleet, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})[1],
           "ChatCompletion")
-    check(json.loads(call(fleet, "GET", "/v1/models")[2]), "ModelList")
+    models = json.loads(call(fleet, "GET", "/v1/models")[2])
+    check(models, "ModelList")
+    assert [m["id"] for m in models["data"]] == [MODEL]
 
     status, headers, page = call(fleet, "GET", "/docs", key=None)
     assert status == 200 and headers["content-type"].startswith("text/html")
