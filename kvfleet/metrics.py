@@ -1,10 +1,12 @@
 """Prometheus plumbing every kvfleet service shares: the /metrics endpoint and RPC metrics.
 
 Role: each service keeps its metrics in its own `CollectorRegistry` (so several services
-in one test process never collide) and, when `--metrics-port` is given, serves it with
-prometheus_client's HTTP server on a daemon thread (`MetricsEndpoint`). Port 0 picks a free
-port; `--metrics-port-file` receives the bound one (written atomically, like --port-file).
-Without the flag nothing listens and the metric objects cost a few dict updates per request.
+in one test process never collide) and serves it with prometheus_client's HTTP server on a
+daemon thread (`MetricsEndpoint`): on `--metrics-port` (default 9090; a default port that
+is taken falls back to a free one), nothing with `--no-metrics`. Port 0 picks a free port;
+`--metrics-port-file` receives the bound one (written atomically, like --port-file). The
+thread only works when scraped; the metric objects cost a few dict updates per request
+(`python -m benchmarks.metrics_overhead` measures it).
 
 `RpcMetricsInterceptor` counts a service's RPCs by method and status code and times them;
 installed innermost (after error mapping), it sees the handler's own exceptions and maps
@@ -58,11 +60,23 @@ def start_metrics_endpoint(
     host: str,
     port: int | None,
     port_file: Path | None = None,
+    fallback: bool = False,
 ) -> MetricsEndpoint | None:
-    """Serve `registry` when `port` is set (0: a free port, written to `port_file`)."""
+    """Serve `registry` when `port` is set (0: a free port, written to `port_file`).
+
+    `fallback`: the port is a default, not the operator's choice, so a busy one means a free
+    port (logged) instead of a failed start.
+    """
     if port is None:
         return None
-    endpoint = MetricsEndpoint(registry, host, port)
+    try:
+        endpoint = MetricsEndpoint(registry, host, port)
+    except OSError as e:
+        if not fallback or port == 0:
+            raise
+        logger.warning("metrics port %d unavailable (%s); serving /metrics on a free port "
+                       "(--metrics-port N to choose one)", port, e)
+        endpoint = MetricsEndpoint(registry, host, 0)
     if port_file is not None:
         write_port_file(port_file, endpoint.port)
     return endpoint

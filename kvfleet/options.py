@@ -1,8 +1,9 @@
 """Command-line options every kvfleet server shares, parsed once into a frozen dataclass.
 
 Role: `add_server_arguments` puts --host/--port/--grace-period/--port-file/--log-level and
---metrics-port/--metrics-port-file (Prometheus /metrics; off unless given) on a service's
-argparse parser, with --log-format (text | json lines, see kvfleet.logs);
+--metrics-port/--metrics-port-file/--no-metrics (Prometheus /metrics, on by default on
+port 9090, like vLLM's always-on /metrics) on a service's argparse parser, with
+--log-format (text | json lines, see kvfleet.logs);
 `ServerOptions.from_args` turns them into config. The only environment read (when a
 service starts, never on import) is the logging fallback: KVFLEET_LOG_LEVEL /
 KVFLEET_LOG_FORMAT when --log-level / --log-format are not given.
@@ -20,6 +21,8 @@ from kvfleet import logs
 from kvfleet.grpc_server import DEFAULT_GRACE_S
 
 LOG_FORMAT = logs.TEXT_FORMAT
+# Prometheus' conventional exporter port; the Helm chart's metrics.port.
+DEFAULT_METRICS_PORT = 9090
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,12 @@ class ServerOptions:
     log_level: str = "INFO"
     log_format: str = "text"
     # Prometheus /metrics port; None: no endpoint, 0: a free port (see metrics_port_file).
+    # None here (embedders opt in); the command line's default is DEFAULT_METRICS_PORT.
     metrics_port: int | None = None
     metrics_port_file: Path | None = None
+    # The port was not asked for: if it is taken (several services on one host), a free
+    # one is used and logged rather than failing the service.
+    metrics_port_fallback: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -45,8 +52,11 @@ class ServerOptions:
             port_file=args.port_file,
             log_level=resolve_log_level(args.log_level),
             log_format=resolve_log_format(args.log_format),
-            metrics_port=args.metrics_port,
+            metrics_port=None if args.no_metrics else (
+                DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port
+            ),
             metrics_port_file=args.metrics_port_file,
+            metrics_port_fallback=args.metrics_port is None,
         )
 
 
@@ -96,7 +106,11 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int = 0)
         "--metrics-port",
         type=_port,
         default=None,
-        help="serve Prometheus /metrics on this port (0 picks a free one; default: off)",
+        help=f"serve Prometheus /metrics on this port (0 picks a free one; default: "
+        f"{DEFAULT_METRICS_PORT}, or a free one if that is taken)",
+    )
+    group.add_argument(
+        "--no-metrics", action="store_true", help="do not serve /metrics",
     )
     group.add_argument(
         "--metrics-port-file",

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP API on the router: /v1/completions, /v1/chat/completions,
-/v1/models, /health (and Prometheus /metrics).
+/v1/models, /health; vLLM's /tokenize, /detokenize, /version, /ping and Prometheus
+/metrics (`router.http_extras`); the OpenAPI document at /openapi.json and /docs
+(`router.openapi_doc`).
 
 Role: authenticate (`Authorization: Bearer KEY` or `x-api-key`, as on gRPC), parse the body
 (`openai_protocol`), run each prompt through the same `GenerationPipeline` as gRPC, and
@@ -33,7 +35,6 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
-from prometheus_client import make_asgi_app
 from starlette.background import BackgroundTask
 
 from kvfleet.logs import set_tenant
@@ -42,11 +43,13 @@ from kvfleet.v1 import router_pb2
 from router.auth import AuthenticationError, Authenticator
 from router.http_body import BodyReader, decode_json
 from router.http_errors import error_body, error_response, install_handlers, status_of
+from router.http_extras import ServingExtras, kvfleet_version
 from router.merge import merge_tagged
 from router.metrics import RouterMetrics
 from router.openai_format import Choices, new_id
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from router.openai_stream import StreamRenderer
+from router.openapi_doc import install_openapi
 from router.pipeline import GenerationPipeline
 
 logger = logging.getLogger(__name__)
@@ -73,14 +76,20 @@ class OpenAIApi:
         self._metrics = metrics
 
     def app(self) -> FastAPI:
-        app = FastAPI(title="kvfleet", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(
+            title="kvfleet", version=kvfleet_version(),
+            description="kvfleet's router: OpenAI-compatible API plus vLLM's serving "
+                        "endpoints. Errors are OpenAI error JSON.",
+            docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+        )
         install_handlers(app)
         app.add_middleware(BodyReader, limits=self._pipeline.limits)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.mount("/metrics", make_asgi_app(self._metrics.registry))
+        ServingExtras(self._pipeline, self._auth, self._metrics).install(app)
+        install_openapi(app)
         return app
 
     async def health(self) -> Response:

@@ -36,6 +36,29 @@ MAX_REPORTED_PROBLEMS = 3
 
 Body = TypeVar("Body", bound="_SamplingBody")
 
+# JSON schemas (for /openapi.json) of the fields typed Any here, checked by hand below.
+_TOKEN_IDS_SCHEMA = {
+    "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": UINT32 - 1},
+    "minItems": 1,
+}
+PROMPT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+    _TOKEN_IDS_SCHEMA,
+    {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1},
+]}
+STOP_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"},
+]}
+CONTENT_SCHEMA: dict[str, Any] = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }},
+    {"type": "null"},
+]}
+
 
 def _unset(value: Any) -> bool:
     return value is None
@@ -107,7 +130,7 @@ class _SamplingBody(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: Any = None
+    stop: Any = Field(None, json_schema_extra=STOP_SCHEMA)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -185,7 +208,7 @@ class CompletionRequest(_SamplingBody):
     }
 
     # str, list[str], list[int] or list[list[int]]; checked in prompts() with a clear message.
-    prompt: Any
+    prompt: Any = Field(json_schema_extra=PROMPT_SCHEMA)
     # OpenAI's default for completions; None means up to the remaining context.
     max_tokens: int | None = Field(16, ge=1, lt=UINT32)
     logprobs: int | None = Field(None, ge=0, le=20)
@@ -237,7 +260,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Any = None
+    content: Any = Field(None, json_schema_extra=CONTENT_SCHEMA)
     tool_calls: Any = None
 
     def text(self, index: int) -> str:

@@ -123,6 +123,16 @@ class EngineSelector:
         records, _ = await self._records((), "")
         return sorted({r.model for r in records if r.model})
 
+    async def served_context_lens(self) -> dict[str, int]:
+        """{model name: the largest max_model_len its live engines report (0: unknown)}."""
+        records, _ = await self._records((), "")
+        lens: dict[str, int] = {}
+        for record in records:
+            if record.model:
+                lens[record.model] = max(lens.get(record.model, 0),
+                                         record.int_field("max_model_len"))
+        return dict(sorted(lens.items()))
+
     async def _records(
         self, prompt_ids: Sequence[int], tenant: str
     ) -> tuple[list[EngineRecord], bool]:

@@ -170,7 +170,8 @@ async def serve(
     try:
         bound_port = await app.server.start()
         endpoint = start_metrics_endpoint(
-            app.metrics.registry, options.host, options.metrics_port, options.metrics_port_file
+            app.metrics.registry, options.host, options.metrics_port, options.metrics_port_file,
+            fallback=options.metrics_port_fallback,
         )
         if http.port is not None:
             http_server = HttpServer(app.http.app(), options.host, http.port, options.grace_s)

@@ -84,6 +84,15 @@ class TokenizerClient:
         response = await self._call(lambda stub, **kw: stub.Tokenize(tokenize, **kw))
         return list(response.token_ids)
 
+    async def tokenize_raw(
+        self, request: tokenizer_pb2.TokenizeRequest
+    ) -> tokenizer_pb2.TokenizeResponse:
+        """The tokenizer's own Tokenize (HTTP /tokenize: special-token and template flags)."""
+        response: tokenizer_pb2.TokenizeResponse = await self._call(
+            lambda stub, **kw: stub.Tokenize(request, **kw)
+        )
+        return response
+
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
         """Text of `token_ids` in one piece (echo of a pre-tokenized prompt)."""
         request = tokenizer_pb2.DetokenizeRequest(

@@ -24,6 +24,7 @@ from kvfleet.grpc_server import DEFAULT_GRACE_S, GrpcServer, ShutdownHook, write
 from kvfleet.metrics import RpcMetrics, RpcMetricsInterceptor, start_metrics_endpoint
 from kvfleet.options import add_server_arguments, start_service_process
 from kvfleet.tracing import init_tracing
+from tokenizer_svc.chat_template import resolve_chat_template
 from tokenizer_svc.service import TokenizerServicer
 
 logger = logging.getLogger(__name__)
@@ -38,11 +39,13 @@ async def serve(
     port: int = 0,
     *,
     model_name: str | None = None,
+    chat_template: str | None = None,
     grace_s: float | None = None,
     port_file: str | Path | None = None,
     on_shutdown: ShutdownHook | None = None,
     metrics_port: int | None = None,
     metrics_port_file: Path | None = None,
+    metrics_port_fallback: bool = False,
 ) -> int:
     """Serve the tokenizer of `model_dir` until SIGTERM/SIGINT; returns the exit code.
 
@@ -51,10 +54,13 @@ async def serve(
     """
     registry = CollectorRegistry()
     server = build_server(
-        model_dir, host, port, model_name=model_name, grace_s=grace_s, registry=registry
+        model_dir, host, port, model_name=model_name, chat_template=chat_template,
+        grace_s=grace_s, registry=registry,
     )
     bound_port = await server.start()
-    endpoint = start_metrics_endpoint(registry, host, metrics_port, metrics_port_file)
+    endpoint = start_metrics_endpoint(
+        registry, host, metrics_port, metrics_port_file, fallback=metrics_port_fallback
+    )
     if port_file is not None:
         write_port_file(port_file, bound_port)
     try:
@@ -70,6 +76,7 @@ def build_server(
     port: int = 0,
     *,
     model_name: str | None = None,
+    chat_template: str | None = None,
     grace_s: float | None = None,
     registry: CollectorRegistry | None = None,
 ) -> GrpcServer:
@@ -78,7 +85,7 @@ def build_server(
     Its RPCs are counted and timed in `registry` (kvfleet:tokenizer_requests{method,code},
     kvfleet:tokenizer_request_duration_seconds{method}); a private one when None.
     """
-    servicer = TokenizerServicer.from_model_dir(model_dir, model_name)
+    servicer = TokenizerServicer.from_model_dir(model_dir, model_name, chat_template)
     metrics = RpcMetrics(registry or CollectorRegistry(), TOKENIZER_METRICS_PREFIX)
     return GrpcServer(
         [servicer.as_service()],
@@ -100,6 +107,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--served-model-name", default=None, help="model name to report (default: dir name)"
     )
+    parser.add_argument(
+        "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+        help="Jinja chat template, a file or the template itself (default: the model's own)",
+    )
     add_server_arguments(parser, default_port=DEFAULT_PORT)
     return parser.parse_args(argv)
 
@@ -112,6 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (args.model / "tokenizer.json").is_file():
         logger.error("%s has no tokenizer.json", args.model)
         return 2
+    try:
+        chat_template = (
+            None if args.chat_template is None else resolve_chat_template(args.chat_template)
+        )
+    except (ValueError, OSError) as e:
+        logger.error("%s", e)
+        return 2
     tracing = init_tracing("kvfleet-tokenizer")
     try:
         return asyncio.run(
@@ -120,10 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 options.host,
                 options.port,
                 model_name=args.served_model_name,
+                chat_template=chat_template,
                 grace_s=options.grace_s,
                 port_file=options.port_file,
                 metrics_port=options.metrics_port,
                 metrics_port_file=options.metrics_port_file,
+                metrics_port_fallback=options.metrics_port_fallback,
             )
         )
     finally:

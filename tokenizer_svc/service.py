@@ -43,10 +43,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: str | Path, model_name: str | None = None
+        cls, model_dir: str | Path, model_name: str | None = None,
+        chat_template: str | None = None,
     ) -> TokenizerServicer:
+        """`chat_template` (source) replaces the model's own, or supplies a missing one."""
         model_dir = Path(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         eos_token_ids = load_generation_eos_ids(model_dir)
         info = build_info(tokenizer, eos_token_ids, model_name or model_dir.name)
         return cls(tokenizer, info)

@@ -168,6 +168,7 @@ class EngineServer:
             options.server.host,
             options.server.metrics_port,
             options.server.metrics_port_file,
+            fallback=options.server.metrics_port_fallback,
         )
         if options.server.port_file is not None:
             write_port_file(options.server.port_file, port)

@@ -23,7 +23,9 @@ def test_notes_show_how_to_send_a_first_request() -> None:
     forward = f"kubectl --namespace {NAMESPACE} port-forward svc/{FULLNAME}-router 50050:50050"
     assert forward in notes
     assert "--api-key" not in notes
-    assert "planned" in notes  # the HTTP port is reserved, not served
+    assert "planned" not in notes and "not served" not in notes  # HTTP is served
+    http = f"kubectl --namespace {NAMESPACE} port-forward svc/{FULLNAME}-router 8000:8000"
+    assert http in notes and "curl http://127.0.0.1:8000/v1/models" in notes
 
 
 def test_notes_mention_the_api_key_when_auth_is_on() -> None:

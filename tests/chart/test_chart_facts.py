@@ -344,9 +344,13 @@ def test_network_policy_lets_only_the_router_in_from_outside() -> None:
     router_policy = rendered.get("NetworkPolicy", f"{FULLNAME}-router")
     assert router_policy["spec"]["podSelector"]["matchLabels"][
         "app.kubernetes.io/component"] == "router"
-    (rule,) = router_policy["spec"]["ingress"]
+    rule, scrapers = router_policy["spec"]["ingress"]
     assert {p["port"] for p in rule["ports"]} == {"grpc", "http"}
     assert "from" not in rule  # open to any client (networkPolicy.routerFrom narrows it)
+    # Metrics are on by default: their port is open to networkPolicy.metricsFrom only.
+    assert [p["port"] for p in scrapers["ports"]] == ["metrics"]
+    assert scrapers["from"] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]
 
     internal = rendered.get("NetworkPolicy", f"{FULLNAME}-internal")
     selector = internal["spec"]["podSelector"]
@@ -355,8 +359,9 @@ def test_network_policy_lets_only_the_router_in_from_outside() -> None:
     assert selector["matchExpressions"] == [
         {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["router"]}]
     assert internal["spec"]["policyTypes"] == ["Ingress"]
-    (only_rule,) = internal["spec"]["ingress"]
+    only_rule, internal_scrapers = internal["spec"]["ingress"]
     assert only_rule == {"from": [{"podSelector": {"matchLabels": selector["matchLabels"]}}]}
+    assert internal_scrapers == scrapers
     # Every non-router pod of the release is covered by the internal policy.
     for workload in rendered.pod_workloads():
         labels = workload["spec"]["template"]["metadata"]["labels"]

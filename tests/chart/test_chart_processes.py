@@ -52,6 +52,8 @@ def _values(model_dir: Path, ports: dict[str, int]) -> dict[str, Any]:
         "engine": {"port": ports["engine"], "threads": 1, "numKvBlocks": 64, "maxNumSeqs": 4},
         "redis": {"port": ports["redis"]},
         "auth": {"enabled": True, "apiKeys": {"keys": {API_KEY: "chart"}}},
+        # Pods share metrics.port; on one host only one process could bind it.
+        "metrics": {"enabled": False},
     }
 
 

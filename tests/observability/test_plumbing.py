@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import logging
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvfleet.logs import JsonFormatter, request_context
 from kvfleet.metrics import start_metrics_endpoint
-from kvfleet.options import ServerOptions, add_server_arguments
+from kvfleet.options import DEFAULT_METRICS_PORT, ServerOptions, add_server_arguments
 
 
 def parse(argv: list[str]) -> ServerOptions:
@@ -28,11 +29,15 @@ def test_metrics_and_log_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
     monkeypatch.delenv("KVFLEET_LOG_LEVEL", raising=False)
     monkeypatch.delenv("KVFLEET_LOG_FORMAT", raising=False)
     options = parse([])
-    assert options.metrics_port is None and options.metrics_port_file is None
+    # On by default, like vLLM's /metrics; a taken default port falls back to a free one.
+    assert options.metrics_port == DEFAULT_METRICS_PORT and options.metrics_port_fallback
+    assert options.metrics_port_file is None
     assert (options.log_level, options.log_format) == ("INFO", "text")
+    assert parse(["--no-metrics"]).metrics_port is None
     options = parse(["--metrics-port", "0", "--metrics-port-file", str(tmp_path / "m"),
                      "--log-format", "json", "--log-level", "DEBUG"])
     assert options.metrics_port == 0 and options.metrics_port_file == tmp_path / "m"
+    assert not options.metrics_port_fallback  # asked for: a busy port is an error
     assert (options.log_level, options.log_format) == ("DEBUG", "json")
     monkeypatch.setenv("KVFLEET_LOG_LEVEL", "warning")
     monkeypatch.setenv("KVFLEET_LOG_FORMAT", "json")
@@ -84,3 +89,19 @@ def test_metrics_endpoint_on_a_free_port(tmp_path: Path) -> None:
             assert "kvfleet:test_things_total 3.0" in response.read().decode()
     finally:
         endpoint.close()
+
+
+def test_a_busy_default_metrics_port_falls_back_but_a_chosen_one_fails() -> None:
+    registry = CollectorRegistry()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError):
+            start_metrics_endpoint(registry, "127.0.0.1", port)
+        endpoint = start_metrics_endpoint(registry, "127.0.0.1", port, fallback=True)
+        assert endpoint is not None
+        try:
+            assert endpoint.port not in (0, port)
+        finally:
+            endpoint.close()

@@ -1,4 +1,5 @@
-"""`kvfleet` end to end: `demo` (what `make run` runs), `client`, Ctrl-C, no orphans.
+"""`kvfleet` end to end: `demo` (what `make run` runs), `client`, Ctrl-C, no orphans; `up`
+with its defaults (metrics on, logs kept under the cache dir) and `logs`.
 
 One local fleet (1 engine, tiny model) started by the real command in its own session, so
 Ctrl-C is simulated exactly as a terminal sends it: SIGINT to the whole process group.
@@ -18,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.cli import DEMO_PROMPTS, build_parser, http_port_or_free, main
 from tests.services.router_fleet import child_pids, pid_alive, wait_until
@@ -125,3 +127,43 @@ def test_busy_http_port_falls_back_to_a_free_one() -> None:
         assert http_port_or_free("127.0.0.1", port) == 0
     assert http_port_or_free("127.0.0.1", port) == port  # free again
     assert http_port_or_free("127.0.0.1", 0) == 0
+
+
+def test_up_prints_a_metrics_url_per_service_and_keeps_its_logs(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    env = {**os.environ, "KVFLEET_CACHE_DIR": str(cache)}
+    command = [sys.executable, "-m", "kvfleet.cli", "up", "--engines", "1",
+               "--model", str(tiny_model_dir), "--http-port", "0", "--engine-threads", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True, env=env)
+    try:
+        lines = read_until(process, "press Ctrl-C", 180)
+        urls = dict(line.split()[1:3] for line in lines if line.startswith("metrics: "))
+        assert set(urls) == {"router", "tokenizer", "engine-0"}, "\n".join(lines)
+        expected = {"router": "kvfleet:router_requests", "tokenizer": "kvfleet:tokenizer_requests",
+                    "engine-0": "kvfleet:num_requests_running"}
+        for service, url in urls.items():
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                assert reply.status == 200
+                names = {f.name for f in text_string_to_metric_families(reply.read().decode())}
+            assert expected[service] in names, (service, sorted(names))
+
+        log_line = next(line for line in lines if line.startswith("logs: "))
+        log_dir = Path(log_line.split()[1])
+        assert log_dir.parent == cache / "logs" and (cache / "logs" / "latest").resolve() == \
+            log_dir.resolve()
+        assert {"router.log", "tokenizer.log", "engine-0.log"} <= {
+            p.name for p in log_dir.iterdir()}
+        shown = subprocess.run([sys.executable, "-m", "kvfleet.cli", "logs", "router"],
+                               capture_output=True, text=True, timeout=60, env=env)
+        assert shown.returncode == 0 and "OpenAI API on http://" in shown.stdout, shown
+        assert str(log_dir) in shown.stderr
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(60) == 0
+        assert log_dir.is_dir()  # kept after the fleet stopped
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
