@@ -1,11 +1,10 @@
 """API keys -> tenants: who is calling, and therefore whose prefix cache a request may use.
 
 Role: the tenant is the request's `cache_salt`, so tenants never share KV blocks (a prefix hit
-across tenants would leak another tenant's prompt through timing). Keys come from a file
-parsed once at start (`load_api_keys`); a request presents its key in gRPC metadata as
-`authorization: Bearer KEY` or `x-api-key: KEY`.
-
-Key file (JSON, or YAML when the name ends in .yaml/.yml), either or both sections:
+across tenants would leak another tenant's prompt through timing). A request presents its
+key in gRPC metadata as `authorization: Bearer KEY` or `x-api-key: KEY`. Keys come from the
+tenant policy file (`router.tenant_policy`, docs/tenants.md); its simplest form is the key
+file, either or both sections:
 
     {"tenants": {"acme": ["sk-acme-1", "sk-acme-2"]}, "keys": {"sk-solo": "solo"}}
 
@@ -20,11 +19,9 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 ANONYMOUS_TENANT = "anonymous"
 BEARER_PREFIX = "bearer "
@@ -83,48 +80,7 @@ def api_key_from_metadata(metadata: Iterable[tuple[str, str | bytes]]) -> str | 
 
 
 def load_api_keys(path: str | Path) -> Authenticator:
-    """Parse a key file (module docstring); ValueError says what is wrong with it."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    data = _parse(text, path)
-    if not isinstance(data, dict) or not ({"tenants", "keys"} & data.keys()):
-        raise ValueError(f"{path}: expected a mapping with 'tenants' and/or 'keys'")
-    keys: dict[str, str] = {}
-    for tenant, tenant_keys in _mapping(data.get("tenants"), path, "tenants").items():
-        if not isinstance(tenant_keys, list) or not tenant_keys:
-            raise ValueError(f"{path}: tenants.{tenant} must be a non-empty list of keys")
-        for key in tenant_keys:
-            _add_key(keys, key, str(tenant), path)
-    for key, tenant in _mapping(data.get("keys"), path, "keys").items():
-        _add_key(keys, key, tenant, path)
-    return Authenticator.from_keys(keys)
+    """The keys of a key or policy file (`router.tenant_policy`); ValueError says what is wrong."""
+    from router.tenant_policy import load_policy  # the policy module builds on this one
 
-
-def _parse(text: str, path: Path) -> Any:
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml  # only key files in YAML need PyYAML
-
-        return yaml.safe_load(text)
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON: {e}") from e
-
-
-def _mapping(value: Any, path: Path, name: str) -> dict[Any, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: '{name}' must be a mapping")
-    return value
-
-
-def _add_key(keys: dict[str, str], key: Any, tenant: Any, path: Path) -> None:
-    if not isinstance(key, str) or not key.strip():
-        raise ValueError(f"{path}: API keys must be non-empty strings")
-    if not isinstance(tenant, str) or not tenant:
-        raise ValueError(f"{path}: the tenant of a key must be a non-empty string")
-    key = key.strip()
-    if keys.get(key, tenant) != tenant:
-        raise ValueError(f"{path}: a key is listed for two tenants ({keys[key]}, {tenant})")
-    keys[key] = tenant
+    return load_policy(path).auth

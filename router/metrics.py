@@ -16,6 +16,16 @@ Names (counters get `_total` in the exposition, histograms `_bucket/_sum/_count`
   router busy for --redis-pool-timeout (Redis is up; that one decision went without it).
 - kvfleet:router_engine_load_polls{outcome}: GetLoad calls while routing without Redis, by
   outcome: ok, timeout (a busy engine, still routed to), unavailable (suspect), error.
+- kvfleet:router_rate_limited{tenant,limit}: requests refused (HTTP 429 / RESOURCE_EXHAUSTED)
+  because the tenant was over a limit: requests, tokens or concurrency.
+- kvfleet:router_rate_limit_fallbacks: admissions decided by this replica alone (limit /
+  replicas) because Redis was unreachable.
+- kvfleet:router_policy_reloads{outcome}: tenant policy file reloads, ok or error (the
+  previous policy stays in force).
+
+Tenant names appear only in the `tenant` labels, and only on the metrics port
+(--metrics-port, for scrapers); the HTTP API's /metrics leaves every tenant-labelled
+series out (`router.http_extras`).
 """
 
 from __future__ import annotations
@@ -100,6 +110,20 @@ class RouterMetrics:
         )
         self.load_polls = Counter(
             f"{PREFIX}_engine_load_polls", "GetLoad calls while routing without Redis",
+            ["outcome"], registry=r,
+        )
+
+        self.rate_limited = Counter(
+            f"{PREFIX}_rate_limited", "Requests refused because the tenant was over a limit",
+            ["tenant", "limit"], registry=r,
+        )
+        self.rate_limit_fallbacks = Counter(
+            f"{PREFIX}_rate_limit_fallbacks",
+            "Rate-limit admissions decided per replica because Redis was unreachable",
+            registry=r,
+        )
+        self.policy_reloads = Counter(
+            f"{PREFIX}_policy_reloads", "Tenant policy file reloads by outcome",
             ["outcome"], registry=r,
         )
 
