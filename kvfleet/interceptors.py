@@ -150,7 +150,9 @@ async def _map_errors(method: str, context: grpc.aio.ServicerContext) -> AsyncIt
             logger.exception("unexpected error in %s", method)
         else:
             logger.debug("%s failed with %s: %s", method, code.name, message)
-        await context.abort(code, message)
+        # E.g. a rate-limit refusal's retry-after and RetryInfo detail.
+        trailing = getattr(exc, "grpc_trailing_metadata", None)
+        await context.abort(code, message, trailing_metadata=trailing() if trailing else ())
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler, method: str, scope: RpcScope) -> Any:

@@ -10,8 +10,10 @@ answer in OpenAI's JSON or SSE chunk format (`openai_format`).
 Invariants:
 - Errors are OpenAI error JSON, {"error": {"message", "type", "param", "code"}}, with
   400 (bad request, `param` naming the field), 401 (API key), 404 (unknown model or
-  route), 408 / 413 (body too slow / too large, `router.http_body`), 429 (overloaded),
-  503 (no engine); see `router.http_errors`.
+  route), 408 / 413 (body too slow / too large, `router.http_body`), 429 (overloaded, or
+  the tenant over a rate limit: then with `Retry-After` and OpenAI's `x-ratelimit-*`
+  headers), 503 (no engine); see `router.http_errors`. An admitted request of a
+  rate-limited tenant carries the `x-ratelimit-*` headers too.
 - Every prompt of a request is checked (`router.limits`, sampling rules) before any of
   them is tokenized or routed.
 - A streamed response starts only once the first token exists, so every failure before
@@ -29,7 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -40,7 +42,7 @@ from starlette.background import BackgroundTask
 from kvfleet.logs import set_tenant
 from kvfleet.tracing import tracer
 from kvfleet.v1 import router_pb2
-from router.auth import AuthenticationError, Authenticator
+from router.auth import AuthenticationError
 from router.http_body import BodyReader, decode_json
 from router.http_errors import error_body, error_response, install_handlers, status_of
 from router.http_extras import ServingExtras, kvfleet_version
@@ -51,6 +53,10 @@ from router.openai_protocol import ChatCompletionRequest, CompletionRequest, par
 from router.openai_stream import StreamRenderer
 from router.openapi_doc import install_openapi
 from router.pipeline import GenerationPipeline
+from router.policy_reload import PolicyStore
+from router.rate_limit_types import Admission, RateLimitedError
+from router.tenant_policy import Tenant
+from router.tenant_rules import check_choices
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +65,8 @@ __all__ = ["OpenAIApi", "status_of"]
 Tagged = tuple[int, router_pb2.RouterGenerateResponse]
 Body = CompletionRequest | ChatCompletionRequest
 T = TypeVar("T")
-# What a request that has its first message carries on to the response.
-Started = tuple[StreamRenderer, Tagged, AsyncGenerator[Tagged, None]]
+# What a request that has its first message carries on to the response (and its headers).
+Started = tuple[StreamRenderer, Tagged, AsyncGenerator[Tagged, None], dict[str, str]]
 
 
 class ClientDisconnected(Exception):
@@ -69,10 +75,10 @@ class ClientDisconnected(Exception):
 
 class OpenAIApi:
     def __init__(
-        self, pipeline: GenerationPipeline, auth: Authenticator, metrics: RouterMetrics
+        self, pipeline: GenerationPipeline, policies: PolicyStore, metrics: RouterMetrics
     ) -> None:
         self._pipeline = pipeline
-        self._auth = auth
+        self._policies = policies
         self._metrics = metrics
 
     def app(self) -> FastAPI:
@@ -88,7 +94,7 @@ class OpenAIApi:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        ServingExtras(self._pipeline, self._auth, self._metrics).install(app)
+        ServingExtras(self._pipeline, self._policies, self._metrics).install(app)
         install_openapi(app)
         return app
 
@@ -121,13 +127,14 @@ class OpenAIApi:
         )
         with span_cm as span:
             try:
-                tenant = self._tenant(request)
+                who = self._tenant(request)
+                tenant = who.name
                 set_tenant(tenant)
                 body = parse_body(cls, decode_json(await request.body()),
                                   self._pipeline.limits)
-                router_requests = self._checked(body)
+                router_requests = self._checked(body, who)
                 started = await until_disconnected(
-                    request, self._start(body, router_requests, tenant, kind)
+                    request, self._start(body, router_requests, who, kind)
                 )
             except ClientDisconnected:
                 span.end()
@@ -136,38 +143,46 @@ class OpenAIApi:
             except Exception as exc:
                 span.end()
                 return self._failed(tenant, exc)
-        renderer, first, stream = started
+        renderer, first, stream, headers = started
         if body.stream:
             # The background task closes the stream even if the response never iterated
             # it (the client left as the first message arrived).
             return StreamingResponse(
                 self._sse(span, renderer, first, stream, body.include_usage, tenant),
                 media_type="text/event-stream", background=BackgroundTask(stream.aclose),
+                headers=headers,
             )
         with trace.use_span(span, end_on_exit=True):
-            return await self._whole(request, renderer, first, stream, tenant)
+            response = await self._whole(request, renderer, first, stream, tenant)
+            if response.status_code == 200:
+                response.headers.update(headers)
+            return response
 
-    def _checked(self, body: Body) -> list[router_pb2.RouterGenerateRequest]:
+    def _checked(self, body: Body, tenant: Tenant) -> list[router_pb2.RouterGenerateRequest]:
         """The body's router requests, every one checked before any is started."""
         requests = body.to_router_requests()
         self._pipeline.limits.check_choices(body.n, len(requests))
+        check_choices(tenant, body.n, len(requests))
         for request in requests:
             self._pipeline.check(request)
         return requests
 
     async def _start(
-        self, body: Body, requests: Sequence[router_pb2.RouterGenerateRequest], tenant: str,
+        self, body: Body, requests: Sequence[router_pb2.RouterGenerateRequest], tenant: Tenant,
         kind: str,
     ) -> Started:
         """Run the prompts up to their first message (tokenize, route, queue, prefill)."""
         model = await self._model(body.model)
         echo = await self._echo_texts(body, requests)
-        stream = _run_prompts(self._pipeline, requests, tenant)
+        admissions: list[Admission] = []
+        stream = _run_prompts(self._pipeline, requests, tenant, admissions.append)
         first = await anext(stream)
+        # The latest verdict has the freshest remaining counts.
+        headers = admissions[-1].headers() if admissions else {}
         choices = Choices(n=body.n, kind=kind, logprobs=_wants_logprobs(body))
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         renderer = StreamRenderer(choices, *new_id(prefix), model, echo)
-        return renderer, first, stream
+        return renderer, first, stream, headers
 
     async def _whole(
         self, request: Request, renderer: StreamRenderer, first: Tagged,
@@ -217,8 +232,8 @@ class OpenAIApi:
                 self._count(tenant, code)
             yield "data: [DONE]\n\n"
 
-    def _tenant(self, request: Request) -> str:
-        return self._auth.tenant_for(list(request.headers.items()))
+    def _tenant(self, request: Request) -> Tenant:
+        return self._policies.current.identify(list(request.headers.items()))
 
     async def _model(self, requested: str | None) -> str:
         """The model name to answer with; routing answers 404 for one no engine serves."""
@@ -247,7 +262,8 @@ class OpenAIApi:
     def _failed(self, tenant: str, exc: BaseException) -> JSONResponse:
         status, message, param = status_of(exc)
         self._count(tenant, str(status))
-        return error_response(status, message, param)
+        headers = exc.headers if isinstance(exc, RateLimitedError) else None
+        return error_response(status, message, param, headers)
 
     def _count(self, tenant: str, code: str) -> None:
         self._metrics.http_requests.labels(tenant, code).inc()
@@ -255,10 +271,12 @@ class OpenAIApi:
 
 def _run_prompts(
     pipeline: GenerationPipeline, requests: Sequence[router_pb2.RouterGenerateRequest],
-    tenant: str,
+    tenant: Tenant, on_admitted: Callable[[Admission], None],
 ) -> AsyncGenerator[Tagged, None]:
     """Every prompt's messages, tagged with the prompt's index, in arrival order."""
-    return merge_tagged([pipeline.generate(request, tenant) for request in requests])
+    return merge_tagged(
+        [pipeline.generate(request, tenant, on_admitted) for request in requests]
+    )
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:

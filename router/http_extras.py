@@ -9,27 +9,32 @@ service, so /tokenize returns exactly the ids a completion or chat request is ro
 Invariants:
 - /tokenize and /detokenize take the API key like /v1/* when the router has a key file
   (vLLM leaves them open; here they spend the shared tokenizer service's time).
-- /metrics answers 200 in place (a mounted app would redirect /metrics to /metrics/).
+- /metrics answers 200 in place (a mounted app would redirect /metrics to /metrics/) and
+  leaves out every series with a `tenant` label: this port faces API clients, who must not
+  learn other tenants' names; scrapers read the whole registry on the metrics port.
 - Errors are OpenAI error JSON (`router.http_errors`): 400 naming the field, 401, 404 for a
   model no engine serves, 503 when no engine is live (no max_model_len to report).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
+from collections.abc import Iterator
 
 import grpc
 import grpc.aio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from kvfleet.errors import InvalidFieldError, NotFoundError, UnavailableError
-from router.auth import Authenticator
 from router.http_body import decode_json
 from router.http_errors import error_response, status_of
 from router.metrics import RouterMetrics
 from router.pipeline import GenerationPipeline
+from router.policy_reload import PolicyStore
 from router.tokenize_protocol import (
     DetokenizeResponse,
     TokenizeResponse,
@@ -39,6 +44,7 @@ from router.tokenize_protocol import (
 )
 
 DISTRIBUTION = "kvfleet"
+TENANT_LABEL = "tenant"
 
 
 def kvfleet_version() -> str:
@@ -50,10 +56,10 @@ def kvfleet_version() -> str:
 
 class ServingExtras:
     def __init__(
-        self, pipeline: GenerationPipeline, auth: Authenticator, metrics: RouterMetrics
+        self, pipeline: GenerationPipeline, policies: PolicyStore, metrics: RouterMetrics
     ) -> None:
         self._pipeline = pipeline
-        self._auth = auth
+        self._policies = policies
         self._metrics = metrics
 
     def install(self, app: FastAPI) -> None:
@@ -71,11 +77,12 @@ class ServingExtras:
         return JSONResponse(VersionResponse(version=kvfleet_version()).model_dump())
 
     async def prometheus(self) -> Response:
-        return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(WithoutTenantLabels(self._metrics.registry))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            self._auth.tenant_for(list(request.headers.items()))
+            self._policies.current.identify(list(request.headers.items()))
             body = parse_tokenize(decode_json(await request.body()), self._pipeline.limits)
             max_model_len = await self._context_len(body.model)
             response = await self._pipeline.tokenizer.tokenize_raw(body.tokenizer_request())
@@ -88,7 +95,7 @@ class ServingExtras:
 
     async def detokenize(self, request: Request) -> Response:
         try:
-            self._auth.tenant_for(list(request.headers.items()))
+            self._policies.current.identify(list(request.headers.items()))
             body = parse_detokenize(decode_json(await request.body()))
             await self._context_len(body.model)
             # Special tokens kept, as vLLM does: detokenize(tokenize(x)) gives x back.
@@ -118,6 +125,20 @@ class ServingExtras:
         if model not in lens:
             raise NotFoundError(f"The model `{model}` does not exist; served: {', '.join(lens)}")
         return lens[model]
+
+
+class WithoutTenantLabels:
+    """A view of a registry without the samples that carry a `tenant` label."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._registry.collect():
+            if any(TENANT_LABEL in sample.labels for sample in metric.samples):
+                metric = copy.copy(metric)
+                metric.samples = [s for s in metric.samples if TENANT_LABEL not in s.labels]
+            yield metric
 
 
 def _failed(exc: BaseException) -> JSONResponse:

@@ -144,7 +144,7 @@ class _SamplingBody(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
-    priority: int = Field(0, ge=-INT32, lt=INT32)
+    priority: int | None = Field(None, ge=-INT32, lt=INT32)
     request_id: str | None = None
 
     def check_common(self) -> None:
@@ -391,7 +391,7 @@ def _router_request(
     return router_pb2.RouterGenerateRequest(
         sampling_params=params,
         model=_utf8(body.model or "", "model"),
-        priority=body.priority,
+        priority=body.priority,  # None leaves it unset: the tenant's default
         request_id=_utf8(body.request_id or "", "request_id"),
     )
 

@@ -15,7 +15,12 @@ Invariants:
   engine chosen for the first one. The siblings are sent once the first has produced its
   first token, so the prompt's full blocks are in that engine's prefix cache and they share
   them; each sample streams with its `index` and ends with its own final message.
-- The tenant is every engine request's `cache_salt`, so tenants never share cached blocks.
+- The tenant is every engine request's `cache_salt`, so tenants never share cached blocks,
+  and its `tenant` with its fair-share weight. Its policy (`router.tenant_rules`) settles the
+  model, priority, max_tokens and choices before tokenizing; its rate limits
+  (`router.rate_limit`) are checked once the prompt is tokenized, before routing: over a
+  limit raises `RateLimitedError` (429 / RESOURCE_EXHAUSTED). The generated tokens are
+  charged when the request ends, however it ends.
 - An engine's silence is bounded (`forward.StreamDeadlines`): a stall before the first
   token moves the request to the next engine, after it ends the stream with UNAVAILABLE.
 - Whatever way the stream ends (finished, stop string, client cancel, error), every engine
@@ -30,8 +35,9 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 
@@ -49,8 +55,12 @@ from router.limits import RequestLimits
 from router.merge import merge_tagged
 from router.metrics import RouterMetrics
 from router.policy import EngineView
+from router.rate_limit import TenantRateLimiter
+from router.rate_limit_types import Admission, RateLimitedError
 from router.relay import ResponseRelay
 from router.routing import Decision, EngineSelector
+from router.tenant_policy import Tenant
+from router.tenant_rules import TenantRules
 from router.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)
@@ -59,6 +69,15 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_ID_LEN = 200
 # Engines tried per request (the first choice plus retries before the first token).
 DEFAULT_MAX_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class _EngineFields:
+    """What the tenant's policy sets in every engine request of one client request."""
+
+    priority: int
+    max_tokens: int | None
+    weight: float
 
 
 @dataclass(frozen=True)
@@ -77,8 +96,10 @@ class GenerationPipeline:
         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         deadlines: StreamDeadlines | None = None,
         limits: RequestLimits | None = None,
+        rate_limiter: TenantRateLimiter | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.rate_limiter = rate_limiter
         self.selector = selector
         self.limits = limits if limits is not None else RequestLimits()
         self._pool = pool
@@ -94,31 +115,71 @@ class GenerationPipeline:
         return params
 
     async def generate(
-        self, request: router_pb2.RouterGenerateRequest, tenant: str
+        self, request: router_pb2.RouterGenerateRequest, tenant: Tenant,
+        on_admitted: Callable[[Admission], None] | None = None,
     ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
-        """Stream the response messages of every sample; raises for a bad request."""
-        span = trace.get_current_span()
+        """Stream the response messages of every sample; raises for a bad request.
+
+        `on_admitted` receives the rate-limit verdict of an admitted request (its headers).
+        """
         params = self.check(request)
+        rules = TenantRules.of(request, tenant, params)
+        prompt_ids = await self._tokenize(request, tenant.name)
+        admission = await self._admit(tenant, len(prompt_ids))
+        if on_admitted is not None:
+            on_admitted(admission)
+        generated = [0]
+        try:
+            async with contextlib.aclosing(
+                self._generate(request, tenant, params, rules, prompt_ids, generated)
+            ) as stream:
+                async for response in stream:
+                    yield response
+        finally:
+            if self.rate_limiter is not None and admission.backend != "none":
+                # A task: the charge must happen even when this generator is being cancelled.
+                _spawn(self.rate_limiter.finish(tenant, admission, generated[0]))
+
+    async def _tokenize(self, request: router_pb2.RouterGenerateRequest, tenant: str) -> list[int]:
+        span = trace.get_current_span()
+        span.set_attribute("kvfleet.tenant", tenant)
+        with tracer().start_as_current_span("tokenize"):
+            prompt_ids = await self.prompt_ids(request)
+        prompt_param = "messages" if request.WhichOneof("input") == "messages" else "prompt"
+        self.limits.check_prompt_tokens(len(prompt_ids), prompt_param)
+        return prompt_ids
+
+    async def _admit(self, tenant: Tenant, num_prompt_tokens: int) -> Admission:
+        if self.rate_limiter is None:
+            return Admission(True)
+        admission = await self.rate_limiter.admit(tenant, num_prompt_tokens)
+        if not admission.allowed:
+            raise RateLimitedError(tenant.name, admission)
+        return admission
+
+    async def _generate(
+        self, request: router_pb2.RouterGenerateRequest, tenant: Tenant, params: SamplingParams,
+        rules: TenantRules, prompt_ids: list[int], generated: list[int],
+    ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
+        span = trace.get_current_span()
         request_id = request.request_id or uuid.uuid4().hex
         set_request_id(request_id)
         # Client ids need only be unique per client; engines need them unique per engine.
         engine_request_id = (
             f"{request_id}-{uuid.uuid4().hex[:12]}" if request.request_id else request_id
         )
-        span.set_attribute("kvfleet.tenant", tenant)
         span.set_attribute("gen_ai.request.id", request_id)
-        with tracer().start_as_current_span("tokenize"):
-            prompt_ids = await self.prompt_ids(request)
         prompt_param = "messages" if request.WhichOneof("input") == "messages" else "prompt"
-        self.limits.check_prompt_tokens(len(prompt_ids), prompt_param)
         largest = self._windows.largest_known()  # before hashing a prompt that cannot fit
         if largest is not None:
             check_fits(len(prompt_ids), params.max_tokens, largest, prompt_param)
-        decision = await self._route(prompt_ids, tenant, request.model, request_id)
+        decision = await self._route(prompt_ids, tenant.name, rules.model, request_id)
         max_model_len = await self._windows.max_model_len(decision.ranking[0])
         if max_model_len is not None:
             check_fits(len(prompt_ids), params.max_tokens, max_model_len, prompt_param)
-        samples = _samples(request, prompt_ids, params, engine_request_id, tenant)
+        max_tokens = rules.max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
+        samples = _samples(request, prompt_ids, params, engine_request_id, tenant.name,
+                           _EngineFields(rules.priority, max_tokens, tenant.limits.weight))
         streams: list[EngineStream] = []
         try:
             streams.append(
@@ -147,6 +208,7 @@ class GenerationPipeline:
                 async for index, response in merged:
                     response.index = index
                     if response.HasField("finish_reason"):
+                        generated[0] += response.usage.completion_tokens
                         self._on_finished(span, chosen.engine_id, predicted, response)
                     yield response
         finally:
@@ -192,6 +254,16 @@ class GenerationPipeline:
             span.set_attribute("gen_ai.response.finish_reasons", [response.finish_reason])
 
 
+_BACKGROUND: set[asyncio.Task[None]] = set()
+
+
+def _spawn(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` to completion in the background (kept referenced until it is done)."""
+    task = asyncio.ensure_future(work)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
 def validate_request(request: router_pb2.RouterGenerateRequest) -> SamplingParams:
     """The request's sampling parameters; ValueError naming the field for a bad request."""
     if request.WhichOneof("input") is None:
@@ -207,12 +279,15 @@ def _samples(
     params: SamplingParams,
     engine_request_id: str,
     tenant: str,
+    fields: _EngineFields,
 ) -> list[_Sample]:
     samples = []
     for index in range(params.n):
         sampling = common_pb2.SamplingParams()
         sampling.CopyFrom(request.sampling_params)
         sampling.ClearField("n")
+        if fields.max_tokens is not None:
+            sampling.max_tokens = fields.max_tokens
         request_id = engine_request_id
         if params.n > 1:
             request_id = child_request_id(engine_request_id, index)
@@ -223,8 +298,10 @@ def _samples(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             sampling_params=sampling,
-            priority=request.priority,
+            priority=fields.priority,
             cache_salt=tenant,
+            tenant=tenant,
+            fair_share_weight=fields.weight,
         )))
     return samples
 

@@ -2,7 +2,8 @@
 `python -m router.server ...`).
 
 Role: process entry point. Parses arguments once into `RouterConfig`, builds the servicer
-(auth, tokenizer client, Redis prefix index, engine discovery, engine pool, selector) on a
+(tenant policy store, rate limiter, tokenizer client, Redis prefix index, engine discovery,
+engine pool, selector) on a
 `kvfleet.grpc_server.GrpcServer` (health, reflection, error mapping, graceful drain) and
 serves until SIGTERM/SIGINT; exits 0 after a graceful shutdown.
 
@@ -27,7 +28,6 @@ from kvfleet.grpc_server import GrpcServer, write_port_file
 from kvfleet.metrics import start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
 from kvfleet.tracing import init_tracing
-from router.auth import Authenticator, load_api_keys
 from router.engine_discovery import DEFAULT_DNS_REFRESH_S, DiscoveryConfig, EngineDiscovery
 from router.engine_pool import EnginePool
 from router.forward import StreamDeadlines
@@ -37,9 +37,12 @@ from router.limits import RequestLimits, add_limit_arguments
 from router.metrics import RouterMetrics
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.policy import Policy, PrefixPolicyConfig
+from router.policy_reload import DEFAULT_RELOAD_INTERVAL_S, PolicyStore
 from router.prefix_index import PrefixIndex, PrefixIndexConfig
+from router.rate_limit import RateLimitConfig, TenantRateLimiter
 from router.routing import EngineSelector, RoutingConfig
 from router.servicer import RouterServicer
+from router.tenant_policy import TenantPolicy, load_policy
 from router.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,9 @@ class RouterConfig:
     index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Seconds between checks of the tenant policy file for changes (0: never reload).
+    policy_reload_s: float = DEFAULT_RELOAD_INTERVAL_S
+    rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -83,6 +89,8 @@ class RouterConfig:
                 args.engines, args.engine_dns, args.engine_dns_refresh
             ),
             limits=RequestLimits.from_args(args),
+            policy_reload_s=args.policy_reload_interval,
+            rate_limits=RateLimitConfig(redis_url=args.redis_url, replicas=args.router_replicas),
         )
 
 
@@ -108,17 +116,20 @@ class RouterApp:
     index: PrefixIndex | None
     metrics: RouterMetrics
     http: OpenAIApi
+    policies: PolicyStore
+    rate_limiter: TenantRateLimiter
 
     async def close(self) -> None:
+        await self.rate_limiter.close()
         await self.pool.close()
         await self.tokenizer.close()
         if self.index is not None:
             await self.index.close()
 
 
-def load_authenticator(config: RouterConfig) -> Authenticator:
-    """The key file's authenticator, or auth off; ValueError/OSError for a bad file."""
-    return load_api_keys(config.api_keys_path) if config.api_keys_path else Authenticator()
+def load_tenant_policy(config: RouterConfig) -> TenantPolicy:
+    """The policy file's policy, or auth off and no limits; ValueError for a bad file."""
+    return load_policy(config.api_keys_path) if config.api_keys_path else TenantPolicy()
 
 
 def build_router(
@@ -126,27 +137,32 @@ def build_router(
     host: str = "0.0.0.0",
     port: int = 0,
     grace_s: float = 30.0,
-    auth: Authenticator | None = None,
+    policy: TenantPolicy | None = None,
     registry: CollectorRegistry | None = None,
 ) -> RouterApp:
     """Everything a router needs, wired; call inside the event loop that will serve it.
 
     Metrics go to `registry` (a private one when None); see router.metrics.
     """
-    auth = auth if auth is not None else load_authenticator(config)
+    policy = policy if policy is not None else load_tenant_policy(config)
     tokenizer = TokenizerClient(config.tokenizer_address)
     index = PrefixIndex(config.redis_url, config.index) if config.redis_url else None
     metrics = RouterMetrics(registry)
+    policies = PolicyStore(
+        policy, config.api_keys_path, config.policy_reload_s,
+        on_reload=lambda outcome: metrics.policy_reloads.labels(outcome).inc(),
+    )
+    rate_limiter = TenantRateLimiter(config.rate_limits, metrics)
     pool = EnginePool(metrics=metrics)
     discovery = EngineDiscovery(config.discovery) if config.discovery.enabled else None
     selector = EngineSelector(config.routing, index, pool, metrics, discovery)
     pipeline = GenerationPipeline(
         tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines,
-        config.limits,
+        config.limits, rate_limiter,
     )
-    servicer = RouterServicer(auth, pipeline, metrics)
+    servicer = RouterServicer(policies, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
-    http = OpenAIApi(pipeline, auth, metrics)
+    http = OpenAIApi(pipeline, policies, metrics)
     logger.info(
         "router: policy %s, tokenizer %s, redis %s, engines without redis %s, auth %s",
         config.routing.policy.value,
@@ -155,18 +171,21 @@ def build_router(
         ", ".join([*config.discovery.static_addresses,
                    *([f"dns {config.discovery.dns}"] if config.discovery.dns else [])])
         or "the last ones redis named",
-        f"on ({auth.num_keys} keys)" if auth.enabled else "off (tenant 'anonymous')",
+        f"on ({policy.auth.num_keys} keys)" if policy.auth.enabled
+        else "off (tenant 'anonymous')",
     )
-    return RouterApp(server, tokenizer, pool, index, metrics, http)
+    return RouterApp(server, tokenizer, pool, index, metrics, http, policies, rate_limiter)
 
 
 async def serve(
-    config: RouterConfig, options: ServerOptions, auth: Authenticator, http: HttpOptions
+    config: RouterConfig, options: ServerOptions, policy: TenantPolicy, http: HttpOptions
 ) -> int:
     """Serve gRPC (and HTTP) until SIGTERM/SIGINT (main thread only); returns the exit code."""
-    app = build_router(config, options.host, options.port, options.grace_s, auth)
+    app = build_router(config, options.host, options.port, options.grace_s, policy)
     endpoint = None
     http_server = None
+    background = [asyncio.create_task(app.policies.run()),
+                  asyncio.create_task(app.rate_limiter.run())]
     try:
         bound_port = await app.server.start()
         endpoint = start_metrics_endpoint(
@@ -185,6 +204,9 @@ async def serve(
             http_server.stop if http_server is not None else None
         )
     finally:
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
         if endpoint is not None:
             endpoint.close()
         await app.close()
@@ -211,8 +233,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--policy", choices=[p.value for p in Policy], default=Policy.PREFIX.value
     )
     parser.add_argument(
-        "--api-keys", type=Path, default=None,
-        help="JSON/YAML file of API keys -> tenants (none: auth off, tenant 'anonymous')",
+        "--tenant-policy", "--api-keys", dest="api_keys", type=Path, default=None,
+        help="JSON/YAML tenant policy: API keys -> tenants and each tenant's limits; a plain "
+             "key file works too (docs/tenants.md; none: auth off, tenant 'anonymous')",
+    )
+    parser.add_argument(
+        "--policy-reload-interval", type=_seconds, default=DEFAULT_RELOAD_INTERVAL_S,
+        help="seconds between checks of the policy file for changes; a bad new version is "
+             "logged and the previous one kept (0: no reload; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--router-replicas", type=int, default=1,
+        help="router replicas sharing the tenants' limits: while Redis is unreachable each "
+             "enforces limit / replicas on its own (default: %(default)s)",
     )
     defaults = PrefixPolicyConfig()
     parser.add_argument("--load-slack-abs", type=int, default=defaults.load_slack_abs,
@@ -272,13 +305,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         config = RouterConfig.from_args(args)
-        auth = load_authenticator(config)  # a bad key file fails at start, not per request
+        policy = load_tenant_policy(config)  # a bad policy fails the start, not a request
     except (ValueError, OSError) as e:
         logger.error("bad configuration: %s", e)
         return 2
     tracing = init_tracing("kvfleet-router")
     try:
-        return asyncio.run(serve(config, options, auth, HttpOptions.from_args(args)))
+        return asyncio.run(serve(config, options, policy, HttpOptions.from_args(args)))
     finally:
         tracing.shutdown()
 

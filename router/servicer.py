@@ -1,12 +1,15 @@
 """RouterServicer: the kvfleet.v1.Router gRPC service (Generate).
 
-Role: authenticate (`auth`, the API key in gRPC metadata) and count; the request itself goes
-through `pipeline.GenerationPipeline`, which the HTTP API shares.
+Role: authenticate (the API key in gRPC metadata, against the current tenant policy of
+`policy_reload.PolicyStore`) and count; the request itself goes through
+`pipeline.GenerationPipeline`, which the HTTP API shares.
 
 Invariants:
 - Errors are raised, not set: ValueError -> INVALID_ARGUMENT, UnavailableError ->
-  UNAVAILABLE, downstream statuses relayed (kvfleet.errors); only UNAUTHENTICATED is set
-  here with `context.abort`, as kvfleet.errors has no exception for it.
+  UNAVAILABLE, a tenant over its limits -> RESOURCE_EXHAUSTED with `retry-after` and a
+  RetryInfo detail (`kvfleet.interceptors`), downstream statuses relayed (kvfleet.errors);
+  only UNAUTHENTICATED is set here with `context.abort`, as kvfleet.errors has no
+  exception for it.
 - A client that goes away closes the pipeline at once, which cancels its engine calls.
 """
 
@@ -22,18 +25,20 @@ from kvfleet.grpc_server import Service
 from kvfleet.logs import set_tenant
 from kvfleet.metrics import status_label
 from kvfleet.v1 import router_pb2, router_pb2_grpc
-from router.auth import AuthenticationError, Authenticator
+from router.auth import AuthenticationError
 from router.metrics import RouterMetrics
 from router.pipeline import GenerationPipeline
+from router.policy_reload import PolicyStore
+from router.tenant_policy import Tenant
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(
-        self, auth: Authenticator, pipeline: GenerationPipeline, metrics: RouterMetrics
+        self, policies: PolicyStore, pipeline: GenerationPipeline, metrics: RouterMetrics
     ) -> None:
-        self._auth = auth
+        self._policies = policies
         self._pipeline = pipeline
         self._metrics = metrics
 
@@ -65,15 +70,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tenant_out: list[str],
     ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
         tenant = await self._authenticate(context)
-        tenant_out[0] = tenant
-        set_tenant(tenant)
+        tenant_out[0] = tenant.name
+        set_tenant(tenant.name)
         async with contextlib.aclosing(self._pipeline.generate(request, tenant)) as stream:
             async for response in stream:
                 yield response
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> str:
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
         try:
-            return self._auth.tenant_for(context.invocation_metadata())
+            return self._policies.current.identify(context.invocation_metadata())
         except AuthenticationError as e:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
             raise  # unreachable: abort raises

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/router.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\xfc\x01\n\x15RouterGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.kvfleet.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05input\"\xa9\x03\n\x16RouterGenerateResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1a\n\rfinish_reason\x18\x03 \x01(\tH\x00\x88\x01\x01\x12+\n\x0bstop_reason\x18\x04 \x01(\x0b\x32\x16.kvfleet.v1.StopReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvfleet.v1.Usage\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x11\n\tengine_id\x18\x07 \x01(\t\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.kvfleet.v1.TokenLogprobs\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\r\n\x05index\x18\n \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r\x12\x32\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x19.kvfleet.v1.TokenLogprobs\x12\x1f\n\x17\x66irst_prompt_token_text\x18\r \x01(\tB\x10\n\x0e_finish_reason2]\n\x06Router\x12S\n\x08Generate\x12!.kvfleet.v1.RouterGenerateRequest\x1a\".kvfleet.v1.RouterGenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/router.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\x8e\x02\n\x15RouterGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\x08messages\x18\x02 \x01(\x0b\x32\x18.kvfleet.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.kvfleet.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x15\n\x08priority\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\tB\x07\n\x05inputB\x0b\n\t_priority\"\xa9\x03\n\x16RouterGenerateResponse\x12\x12\n\ntext_delta\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1a\n\rfinish_reason\x18\x03 \x01(\tH\x00\x88\x01\x01\x12+\n\x0bstop_reason\x18\x04 \x01(\x0b\x32\x16.kvfleet.v1.StopReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvfleet.v1.Usage\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x11\n\tengine_id\x18\x07 \x01(\t\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.kvfleet.v1.TokenLogprobs\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\r\n\x05index\x18\n \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r\x12\x32\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x19.kvfleet.v1.TokenLogprobs\x12\x1f\n\x17\x66irst_prompt_token_text\x18\r \x01(\tB\x10\n\x0e_finish_reason2]\n\x06Router\x12S\n\x08Generate\x12!.kvfleet.v1.RouterGenerateRequest\x1a\".kvfleet.v1.RouterGenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfleet.v1.router_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ROUTERGENERATEREQUEST']._serialized_start=65
-  _globals['_ROUTERGENERATEREQUEST']._serialized_end=317
-  _globals['_ROUTERGENERATERESPONSE']._serialized_start=320
-  _globals['_ROUTERGENERATERESPONSE']._serialized_end=745
-  _globals['_ROUTER']._serialized_start=747
-  _globals['_ROUTER']._serialized_end=840
+  _globals['_ROUTERGENERATEREQUEST']._serialized_end=335
+  _globals['_ROUTERGENERATERESPONSE']._serialized_start=338
+  _globals['_ROUTERGENERATERESPONSE']._serialized_end=763
+  _globals['_ROUTER']._serialized_start=765
+  _globals['_ROUTER']._serialized_end=858
 # @@protoc_insertion_point(module_scope)

@@ -11,12 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.auth import Authenticator
 from router.engine_pool import EnginePool
 from router.http_api import OpenAIApi
 from router.http_server import HttpServer
 from router.metrics import RouterMetrics
 from router.pipeline import GenerationPipeline
+from router.policy_reload import PolicyStore
 from router.routing import EngineSelector, RoutingConfig
 from router.tokenizer_client import TokenizerClient
 
@@ -33,7 +33,7 @@ def base_url() -> Iterator[str]:
         tokenizer = TokenizerClient("127.0.0.1:9")
         pipeline = GenerationPipeline(tokenizer, EngineSelector(RoutingConfig(), None, pool),
                                       pool, metrics)
-        server = HttpServer(OpenAIApi(pipeline, Authenticator(), metrics).app(),
+        server = HttpServer(OpenAIApi(pipeline, PolicyStore.open(), metrics).app(),
                             "127.0.0.1", 0, 2.0)
         state["port"] = await server.start()
         stop = asyncio.Event()
