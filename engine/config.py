@@ -32,6 +32,9 @@ class EngineConfig:
     # CPU GEMM path of every projection and the LM head: "auto" times the candidates on this
     # machine at start-up (engine.models.gemm_select); "onednn", "mkl" or "dense" force one.
     linear_backend: str = "auto"
+    # Order among tenants (cache salts): "fair" (weighted fair share, engine.core.fair_share)
+    # or "fcfs" (priority, then arrival, whoever the tenant).
+    scheduling_policy: str = "fair"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -53,6 +56,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "kernel"):
             raise ValueError(
                 f"attention_backend must be auto, torch or kernel; got {self.attention_backend!r}"
+            )
+        if self.scheduling_policy not in ("fair", "fcfs"):
+            raise ValueError(
+                f"scheduling_policy must be fair or fcfs; got {self.scheduling_policy!r}"
             )
         if self.linear_backend not in ("auto", "onednn", "mkl", "dense"):
             raise ValueError(

@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
 from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from engine.host_malloc import tune_for_reuse
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_dtype
-from engine.request import Request
+from engine.request import Request, TenantShare
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, load_generation_eos_ids
 
@@ -64,6 +65,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
             ),
             self.kv,
+            FairShare() if config.scheduling_policy == "fair" else None,
         )
         self.runner = ModelRunner(
             self.model,
@@ -170,6 +172,7 @@ class LLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        share: TenantShare | None = None,
     ) -> Request:
         max_tokens = self.validate_request(prompt_token_ids, params)
         request = Request(
@@ -182,6 +185,7 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
+            share=share,
         )
         self._arrival_seq += 1
         self.scheduler.add_request(request)

@@ -66,6 +66,14 @@ class RequestTiming:
         )
 
 
+@dataclass(frozen=True)
+class TenantShare:
+    """Whom a request is served for, and that tenant's fair-share weight (> 0)."""
+
+    name: str
+    weight: float = 1.0
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -79,6 +87,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     lora_id: str | None = None
+    # The tenant for fair share (engine.core.fair_share); None: the cache salt stands for it.
+    share: TenantShare | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Prefix-cache hit on first admission; None until the request is first scheduled.

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from kvfleet.grpc_server import GrpcServer, write_port_file
 from kvfleet.metrics import start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
+from kvfleet.service_auth import read_secret
 from kvfleet.tracing import init_tracing
 from router.engine_discovery import DEFAULT_DNS_REFRESH_S, DiscoveryConfig, EngineDiscovery
 from router.engine_pool import EnginePool
@@ -66,6 +67,8 @@ class RouterConfig:
     # Seconds between checks of the tenant policy file for changes (0: never reload).
     policy_reload_s: float = DEFAULT_RELOAD_INTERVAL_S
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)
+    # The shared secret engines require of routers (kvfleet.service_auth); None: none sent.
+    router_secret_file: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -91,6 +94,7 @@ class RouterConfig:
             limits=RequestLimits.from_args(args),
             policy_reload_s=args.policy_reload_interval,
             rate_limits=RateLimitConfig(redis_url=args.redis_url, replicas=args.router_replicas),
+            router_secret_file=args.router_secret_file,
         )
 
 
@@ -153,7 +157,8 @@ def build_router(
         on_reload=lambda outcome: metrics.policy_reloads.labels(outcome).inc(),
     )
     rate_limiter = TenantRateLimiter(config.rate_limits, metrics)
-    pool = EnginePool(metrics=metrics)
+    secret = read_secret(config.router_secret_file) if config.router_secret_file else None
+    pool = EnginePool(metrics=metrics, router_secret=secret)
     discovery = EngineDiscovery(config.discovery) if config.discovery.enabled else None
     selector = EngineSelector(config.routing, index, pool, metrics, discovery)
     pipeline = GenerationPipeline(
@@ -241,6 +246,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--policy-reload-interval", type=_seconds, default=DEFAULT_RELOAD_INTERVAL_S,
         help="seconds between checks of the policy file for changes; a bad new version is "
              "logged and the previous one kept (0: no reload; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--router-secret-file", type=Path, default=None,
+        help="file holding the secret engines require of routers (the engines' "
+             "--router-secret-file); kvfleet up and the Helm chart create it",
     )
     parser.add_argument(
         "--router-replicas", type=int, default=1,

@@ -22,6 +22,12 @@ waiting request whose first uncached block is being computed in the current step
 for this step (it keeps its queue place; those behind it may be admitted) and hits that block
 in the next, rather than computing it a second time.
 
+Fair share (`engine.core.fair_share`, when given): waiting requests are admitted in
+(priority, tenant's weighted service, arrival) order, and a running prompt of a tenant that
+has received more service than another tenant with prompt work gives way for the step: it
+is skipped in the first pass and gets the budget left after admission (without preempting
+anyone), so the engine stays work-conserving.
+
 Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`) or `running`; no
 waiting request is admitted in a step that preempted; a request's prompt logprobs are sent at
 most once, complete (one entry per prompt token) and free of duplicates, even when preemption
@@ -35,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
+from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.logprobs import TokenLogprobs
 from engine.request import Request, RequestStatus
@@ -84,9 +91,11 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 fair_share: FairShare | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.fair_share = fair_share
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -97,6 +106,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if self.fair_share is not None:
+            self.fair_share.on_arrival(request, self.requests.values())
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:
@@ -129,9 +140,14 @@ class Scheduler:
         self.running.sort(key=lambda r: r.sort_key)
         # Full blocks this step will compute: cache hits only after the step completes.
         computing: set[BlockHash] = set()
+        deferred = (self.fair_share.deferred(self.running, self.waiting)
+                    if self.fair_share is not None else set())
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if id(request) in deferred:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 break
@@ -140,8 +156,27 @@ class Scheduler:
             budget -= num_new
             index += 1
         if not out.preempted:
-            self._admit_waiting(out, budget, computing)
+            budget = self._admit_waiting(out, budget, computing)
+        if deferred:
+            self._schedule_deferred(out, budget, deferred, computing)
+        if self.fair_share is not None:
+            self.fair_share.charge((s.request, s.num_new_tokens) for s in out.scheduled)
         return out
+
+    def _schedule_deferred(self, out: SchedulerOutput, budget: int, deferred: set[int],
+                           computing: set[BlockHash]) -> None:
+        """Prompts that gave way, in running order, with what budget is left; no preemption."""
+        for request in list(self.running):
+            if budget <= 0:
+                return
+            if id(request) not in deferred:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.allocate_slots(request, num_new) is None:
+                return
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            self._note_computing(request, num_new, computing)
+            budget -= num_new
 
     def _note_computing(self, request: Request, num_new: int, computing: set[BlockHash]) -> None:
         if not self.kv.enable_caching:
@@ -171,27 +206,26 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash]) -> None:
-        index = 0
-        while (
-            index < len(self.waiting) and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[index]
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash]) -> int:
+        """Admit waiting requests in order while budget and seats last; the budget left."""
+        order = (self.fair_share.admission_order(self.waiting)
+                 if self.fair_share is not None else list(self.waiting))
+        for request in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             # Cached positions would have no logits, so a request owing prompt logprobs
             # computes its whole prompt (vLLM); it makes no lookup and counts as no query.
             looked_up = not request.needs_prompt_logprobs
             hits, num_hit_tokens = self.kv.get_computed_blocks(request) if looked_up else ([], 0)
             if looked_up and self._waits_for_computing_block(request, len(hits), computing):
-                index += 1  # keeps its place; the ones behind it may go
-                continue
+                continue  # keeps its place; the ones behind it may go
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new, hits) is None:
                 break
-            self.waiting.pop(index)
+            self.waiting.remove(request)
             if looked_up:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
@@ -204,6 +238,7 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             self._note_computing(request, num_new, computing)
             budget -= num_new
+        return budget
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)

@@ -49,6 +49,7 @@ from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.scheduler import RequestUpdate
 from engine.llm_engine import LLMEngine
+from engine.request import TenantShare
 from engine.sampling_params import SamplingParams
 from engine.service.engine_state import EngineLoad, GenerateOutput, StepProgress
 from kvfleet.errors import OverloadedError, UnavailableError
@@ -183,6 +184,7 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         keepalive_s: float | None = None,
+        share: TenantShare | None = None,
     ) -> AsyncIterator[GenerateOutput]:
         """Queue a request and yield its outputs; ValueError (nothing queued) if invalid.
 
@@ -203,7 +205,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         queued = self._submit(
             functools.partial(
-                self._add, request_id, stream.seq, prompt, params, priority, cache_salt
+                self._add, request_id, stream.seq, prompt, params, priority, cache_salt, share
             )
         )
         if not queued:  # the loop stopped or died since the check above
@@ -375,10 +377,12 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int,
         cache_salt: str | None,
+        share: TenantShare | None = None,
     ) -> None:
         try:
             self._engine.add_request(
-                request_id, prompt, params, priority=priority, cache_salt=cache_salt
+                request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                share=share,
             )
         except Exception as exc:
             if not isinstance(exc, ValueError):

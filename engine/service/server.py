@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc.aio
 from redis.connection import parse_url
 
 from engine.config import EngineConfig
@@ -46,6 +47,7 @@ from engine.service.step_watchdog import StepWatchdog
 from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
+from kvfleet.service_auth import RouterCredentialInterceptor, read_secret
 from kvfleet.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class EngineServerOptions:
     # Seconds the step loop may go without a new iteration, with work in flight, before
     # health turns NOT_SERVING (0: never; a dead engine thread always does).
     watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
+    # The secret routers must present (kvfleet.service_auth); None: anyone may call.
+    router_secret: str | None = None
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -148,6 +152,7 @@ class EngineServer:
             host=options.server.host,
             port=options.server.port,
             grace_s=options.server.grace_s,
+            interceptors=_credential_check(options.router_secret),
         )
         port = await self._grpc.start()
         registration = EngineRegistration(
@@ -279,6 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "has requests before health turns NOT_SERVING and new requests "
                              "are refused; must exceed the longest step (0: off; "
                              "default: %(default)s)")
+    parser.add_argument("--router-secret-file", type=Path, default=None,
+                        help="file holding the secret routers must present; every Engine RPC "
+                             "without it is UNAUTHENTICATED (none: anyone may call)")
+    parser.add_argument("--scheduling-policy", choices=["fair", "fcfs"], default="fair",
+                        help="order among tenants: fair (weighted fair share of tokens, "
+                             "docs/tenants.md) or fcfs (priority, then arrival) "
+                             "(default: %(default)s)")
     return parser
 
 
@@ -298,6 +310,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         linear_backend=args.linear_backend,
+        scheduling_policy=args.scheduling_policy,
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded
     return EngineServerOptions(
@@ -309,7 +322,16 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         advertise_host=args.advertise_host,
         max_concurrent_requests=args.max_concurrent_requests,
         watchdog_timeout_s=args.watchdog_timeout,
+        router_secret=read_secret(args.router_secret_file) if args.router_secret_file else None,
     )
+
+
+def _credential_check(secret: str | None) -> list[grpc.aio.ServerInterceptor]:
+    if secret is None:
+        logger.warning("no --router-secret-file: this engine accepts calls from anyone, "
+                       "including a tenant and cache salt of their choosing")
+        return []
+    return [RouterCredentialInterceptor(secret)]
 
 
 async def serve(options: EngineServerOptions) -> int:

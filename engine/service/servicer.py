@@ -34,6 +34,7 @@ import grpc.aio
 from opentelemetry import trace
 
 from engine.logprobs import Logprob, TokenLogprobs
+from engine.request import TenantShare
 from engine.sampling_params import SamplingParams
 from engine.sampling_proto import to_sampling_params
 from engine.service import keepalive
@@ -101,6 +102,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             priority=request.priority,
             cache_salt=request.cache_salt or None,
             keepalive_s=keepalive_s,
+            share=_share(request),
         )
         span = trace.get_current_span()  # the RPC's server span (kvfleet.tracing)
         traced = span.is_recording()
@@ -228,3 +230,12 @@ def _check_request_id(request_id: str) -> None:
         raise ValueError("request_id must not be empty")
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+
+
+def _share(request: engine_pb2.GenerateRequest) -> TenantShare | None:
+    """The request's tenant for fair share; only routers can call (kvfleet.service_auth)."""
+    name = request.tenant or request.cache_salt
+    if not name:
+        return None
+    weight = request.fair_share_weight
+    return TenantShare(name, weight if weight > 0 else 1.0)

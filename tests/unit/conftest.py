@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
+from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import (
     RequestUpdate,
@@ -18,7 +19,7 @@ from engine.core.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from engine.request import Request
+from engine.request import Request, TenantShare
 from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -35,6 +36,7 @@ class Harness:
         max_model_len: int = 64,
         enable_chunked_prefill: bool = True,
         enable_caching: bool = True,
+        fair_share: bool = False,
     ) -> None:
         self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
         self.config = SchedulerConfig(
@@ -43,7 +45,7 @@ class Harness:
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
         )
-        self.scheduler = Scheduler(self.config, self.kv)
+        self.scheduler = Scheduler(self.config, self.kv, FairShare() if fair_share else None)
         self._next_seq = 0
 
     def add(
@@ -55,6 +57,7 @@ class Harness:
         priority: int = 0,
         eos_token_ids: Iterable[int] = (),
         cache_salt: str | None = None,
+        share: TenantShare | None = None,
         **sampling_kwargs,
     ) -> Request:
         tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
@@ -69,6 +72,7 @@ class Harness:
             priority=priority,
             eos_token_ids=frozenset(eos_token_ids),
             cache_salt=cache_salt,
+            share=share,
         )
         self._next_seq += 1
         self.scheduler.add_request(request)
