@@ -14,12 +14,15 @@ Invariants:
   reaches only `kvfleet up`, which then stops them in order, and on Linux gets SIGTERM if
   the process that started it dies, even by SIGKILL (PR_SET_PDEATHSIG; see `_CHILD_SHIM`).
 - Each service's stdout/stderr go to `<log_dir>/<name>.log`.
+- Engines serve only the fleet's routers: a random secret in `<log_dir>/router-secret`
+  (mode 0600, deleted at stop) is given to both as `--router-secret-file`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -206,6 +209,11 @@ class Fleet:
         return self._log_dir
 
     @property
+    def router_secret_file(self) -> Path:
+        """The shared secret engines require of routers (0600, removed when the fleet stops)."""
+        return self.log_dir / "router-secret"
+
+    @property
     def started(self) -> bool:
         return self._log_dir is not None
 
@@ -231,6 +239,7 @@ class Fleet:
     def start_engine_process(self, index: int) -> ServiceProcess:
         """Launch engine `index` (not awaited; see `wait_ready`). Tests restart engines so."""
         command = engine_command(self.config, engine_id(index), self.redis_url)
+        command += ["--router-secret-file", str(self.router_secret_file)]
         env = None
         if self.config.engine_threads is not None:
             threads = str(self.config.engine_threads)
@@ -273,7 +282,8 @@ class Fleet:
         http_port_file.unlink(missing_ok=True)
         command = router_command(
             self.config, self.tokenizer.address, self.redis_url, policy, port
-        ) + ["--http-port", str(http_port), "--http-port-file", str(http_port_file)]
+        ) + ["--http-port", str(http_port), "--http-port-file", str(http_port_file),
+             "--router-secret-file", str(self.router_secret_file)]
         router = self._launch(name, command)
         router.http_port_file = http_port_file
         self._wait_ready([router])
@@ -293,6 +303,8 @@ class Fleet:
                 service.wait(timeout, self._force)
         if self.redis is not None:
             self.redis.stop()
+        if self._log_dir is not None:  # run logs are kept; the secret is not
+            self.router_secret_file.unlink(missing_ok=True)
 
     def force_stop(self) -> None:
         """Make a running `stop()` kill what is left instead of waiting (second Ctrl-C)."""
@@ -326,6 +338,11 @@ class Fleet:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvfleet-")
             self._log_dir = Path(self._tmp.name)
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        # Engines serve only callers with this secret (kvfleet.service_auth): the fleet's
+        # routers, not any local process that finds an engine port.
+        fd = os.open(self.router_secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32))
 
     def _redis_shim(self) -> Path:
         """An executable that runs redis-server through the child shim (for RedisServer)."""

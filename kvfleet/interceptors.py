@@ -152,7 +152,8 @@ async def _map_errors(method: str, context: grpc.aio.ServicerContext) -> AsyncIt
             logger.debug("%s failed with %s: %s", method, code.name, message)
         # E.g. a rate-limit refusal's retry-after and RetryInfo detail.
         trailing = getattr(exc, "grpc_trailing_metadata", None)
-        await context.abort(code, message, trailing_metadata=trailing() if trailing else ())
+        await context.abort(code, message,
+                            trailing_metadata=tuple(trailing()) if trailing else ())
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler, method: str, scope: RpcScope) -> Any:

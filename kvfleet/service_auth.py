@@ -103,27 +103,35 @@ def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | 
     return maker(unary)
 
 
-class _CredentialAdder(grpc.aio.UnaryUnaryClientInterceptor,
-                       grpc.aio.UnaryStreamClientInterceptor):
+class _CredentialAdder:
     """Client side: every call on the channel carries the router credential."""
 
     def __init__(self, secret: str) -> None:
         self._pair = (CREDENTIAL_HEADER, secret)
 
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._pair)
+    def details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        given = details.metadata
+        # grpc.aio.Metadata iterates over its keys only: take its (key, value) pairs.
+        pairs = ([(key, value) for key in given for value in given.get_all(key)]
+                 if isinstance(given, grpc.aio.Metadata) else list(given or ()))
+        metadata = grpc.aio.Metadata(*pairs, self._pair)
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
                                           details.credentials, details.wait_for_ready)
 
+
+# One class per call shape: a grpc.aio channel files each interceptor under one shape only.
+class _UnaryCredential(_CredentialAdder, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
                                     request: Any) -> Any:
-        return await continuation(self._details(client_call_details), request)
+        return await continuation(self.details(client_call_details), request)
 
+
+class _StreamCredential(_CredentialAdder, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
                                      request: Any) -> Any:
-        return await continuation(self._details(client_call_details), request)
+        return await continuation(self.details(client_call_details), request)
 
 
 def credential_interceptors(secret: str | None) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors for a channel to engines (none without a secret)."""
-    return [] if secret is None else [_CredentialAdder(secret)]
+    return [] if secret is None else [_UnaryCredential(secret), _StreamCredential(secret)]

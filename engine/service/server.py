@@ -73,8 +73,9 @@ class EngineServerOptions:
     # Seconds the step loop may go without a new iteration, with work in flight, before
     # health turns NOT_SERVING (0: never; a dead engine thread always does).
     watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
-    # The secret routers must present (kvfleet.service_auth); None: anyone may call.
-    router_secret: str | None = None
+    # File of the secret routers must present (kvfleet.service_auth), read at start; None:
+    # anyone may call.
+    router_secret_file: Path | None = None
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -152,7 +153,7 @@ class EngineServer:
             host=options.server.host,
             port=options.server.port,
             grace_s=options.server.grace_s,
-            interceptors=_credential_check(options.router_secret),
+            interceptors=_credential_check(options.router_secret_file),
         )
         port = await self._grpc.start()
         registration = EngineRegistration(
@@ -322,16 +323,16 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         advertise_host=args.advertise_host,
         max_concurrent_requests=args.max_concurrent_requests,
         watchdog_timeout_s=args.watchdog_timeout,
-        router_secret=read_secret(args.router_secret_file) if args.router_secret_file else None,
+        router_secret_file=args.router_secret_file,
     )
 
 
-def _credential_check(secret: str | None) -> list[grpc.aio.ServerInterceptor]:
-    if secret is None:
+def _credential_check(secret_file: Path | None) -> list[grpc.aio.ServerInterceptor]:
+    if secret_file is None:
         logger.warning("no --router-secret-file: this engine accepts calls from anyone, "
                        "including a tenant and cache salt of their choosing")
         return []
-    return [RouterCredentialInterceptor(secret)]
+    return [RouterCredentialInterceptor(read_secret(secret_file))]
 
 
 async def serve(options: EngineServerOptions) -> int:

@@ -230,8 +230,13 @@ def test_api_key_secret_holds_a_key_file_the_router_accepts(tmp_path: Path) -> N
 
 def test_auth_off_mounts_no_secret_and_passes_no_key_file() -> None:
     rendered = render()
-    assert rendered.all("Secret") == []
+    # Only the router credential engines require (generated, kvfleet/service_auth.py).
+    assert [s["metadata"]["name"] for s in rendered.all("Secret")] == [
+        "kv-kvfleet-router-secret"]
     assert _flag(command_line(rendered, "router"), "api-keys") is None
+    for component in ("router", "engine"):
+        assert _flag(command_line(rendered, component), "router-secret-file") == (
+            "/etc/kvfleet/router-secret/secret")
 
 
 # --- model sources ---------------------------------------------------------------------------

@@ -85,6 +85,24 @@ app.kubernetes.io/part-of: kvfleet
 {{- if and (not .Values.redis.bundled) .Values.redis.external.existingSecret.name }}true{{ end }}
 {{- end }}
 
+{{- define "kvfleet.routerSecretName" -}}
+{{- printf "%s-router-secret" (include "kvfleet.fullname" .) }}
+{{- end }}
+
+{{/* The router credential (kvfleet/service_auth.py), mounted read-only in routers and engines. */}}
+{{- define "kvfleet.routerSecretMount" -}}
+- name: router-secret
+  mountPath: /etc/kvfleet/router-secret
+  readOnly: true
+{{- end }}
+
+{{- define "kvfleet.routerSecretVolume" -}}
+- name: router-secret
+  secret:
+    secretName: {{ include "kvfleet.routerSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+
 {{- define "kvfleet.apiKeysSecretName" -}}
 {{- default (printf "%s-api-keys" (include "kvfleet.fullname" .)) .Values.auth.existingSecret }}
 {{- end }}
