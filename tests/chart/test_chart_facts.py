@@ -344,7 +344,8 @@ def test_router_service_has_grpc_and_http_ports() -> None:
 
 
 def test_network_policy_lets_only_the_router_in_from_outside() -> None:
-    assert render().all("NetworkPolicy") == []
+    assert render({"networkPolicy": {"enabled": False}}).all("NetworkPolicy") == []
+    assert len(render().all("NetworkPolicy")) == 2  # on by default
     rendered = render(SCENARIOS["networkpolicy"])
     router_policy = rendered.get("NetworkPolicy", f"{FULLNAME}-router")
     assert router_policy["spec"]["podSelector"]["matchLabels"][

@@ -14,6 +14,7 @@ and model volumes are directories under tmp_path, and the CPU-kernel cache is th
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
@@ -69,6 +70,12 @@ class LocalRelease:
         for name, content in rendered.get("Secret", f"{FULLNAME}-api-keys")[
                 "stringData"].items():
             (self.secret_dir / name).write_text(content)
+        # The generated router credential, as its Secret volume would hold it.
+        self.router_secret_dir = workdir / "router-secret"
+        self.router_secret_dir.mkdir()
+        for name, content in rendered.get("Secret", f"{FULLNAME}-router-secret")[
+                "data"].items():
+            (self.router_secret_dir / name).write_bytes(base64.b64decode(content))
 
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
@@ -96,7 +103,8 @@ class LocalRelease:
         argv = [expand(arg, env) for arg in [*container["command"], *container["args"]]]
         assert argv[0] == "python"
         argv[0] = sys.executable
-        argv = [arg.replace("/etc/kvfleet/auth", str(self.secret_dir)) for arg in argv]
+        argv = [arg.replace("/etc/kvfleet/auth", str(self.secret_dir)).replace(
+            "/etc/kvfleet/router-secret", str(self.router_secret_dir)) for arg in argv]
         del env["HOME"]  # keep the machine's caches (the chart gives each pod an emptyDir)
         env.pop("KVFLEET_CACHE_DIR", None)
         self._spawn(component, argv, {**os.environ, **env, "PYTHONPATH": str(_repo_root())})
