@@ -13,7 +13,8 @@ keeps engine ports to the router pods; the token is the second lock. Over untrus
 networks, put the fleet behind a mesh that adds mTLS.
 
 Invariants:
-- Health checks and reflection stay open (kubelets and load balancers probe them).
+- Health checks, reflection and `Engine/GetLoad` stay open: probes, operators and
+  dashboards read them, and they carry load figures only, no tenant, prompt or cache data.
 - The comparison is constant time (hmac.compare_digest) on SHA-256 digests, so neither
   timing nor length tells a caller how much of a guess was right.
 - No secret configured: the interceptor is not installed and the engine logs that it
@@ -35,6 +36,8 @@ import grpc.aio
 from kvfleet.interceptors import EXEMPT_METHOD_PREFIXES
 
 CREDENTIAL_HEADER = "x-kvfleet-router-token"
+# Methods anyone may call besides health and reflection (see the module docstring).
+OPEN_METHODS = ("/kvfleet.v1.Engine/GetLoad",)
 
 
 def read_secret(path: str | Path) -> str:
@@ -62,7 +65,7 @@ class RouterCredentialInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
-        if method.startswith(EXEMPT_METHOD_PREFIXES) or self._presented(
+        if method.startswith(EXEMPT_METHOD_PREFIXES) or method in OPEN_METHODS or self._presented(
             handler_call_details.invocation_metadata
         ):
             return await continuation(handler_call_details)

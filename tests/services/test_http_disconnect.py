@@ -24,6 +24,7 @@ import pytest
 from openai import OpenAI
 
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.service_auth import CREDENTIAL_HEADER
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.services.router_fleet import API_KEYS, engine_load, wait_until, write_api_keys
 
@@ -65,14 +66,15 @@ def fleet(long_context_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def blocker(fleet: Fleet) -> Iterator[grpc.Call]:
     """A request running on the engine's only slot until the test ends."""
     address = fleet.engines[0].address
+    credential = ((CREDENTIAL_HEADER, fleet.router_secret_file.read_text()),)
     with grpc.insecure_channel(address) as channel:
-        call = engine_pb2_grpc.EngineStub(channel).Generate(
+        call = engine_pb2_grpc.EngineStub(channel).Generate(  # as a router would
             engine_pb2.GenerateRequest(
                 request_id="blocker", prompt_token_ids=[5, 6, 7, 8],
                 sampling_params=common_pb2.SamplingParams(
                     temperature=0.0, max_tokens=BLOCKER_TOKENS, ignore_eos=True),
             ),
-            timeout=200,
+            timeout=200, metadata=credential,
         )
         next(call)  # running
         yield call

@@ -162,12 +162,13 @@ def test_engines_refuse_callers_without_the_router_credential(fleet: Fleet) -> N
             list(stub.Generate(probe, timeout=30))
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as caught:
-            stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=30,
-                         metadata=[(CREDENTIAL_HEADER, "x" * len(secret))])
+            list(stub.Generate(probe, timeout=30,
+                               metadata=[(CREDENTIAL_HEADER, "x" * len(secret))]))
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        load = stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=30,
-                            metadata=[(CREDENTIAL_HEADER, secret)])
-        assert load.engine_id == engine.name
+        served = list(stub.Generate(probe, timeout=30, metadata=[(CREDENTIAL_HEADER, secret)]))
+        assert served[-1].finish_reason == "length"
+        # Load figures stay open to probes and dashboards: no tenant data in them.
+        assert stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=30).engine_id == engine.name
 
 
 def test_policy_reloads_and_a_bad_version_keeps_the_last_good_one(
