@@ -3,7 +3,8 @@
 Role: `RouterCredentialInterceptor` (engine side) refuses every RPC of the engine's own
 service that lacks `x-kvfleet-router-token: SECRET` with UNAUTHENTICATED, before the
 request is even decoded; `credential_metadata` is what routers attach to every engine
-call. The secret comes from a file (`--router-secret-file` on both sides), which
+call (passed per call: no client interceptor sits in the streaming path). The secret comes
+from a file (`--router-secret-file` on both sides), which
 `kvfleet up` writes into its run directory and the Helm chart mounts from a Secret it
 generates once, so neither needs the user's help.
 
@@ -104,37 +105,3 @@ def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | 
     maker = (grpc.stream_unary_rpc_method_handler if handler.request_streaming
              else grpc.unary_unary_rpc_method_handler)
     return maker(unary)
-
-
-class _CredentialAdder:
-    """Client side: every call on the channel carries the router credential."""
-
-    def __init__(self, secret: str) -> None:
-        self._pair = (CREDENTIAL_HEADER, secret)
-
-    def details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        given = details.metadata
-        # grpc.aio.Metadata iterates over its keys only: take its (key, value) pairs.
-        pairs = ([(key, value) for key in given for value in given.get_all(key)]
-                 if isinstance(given, grpc.aio.Metadata) else list(given or ()))
-        metadata = grpc.aio.Metadata(*pairs, self._pair)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
-                                          details.credentials, details.wait_for_ready)
-
-
-# One class per call shape: a grpc.aio channel files each interceptor under one shape only.
-class _UnaryCredential(_CredentialAdder, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
-                                    request: Any) -> Any:
-        return await continuation(self.details(client_call_details), request)
-
-
-class _StreamCredential(_CredentialAdder, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
-                                     request: Any) -> Any:
-        return await continuation(self.details(client_call_details), request)
-
-
-def credential_interceptors(secret: str | None) -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors for a channel to engines (none without a secret)."""
-    return [] if secret is None else [_UnaryCredential(secret), _StreamCredential(secret)]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import grpc
 import grpc.aio
 
-from kvfleet.service_auth import credential_interceptors
+from kvfleet.service_auth import credential_metadata
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
 from router.metrics import RouterMetrics
 from router.prefix_index import EngineRecord
@@ -57,8 +57,8 @@ class EnginePool:
         router_secret: str | None = None,
     ) -> None:
         self._suspect_s = suspect_s
-        # Every engine call presents the router credential (kvfleet.service_auth).
-        self._interceptors = credential_interceptors(router_secret)
+        # What every Generate and Abort call presents to engines (kvfleet.service_auth).
+        self.credential = credential_metadata(router_secret)
         self._clock = clock
         self._metrics = metrics
         self._channels: dict[str, _Channel] = {}  # address -> channel
@@ -189,7 +189,7 @@ class EnginePool:
     def _channel(self, address: str) -> _Channel:
         entry = self._channels.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address, interceptors=self._interceptors)
+            channel = grpc.aio.insecure_channel(address)
             entry = _Channel(channel, engine_pb2_grpc.EngineStub(channel))
             self._channels[address] = entry
         return entry

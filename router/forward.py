@@ -163,7 +163,7 @@ class EngineStream:
             await stub.Abort(
                 engine_pb2.AbortRequest(request_id=request_id),
                 timeout=ABORT_DRAIN_S,
-                metadata=trace_metadata(),
+                metadata=trace_metadata() + self._pool.credential,
             )
             return await asyncio.wait_for(self._last_message(), ABORT_DRAIN_S)
         except (grpc.aio.AioRpcError, TimeoutError, EngineStalledError) as e:
@@ -221,7 +221,7 @@ async def _attempt(
     deadlines: StreamDeadlines,
 ) -> EngineStream | None:
     call = pool.stub(engine.engine_id, engine.address).Generate(
-        request, metadata=deadlines.metadata()
+        request, metadata=deadlines.metadata() + pool.credential
     )
     pool.begin(engine.engine_id)
     try:
