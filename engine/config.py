@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.device import validate_device_spec
+
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # like vLLM's CPU default order of magnitude
 
 
@@ -26,9 +28,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # "auto": the compiled CPU decode-attention kernel when it builds, else PyTorch;
-    # "torch": always the PyTorch path; "kernel": the kernel or fail.
+    # "auto": Triton on CUDA; on CPU the compiled CPU attention kernels when they build, else
+    # PyTorch. "torch": always the PyTorch path; "kernel": the CPU kernels or fail (both CPU
+    # only); "triton": the Triton kernels (interpreted on CPU: slow, for tests).
     attention_backend: str = "auto"
+    # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; see engine.device.
+    device: str = "auto"
     # CPU GEMM path of every projection and the LM head: "auto" times the candidates on this
     # machine at start-up (engine.models.gemm_select); "onednn", "mkl" or "dense" force one.
     linear_backend: str = "auto"
@@ -50,10 +55,12 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "torch", "kernel"):
+        if self.attention_backend not in ("auto", "torch", "kernel", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or kernel; got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, kernel or triton; "
+                f"got {self.attention_backend!r}"
             )
+        validate_device_spec(self.device)
         if self.linear_backend not in ("auto", "onednn", "mkl", "dense"):
             raise ValueError(
                 "linear_backend must be auto, onednn, mkl or dense; "

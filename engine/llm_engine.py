@@ -17,6 +17,7 @@ import torch
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
 from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from engine.device import placement_device, resolve_attention_backend, resolve_device
 from engine.host_malloc import tune_for_reuse
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models.config import ModelConfig
@@ -44,6 +45,9 @@ class LLMEngine:
                 f"model {config.model!r} is not a Hugging Face-format directory with config.json"
             )
         self.config = config
+        # Before anything heavy: a missing GPU is reported at once.
+        self.device = placement_device(resolve_device(config.device), config.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         torch.manual_seed(config.seed)
@@ -72,8 +76,9 @@ class LLMEngine:
             config.block_size,
             self.dtype,
             config.seed,
-            config.attention_backend,
+            self.attention_backend,
             config.linear_backend,
+            self.device,
         )
         self.kv_event_hook = kv_event_hook
         self._arrival_seq = 0

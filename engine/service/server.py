@@ -266,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True)
     engine.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    engine.add_argument("--device", default="auto",
+                        help="auto (CUDA when available), cpu, cuda or cuda:N "
+                             "(default: %(default)s)")
+    engine.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "torch", "kernel", "triton"],
+                        help="auto: Triton on CUDA, the C++ kernels (else PyTorch) on CPU; "
+                             "triton on CPU runs interpreted (default: %(default)s)")
     engine.add_argument("--linear-backend", default="auto",
                         choices=["auto", "onednn", "mkl", "dense"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
@@ -298,6 +305,8 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         linear_backend=args.linear_backend,
+        attention_backend=args.attention_backend,
+        device=args.device,
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded
     return EngineServerOptions(
