@@ -61,9 +61,9 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
         validate_device_spec(self.device)
-        if self.linear_backend not in ("auto", "onednn", "mkl", "dense"):
+        if self.linear_backend not in ("auto", "onednn", "mkl", "dense", "panel"):
             raise ValueError(
-                "linear_backend must be auto, onednn, mkl or dense; "
+                "linear_backend must be auto, onednn, mkl, dense or panel; "
                 f"got {self.linear_backend!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

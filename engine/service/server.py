@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto: Triton on CUDA, the C++ kernels (else PyTorch) on CPU; "
                              "triton on CPU runs interpreted (default: %(default)s)")
     engine.add_argument("--linear-backend", default="auto",
-                        choices=["auto", "onednn", "mkl", "dense"],
+                        choices=["auto", "onednn", "mkl", "dense", "panel"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
                              "(default: %(default)s)")
     parser.add_argument("--max-concurrent-requests", type=_positive_int,
