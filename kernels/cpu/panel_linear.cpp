@@ -20,12 +20,12 @@
 // adds both products of a pair (exact bf16 x bf16 products, float32 sums, as oneDNN's bf16
 // GEMM); the float32 sums are rounded to bfloat16 once, to nearest even, on store.
 //
-// Threads split the panels (columns); row blocks of kRowBlock keep x's active rows in L2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -120,16 +120,26 @@ inline void micro_bf16(const uint16_t* __restrict a, int64_t lda, const uint16_t
 template <typename T>
 using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int);
 
-// Threads split the panels; within a thread, row blocks outermost so x's rows stay in L2.
+// Work is handed out in units (a row block x a group of panels) from an atomic counter, not
+// split evenly up front: when another process takes one core for a while (a router or a
+// client on the same machine), the other thread keeps taking units instead of finishing its
+// fixed half and then idling at the barrier. Units go row block by row block so x's active
+// rows stay in cache; about eight units per thread per row block keep the tail short.
 template <typename T, MicroFn<T> (*Pick)(int)>
 void drive(T* op, int64_t ldc, const T* xp, int64_t lda, const T* wp, int64_t m, int64_t k_len,
            int64_t n, int64_t panels, int64_t panel_elems) {
   const int64_t row_block =
       std::max<int64_t>(kMaxRows, kRowBlockBytes / (k_len * static_cast<int64_t>(sizeof(T))) /
                                       kMaxRows * kMaxRows);
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t r0 = 0; r0 < m; r0 += row_block) {
-      const int64_t r1 = std::min(m, r0 + row_block);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t group = std::max<int64_t>(1, panels / (threads * 8));
+  const int64_t groups = (panels + group - 1) / group;
+  const int64_t units = (m + row_block - 1) / row_block * groups;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, units), 1, [&](int64_t, int64_t) {
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+      const int64_t r0 = u / groups * row_block, r1 = std::min(m, r0 + row_block);
+      const int64_t p0 = u % groups * group, p1 = std::min(panels, p0 + group);
       for (int64_t p = p0; p < p1; ++p) {
         const T* b = wp + p * panel_elems;
         const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
