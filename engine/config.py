@@ -37,6 +37,18 @@ class EngineConfig:
     # CPU GEMM path of every projection and the LM head: "auto" times the candidates on this
     # machine at start-up (engine.models.gemm_select); "onednn", "mkl" or "dense" force one.
     linear_backend: str = "auto"
+    # KV memory tiers (engine.kv_offload). vLLM's names: preemption_mode "recompute", "swap"
+    # (move the victim's KV to host swap space) or "auto" (swap victims holding at least
+    # swap_min_computed_tokens computed tokens); swap_space in GiB, allocated only when the
+    # mode can swap; num_swap_blocks overrides it (tests).
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    num_swap_blocks: int | None = None
+    swap_min_computed_tokens: int = 256
+    # Host tier of the prefix cache: evicted cached blocks are kept in this much host memory
+    # (GiB; None or 0 = off) and reloaded on a later hit. num_host_kv_blocks overrides it.
+    kv_offloading_size: float | None = None
+    num_host_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -61,6 +73,7 @@ class EngineConfig:
                 f"got {self.attention_backend!r}"
             )
         validate_device_spec(self.device)
+        self._validate_kv_tiers()
         if self.linear_backend not in ("auto", "onednn", "mkl", "dense", "panel"):
             raise ValueError(
                 "linear_backend must be auto, onednn, mkl, dense or panel; "
@@ -70,3 +83,19 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
             )
+
+    def _validate_kv_tiers(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(
+                f"preemption_mode must be recompute, swap or auto; got {self.preemption_mode!r}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
+            raise ValueError(
+                f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}"
+            )
+        for name in ("num_swap_blocks", "num_host_kv_blocks", "swap_min_computed_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")

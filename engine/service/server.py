@@ -38,6 +38,7 @@ from redis.connection import parse_url
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.service.async_engine import AsyncEngine
+from engine.service.kv_tier_flags import add_kv_tier_arguments, kv_tier_config
 from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
 from engine.service.servicer import EngineIdentity, EngineServicer
@@ -277,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["auto", "onednn", "mkl", "dense", "panel"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
                              "(default: %(default)s)")
+    add_kv_tier_arguments(engine)
     parser.add_argument("--max-concurrent-requests", type=_positive_int,
                         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                         help="requests in flight beyond which new ones are refused with "
@@ -307,6 +309,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         linear_backend=args.linear_backend,
         attention_backend=args.attention_backend,
         device=args.device,
+        **kv_tier_config(args),
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded
     return EngineServerOptions(
