@@ -88,6 +88,7 @@ test-fast: install
 bench: model peers
 	$(PY) -m benchmarks.offline_throughput
 	$(PY) -m benchmarks.online
+	$(PY) -m benchmarks.kv_tiers
 
 bench-serve: model
 	$(PY) -m benchmarks.serve

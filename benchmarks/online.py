@@ -5,8 +5,8 @@ Both servers get the same client: vLLM's own `vllm bench serve` from .venv-peers
 the same seeded datasets:
 - `random`: `--input-len` (256) random-token prompts, `--output-len` (64) tokens, `--num-prompts`
   (64);
-- `prefix_repetition`: `--num-prefixes` (4) shared prefixes of `--prefix-len` (512) tokens, each
-  prompt one of them + `--suffix-len` (64) own tokens, `--output-len` tokens.
+- `prefix_repetition`: `--num-prefixes` (8) shared prefixes of `--prefix-len` (512) tokens, each
+  prompt one of them + `--suffix-len` (32) own tokens, `--output-len` tokens (the issue's shape).
 Servers: kvfleet = kvfleet/fleet.py with one engine (2 torch threads, 16-token blocks, prefix
 caching, KV cache 2 GiB like vLLM's) behind its router's OpenAI HTTP API; vLLM = `vllm serve`
 (OpenMP threads bound to both cores, KV 2 GiB, prefix caching, tcmalloc when installed). Same
@@ -223,8 +223,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prefix-len", type=int, default=512)
-    p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--suffix-len", type=int, default=32)
+    p.add_argument("--num-prefixes", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache of each server")
     p.add_argument("--vllm-eager", action="store_true")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.device import validate_device_spec
+
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # like vLLM's CPU default order of magnitude
 
 
@@ -26,15 +28,30 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # "auto": the compiled CPU decode-attention kernel when it builds, else PyTorch;
-    # "torch": always the PyTorch path; "kernel": the kernel or fail.
+    # "auto": Triton on CUDA; on CPU the compiled CPU attention kernels when they build, else
+    # PyTorch. "torch": always the PyTorch path; "kernel": the CPU kernels or fail (both CPU
+    # only); "triton": the Triton kernels (interpreted on CPU: slow, for tests).
     attention_backend: str = "auto"
+    # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; see engine.device.
+    device: str = "auto"
     # CPU GEMM path of every projection and the LM head: "auto" times the candidates on this
     # machine at start-up (engine.models.gemm_select); "onednn", "mkl" or "dense" force one.
     linear_backend: str = "auto"
     # Order among tenants (cache salts): "fair" (weighted fair share, engine.core.fair_share)
     # or "fcfs" (priority, then arrival, whoever the tenant).
     scheduling_policy: str = "fair"
+    # KV memory tiers (engine.kv_offload). vLLM's names: preemption_mode "recompute", "swap"
+    # (move the victim's KV to host swap space) or "auto" (swap victims holding at least
+    # swap_min_computed_tokens computed tokens); swap_space in GiB, allocated only when the
+    # mode can swap; num_swap_blocks overrides it (tests).
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    num_swap_blocks: int | None = None
+    swap_min_computed_tokens: int = 256
+    # Host tier of the prefix cache: evicted cached blocks are kept in this much host memory
+    # (GiB; None or 0 = off) and reloaded on a later hit. num_host_kv_blocks overrides it.
+    kv_offloading_size: float | None = None
+    num_host_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -53,20 +70,39 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "torch", "kernel"):
+        if self.attention_backend not in ("auto", "torch", "kernel", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or kernel; got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, kernel or triton; "
+                f"got {self.attention_backend!r}"
             )
         if self.scheduling_policy not in ("fair", "fcfs"):
             raise ValueError(
                 f"scheduling_policy must be fair or fcfs; got {self.scheduling_policy!r}"
             )
-        if self.linear_backend not in ("auto", "onednn", "mkl", "dense"):
+        validate_device_spec(self.device)
+        self._validate_kv_tiers()
+        if self.linear_backend not in ("auto", "onednn", "mkl", "dense", "panel"):
             raise ValueError(
-                "linear_backend must be auto, onednn, mkl or dense; "
+                "linear_backend must be auto, onednn, mkl, dense or panel; "
                 f"got {self.linear_backend!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
             )
+
+    def _validate_kv_tiers(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(
+                f"preemption_mode must be recompute, swap or auto; got {self.preemption_mode!r}"
+            )
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
+            raise ValueError(
+                f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}"
+            )
+        for name in ("num_swap_blocks", "num_host_kv_blocks", "swap_min_computed_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")

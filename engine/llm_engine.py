@@ -16,9 +16,14 @@ import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.core.fair_share import FairShare
+from engine.core.host_kv_tier import HostKVTier
 from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
+from engine.core.kv_transfer import HostLayout
 from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from engine.core.swap_space import SwapSpace
+from engine.device import placement_device, resolve_attention_backend, resolve_device
 from engine.host_malloc import tune_for_reuse
+from engine.kv_offload import HostKVBuffer, plan_host_layout
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model, resolve_dtype
@@ -45,6 +50,9 @@ class LLMEngine:
                 f"model {config.model!r} is not a Hugging Face-format directory with config.json"
             )
         self.config = config
+        # Before anything heavy: a missing GPU is reported at once.
+        self.device = placement_device(resolve_device(config.device), config.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config)
         torch.manual_seed(config.seed)
@@ -54,8 +62,19 @@ class LLMEngine:
         self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
         self.max_model_len = self._resolve_max_model_len()
         self.kv_layout = self._size_kv_cache()
+        self.host_layout = self._size_host_kv()
         self.kv = KVCacheManager(
-            self.kv_layout.num_blocks, config.block_size, config.enable_prefix_caching
+            self.kv_layout.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            host_tier=(
+                HostKVTier(self.host_layout.num_tier_blocks, self.host_layout.tier_offset)
+                if self.host_layout.num_tier_blocks else None
+            ),
+            swap=(
+                SwapSpace(self.host_layout.num_swap_blocks)
+                if self.host_layout.num_swap_blocks else None
+            ),
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -63,6 +82,8 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+                swap_min_computed_tokens=config.swap_min_computed_tokens,
             ),
             self.kv,
             FairShare() if config.scheduling_policy == "fair" else None,
@@ -74,8 +95,14 @@ class LLMEngine:
             config.block_size,
             self.dtype,
             config.seed,
-            config.attention_backend,
+            self.attention_backend,
             config.linear_backend,
+            self.device,
+        )
+        # Host memory of the KV tiers; None (the default) keeps the step free of tier work.
+        self.host_kv = (
+            HostKVBuffer(self.runner.kv_caches, self.host_layout.num_blocks)
+            if self.host_layout.num_blocks else None
         )
         self.kv_event_hook = kv_event_hook
         self._arrival_seq = 0
@@ -118,6 +145,18 @@ class LLMEngine:
                 )
         return KVCacheLayout(num_blocks, per_block)
 
+    def _size_host_kv(self) -> HostLayout:
+        config = self.config
+        return plan_host_layout(
+            preemption_mode=config.preemption_mode,
+            swap_space_gib=config.swap_space,
+            num_swap_blocks=config.num_swap_blocks,
+            kv_offloading_size_gib=config.kv_offloading_size,
+            num_host_tier_blocks=config.num_host_kv_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            bytes_per_block=self.kv_layout.bytes_per_block,
+        )
+
     def _log_kv_cache(self) -> None:
         blocks = self.kv_layout.num_blocks
         tokens = blocks * self.config.block_size
@@ -132,6 +171,13 @@ class LLMEngine:
             tokens / self.max_model_len,
             self.max_model_len,
         )
+        host = self.host_layout
+        if host.num_blocks:
+            logger.info(
+                "host KV memory: %d swap blocks (preemption_mode=%s), %d host-tier blocks, "
+                "%.1f MiB", host.num_swap_blocks, self.config.preemption_mode,
+                host.num_tier_blocks, host.num_blocks * self.kv_layout.bytes_per_block / 2**20,
+            )
 
     # ------------------------------------------------------------------ requests
     def validate_request(
@@ -215,6 +261,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestUpdate]:
         out = self.scheduler.schedule()
+        if self.host_kv is not None and self.kv.transfers:
+            # Block copies of this schedule (swap, host tier) land before the forward pass.
+            self.host_kv.apply(self.kv.transfers.take())
         # What the last step did, for metrics and tracing (engine thread only).
         self.last_step_num_tokens = out.total_num_scheduled_tokens
         self.last_step_preempted = [r.request_id for r in out.preempted]
@@ -261,4 +310,25 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
+            **self._kv_tier_stats(),
+        }
+
+    def _kv_tier_stats(self) -> dict[str, int | float]:
+        """Swap and host-tier figures (zeros when a tier is off), for metrics."""
+        swap, tier, host = self.kv.swap, self.kv.host_tier, self.host_kv
+        return {
+            "num_requests_swapped": self.scheduler.num_swapped,
+            "swap_blocks_total": 0 if swap is None else swap.num_blocks,
+            "swap_space_usage": 0.0 if swap is None else swap.usage,
+            "swapped_out_blocks": 0 if swap is None else swap.stats.swapped_out_blocks,
+            "swapped_in_blocks": 0 if swap is None else swap.stats.swapped_in_blocks,
+            "host_cache_blocks_total": 0 if tier is None else tier.num_blocks,
+            "host_cache_usage": 0.0 if tier is None else tier.usage,
+            "host_cache_hits": 0 if tier is None else tier.stats.hits,
+            "host_cache_misses": 0 if tier is None else tier.stats.misses,
+            "host_cache_evictions": 0 if tier is None else tier.stats.evictions,
+            "host_cache_stored": 0 if tier is None else tier.stats.stored,
+            "prefix_cache_host_hits": self.kv.stats.host_hits,
+            "kv_transfer_bytes_to_host": 0 if host is None else host.stats.bytes_to_host,
+            "kv_transfer_bytes_to_device": 0 if host is None else host.stats.bytes_to_device,
         }

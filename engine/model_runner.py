@@ -14,10 +14,12 @@ owes them skip all of this (an empty list check).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.attention.triton_backend import load_kernels
+from engine.attention.unified_batch import build_unified_batch
 from engine.core.scheduler import ScheduledRequest
 from engine.input_batch import PromptLogprobRows, build_model_input
 from engine.logprobs import TokenLogprobs
@@ -60,10 +62,18 @@ class ModelRunner:
         seed: int,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.linear_backend = model.prepack(linear_backend)
-        self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
+        # "triton" comes resolved from engine.device: always on CUDA, on CPU only when asked
+        # for (interpreted, for tests).
+        self.use_triton = attention_backend == "triton"
+        if self.use_triton:
+            load_kernels(device or torch.device("cpu"))
+            self.use_decode_kernel = False
+        else:
+            self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
         # The fused elementwise kernels come from the same build; float32 and bfloat16 only
         # (bfloat16 ones bit-identical to the PyTorch path), float16 keeps the PyTorch ops.
         model.use_fused_ops(self.use_decode_kernel and dtype in FUSED_DTYPES)
@@ -113,6 +123,9 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
     ) -> RunnerOutput:
         batch = build_model_input(scheduled, block_ids, self.block_size, self.use_decode_kernel)
+        if self.use_triton:
+            unified = build_unified_batch(scheduled, block_ids, self.block_size)
+            batch = replace(batch, meta=replace(batch.meta, unified=unified))
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         prompt_logprobs = {
             rows.request_id: self._prompt_logprobs(hidden, rows)

@@ -26,6 +26,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"  # preempted by swap: its KV waits in host memory
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -93,6 +94,8 @@ class Request:
     num_computed_tokens: int = 0
     # Prefix-cache hit on first admission; None until the request is first scheduled.
     num_cached_tokens: int | None = None
+    # Of those, tokens reloaded from the host tier rather than found on the device.
+    num_host_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0

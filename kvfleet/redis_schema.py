@@ -16,6 +16,10 @@ Redis holds only rebuildable state; everything expires unless an engine keeps it
   `engine.block_hash`) that the engine holds in its prefix cache in that epoch. TTL
   `BLOCKS_TTL_S`, refreshed with the heartbeat. A restarted engine takes a new epoch and deletes
   every `kvfleet:blocks:{engine_id}:*` key of its old epochs before registering.
+- `kvfleet:host_blocks:{engine_id}:{epoch}` — SET of the block hashes the engine holds in the
+  host tier of its prefix cache (`--kv-offloading-size`), same TTL and clean-up. A hash may be
+  in both sets (reloaded to the device, still on the host); routers count a block as a device
+  hit when it is in the first set, else as a host hit (worth less: it must be copied back).
 
 Liveness, as routers judge it: the hash exists, and `updated_at` is at most the router's
 `--engine-stale-after` bound (default `DEFAULT_STALE_AFTER_S`, a few heartbeats) older than
@@ -53,3 +57,12 @@ def blocks_key(engine_id: str, epoch: str) -> str:
 def blocks_key_pattern(engine_id: str) -> str:
     """Matches the block sets of every epoch of one engine (for clean-up on restart)."""
     return f"{PREFIX}:blocks:{engine_id}:*"
+
+
+def host_blocks_key(engine_id: str, epoch: str) -> str:
+    return f"{PREFIX}:host_blocks:{engine_id}:{epoch}"
+
+
+def host_blocks_key_pattern(engine_id: str) -> str:
+    """Matches the host-tier block sets of every epoch of one engine."""
+    return f"{PREFIX}:host_blocks:{engine_id}:*"

@@ -189,7 +189,9 @@ class GenerationPipeline:
                 )
             )
             chosen = streams[0].engine
-            predicted = min(chosen.matched_blocks * decision.block_size, len(prompt_ids) - 1)
+            # Engines count host-tier reloads as cached tokens too.
+            matched = chosen.matched_blocks + chosen.matched_host_blocks
+            predicted = min(matched * decision.block_size, len(prompt_ids) - 1)
             self._metrics.record_decision(decision.policy.value, chosen.engine_id, predicted)
             span.set_attribute("kvfleet.routing.policy", decision.policy.value)
             span.set_attribute("kvfleet.routing.engine_id", chosen.engine_id)

@@ -12,8 +12,11 @@ Policies:
   is exact for its own requests, so a burst is not all sent to one stale minimum.
   The bound: an engine is *eligible* only while its load is at most
   `min_load + max(load_slack_abs, load_slack_rel * min_load)`.
-  Among eligible engines the one holding the most leading prompt blocks wins; equal
-  non-zero matches go to the lower load. When no eligible engine holds any block (a new
+  Among eligible engines the one with the best cached-prefix score wins: device blocks
+  count 1 each, blocks in the engine's host tier (`--kv-offloading-size`) count
+  `host_hit_weight` each (default 0.5: a reload skips the compute but costs a copy), so a
+  host hit beats no hit and loses to as long a device hit. Equal non-zero scores go to the
+  lower load. When no eligible engine holds any block (a new
   prefix, or one still being prefilled and not yet published), the winner is the highest
   rendezvous weight of (tenant + prompt start, engine id): every replica, and every
   concurrent request of that prefix, picks the same engine without talking, so a prefix is
@@ -49,13 +52,15 @@ class EngineView:
 
     engine_id: str
     address: str
-    # Leading blocks of this prompt that the engine holds in its prefix cache.
+    # Leading blocks of this prompt that the engine holds in its prefix cache (on the device).
     matched_blocks: int = 0
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
     # This router's requests currently streaming from the engine.
     in_flight: int = 0
+    # Blocks continuing that run which the engine holds in its host tier.
+    matched_host_blocks: int = 0
 
     @property
     def load(self) -> int:
@@ -68,10 +73,18 @@ class PrefixPolicyConfig:
 
     load_slack_abs: int = 4
     load_slack_rel: float = 0.5
+    # What a host-tier block is worth against a device block (1.0) when ranking engines.
+    host_hit_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.load_slack_abs < 0 or self.load_slack_rel < 0:
             raise ValueError("load slack must be non-negative")
+        if not 0.0 <= self.host_hit_weight <= 1.0:
+            raise ValueError(f"host hit weight must be in [0, 1], got {self.host_hit_weight}")
+
+    def score(self, engine: EngineView) -> float:
+        """Cached-prefix score of an engine for this prompt (module docstring)."""
+        return engine.matched_blocks + self.host_hit_weight * engine.matched_host_blocks
 
     def max_load(self, min_load: int) -> float:
         """The highest load an engine may have and still win on cached blocks."""
@@ -94,11 +107,12 @@ def rank_prefix(
     eligible = [e for e in engines if e.load <= max_load]
     rest = [e for e in engines if e.load > max_load]
 
-    def preference(e: EngineView) -> tuple[int, int, int]:
+    def preference(e: EngineView) -> tuple[float, int, int]:
         # Load only separates engines holding the same non-zero prefix; without a hit
         # the hash decides, so concurrent requests of a new prefix agree.
-        load = e.load if e.matched_blocks else 0
-        return (-e.matched_blocks, load, -rendezvous_weight(tie_key, e.engine_id))
+        score = config.score(e)
+        load = e.load if score else 0
+        return (-score, load, -rendezvous_weight(tie_key, e.engine_id))
 
     # Engines beyond the bound stay reachable for retries, least loaded first.
     return sorted(eligible, key=preference) + rank_least_load(rest, tie_key)

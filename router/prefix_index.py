@@ -10,7 +10,9 @@ Invariants:
 - Only the current epoch's block set counts: a restarted engine's stale blocks never match.
 - An engine whose block_size differs from the hint gets 0 matched blocks (its hashes would
   differ); the caller sees its block size in the result and re-asks with the right one.
-- Matching stops at the first missing block, in chunks, so a long prompt that misses early
+- A prompt block counts as a device match when the engine's device set holds it, else as a
+  host match when its host-tier set does (`matched_host_blocks`); matching stops at the
+  first block in neither, in chunks, so a long prompt that misses early
   costs little and no Lua `unpack` limit is hit.
 - The registry cleans itself: the script SREMs from the engines set every id whose hash has
   expired. An engine whose `updated_at` is older than `stale_after_s` by Redis' clock is
@@ -43,16 +45,18 @@ logger = logging.getLogger(__name__)
 ENGINE_KEY_PREFIX = redis_schema.engine_key("")
 # blocks_key(id, epoch) == BLOCKS_KEY_PREFIX + id + ":" + epoch (checked by the tests).
 BLOCKS_KEY_PREFIX = redis_schema.blocks_key("", "").removesuffix(":")
+HOST_BLOCKS_KEY_PREFIX = redis_schema.host_blocks_key("", "").removesuffix(":")
 # Blocks checked per SMISMEMBER call inside the script.
 MATCH_CHUNK = 64
 
 # KEYS[1] = engines set; ARGV = engine key prefix, blocks key prefix, block size, chunk,
-# max heartbeat age in seconds (0: no bound), hashes...
+# max heartbeat age in seconds (0: no bound), host blocks key prefix, hashes...
 LOOKUP_SCRIPT = """
 local engine_prefix, blocks_prefix = ARGV[1], ARGV[2]
 local block_size, chunk = tonumber(ARGV[3]), tonumber(ARGV[4])
 local max_age = tonumber(ARGV[5])
-local first_hash, last_hash = 6, #ARGV
+local host_prefix = ARGV[6]
+local first_hash, last_hash = 7, #ARGV
 local now = 0
 if max_age > 0 then
   local time = redis.call('TIME')
@@ -68,25 +72,31 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     for i = 1, #fields, 2 do info[fields[i]] = fields[i + 1] end
     local updated = tonumber(info['updated_at'])
     if max_age <= 0 or updated == nil or now - updated <= max_age then
-      local matched, cached = 0, 0
+      local matched, host_matched, cached = 0, 0, 0
       if info['epoch'] then
         local bkey = blocks_prefix .. id .. ':' .. info['epoch']
+        local hkey = host_prefix .. id .. ':' .. info['epoch']
         cached = redis.call('SCARD', bkey)
-        if cached > 0 and tonumber(info['block_size']) == block_size then
-          local i = first_hash
-          while i <= last_hash do
+        local host_cached = redis.call('SCARD', hkey)
+        if cached + host_cached > 0 and tonumber(info['block_size']) == block_size then
+          local i, done = first_hash, false
+          while i <= last_hash and not done do
             local j = math.min(i + chunk - 1, last_hash)
-            local hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j))
-            local all = true
-            for k = 1, #hits do
-              if hits[k] == 1 then matched = matched + 1 else all = false; break end
+            local hits, host_hits = {}, {}
+            if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j)) end
+            if host_cached > 0 then
+              host_hits = redis.call('SMISMEMBER', hkey, unpack(ARGV, i, j))
             end
-            if not all then break end
+            for k = 1, j - i + 1 do
+              if hits[k] == 1 then matched = matched + 1
+              elseif host_hits[k] == 1 then host_matched = host_matched + 1
+              else done = true; break end
+            end
             i = j + 1
           end
         end
       end
-      table.insert(result, {id, matched, cached, fields})
+      table.insert(result, {id, matched, cached, fields, host_matched})
     end
   end
 end
@@ -143,6 +153,8 @@ class EngineRecord:
     matched_blocks: int
     num_cached_blocks: int
     fields: Mapping[str, str]
+    # Leading prompt blocks after the device matches that the engine's host tier holds.
+    matched_host_blocks: int = 0
 
     @property
     def address(self) -> str:
@@ -204,7 +216,7 @@ class PrefixIndex:
         Redis failed.
         """
         args: list[Any] = [ENGINE_KEY_PREFIX, BLOCKS_KEY_PREFIX, block_size, MATCH_CHUNK,
-                           self.config.stale_after_s]
+                           self.config.stale_after_s, HOST_BLOCKS_KEY_PREFIX]
         args.extend(hashes)
         try:
             async with asyncio.timeout(self.config.pool_timeout_s):
@@ -227,11 +239,11 @@ class PrefixIndex:
 
 
 def _record(item: Sequence[Any]) -> EngineRecord:
-    engine_id, matched, cached, flat = item
+    engine_id, matched, cached, flat, host_matched = item
     fields = {
         _text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)
     }
-    return EngineRecord(_text(engine_id), int(matched), int(cached), fields)
+    return EngineRecord(_text(engine_id), int(matched), int(cached), fields, int(host_matched))
 
 
 def _text(value: bytes | str) -> str:

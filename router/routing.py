@@ -203,6 +203,7 @@ class EngineSelector:
                 engine_id=r.engine_id,
                 address=r.address,
                 matched_blocks=r.matched_blocks,
+                matched_host_blocks=r.matched_host_blocks,
                 num_running=r.int_field("num_running"),
                 num_waiting=r.int_field("num_waiting"),
                 kv_cache_usage=r.float_field("kv_cache_usage"),

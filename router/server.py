@@ -75,6 +75,7 @@ class RouterConfig:
         prefix = PrefixPolicyConfig(
             load_slack_abs=args.load_slack_abs,
             load_slack_rel=args.load_slack_rel,
+            host_hit_weight=args.host_hit_weight,
         )
         return cls(
             tokenizer_address=args.tokenizer,
@@ -262,6 +263,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="prefix bound: extra requests a cache hit may wait behind")
     parser.add_argument("--load-slack-rel", type=float, default=defaults.load_slack_rel,
                         help="prefix bound: the same, as a fraction of the least load")
+    parser.add_argument("--host-hit-weight", type=float, default=defaults.host_hit_weight,
+                        help="what a prompt block in an engine's host KV tier is worth against "
+                             "one on its device (1.0), in [0, 1] (default: %(default)s)")
     parser.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
                         help="engines tried per request before the first token")
     stalls = StreamDeadlines()

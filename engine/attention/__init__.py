@@ -1,8 +1,11 @@
 """Attention over the paged KV cache.
 
 `AttentionMetadata` is built once per engine step by the model runner and shared by every
-layer; `PagedAttention` is the per-layer module the model calls. On CPU the backend is plain
-PyTorch, or the compiled C++ kernels in `kernels/cpu` when they build.
+layer; `PagedAttention` is the per-layer module the model calls. The backend is chosen at
+start-up (`engine.device.resolve_attention_backend`): on CPU the compiled C++ kernels in
+`kernels/cpu` when they build, else plain PyTorch; on CUDA — or on CPU, interpreted, when
+`attention_backend="triton"` is asked for — the Triton kernels in `kernels/triton/`
+(`kv_write.py` and `unified_attention.py`, driven by `engine/attention/triton_backend.py`).
 """
 
 from engine.attention.metadata import (

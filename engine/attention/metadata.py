@@ -8,15 +8,20 @@ Requests with several query tokens (prefill or a prefill chunk) are `PrefillSegm
 with a single query token are gathered into one `DecodeBatch` and attended together. With the
 compiled kernels, the segments are also described once per step as one `PrefillBatch` (int32
 vectors and block tables) and every layer attends all of them in one kernel call; the PyTorch
-fallback attends the segments one by one.
+fallback attends the segments one by one. With the Triton backend the step also carries a
+`UnifiedBatch` (engine.attention.unified_batch) and every layer attends all of it in one launch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.attention.unified_batch import UnifiedBatch
 
 
 @dataclass(frozen=True)
@@ -87,3 +92,6 @@ class AttentionMetadata:
     # Set (with the compiled kernels, when the step has prefill segments): prefill attention is
     # one kernel call per layer instead of the per-segment PyTorch loop.
     prefill_batch: PrefillBatch | None = None
+    # Set with the Triton backend: the whole step for the unified kernel (the fields above
+    # are then unused by attention).
+    unified: UnifiedBatch | None = None

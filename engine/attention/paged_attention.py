@@ -1,4 +1,8 @@
-"""Per-layer paged attention on CPU: the compiled kernels, or PyTorch as the fallback.
+"""Per-layer paged attention: the compiled CPU kernels, PyTorch as their fallback, or Triton.
+
+With `meta.unified` set (Triton backend, engine.attention.triton_backend) the layer is one
+KV write and one unified-attention launch for the whole step; what follows describes the CPU
+paths.
 
 Invariants: the layer's cache is one tensor [2, num_blocks, block_size, num_kv_heads,
 head_dim] (index 0 = K, 1 = V). This step's K/V is written to every token's slot first; then
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata, PrefillSegment
+from engine.attention.triton_backend import triton_attention
 
 
 class PagedAttention(nn.Module):
@@ -38,6 +43,10 @@ class PagedAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        if meta.unified is not None:  # Triton backend (CUDA, or CPU interpreted)
+            return triton_attention(
+                query, key, value, kv_cache, meta.slot_mapping, meta.unified, self.scale
+            )
         flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
         flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
         # meta.use_decode_kernel: the compiled kernels are loaded.

@@ -9,11 +9,13 @@ Invariants:
   when its slot is handed out again. A prefix hit on a free cached block takes it back out of the
   queue (`touch`).
 - At most one block is registered per hash.
+- `on_evict`, when set (the host tier), sees every eviction of a registered block before its
+  hash is dropped, while the slot still holds the block's KV.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
@@ -105,6 +107,7 @@ class BlockPool:
         # Hashes stored / removed since the last `take_events`, in order.
         self.stored_events: list[BlockHash] = []
         self.removed_events: list[BlockHash] = []
+        self.on_evict: Callable[[KVCacheBlock, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -161,6 +164,8 @@ class BlockPool:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
+            if self.on_evict is not None:
+                self.on_evict(block, block.block_hash)
             del self.cached[block.block_hash]
             self.removed_events.append(block.block_hash)
         block.block_hash = None

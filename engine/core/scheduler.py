@@ -28,10 +28,20 @@ has received more service than another tenant with prompt work gives way for the
 is skipped in the first pass and gets the budget left after admission (without preempting
 anyone), so the engine stays work-conserving.
 
-Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`) or `running`; no
-waiting request is admitted in a step that preempted; a request's prompt logprobs are sent at
-most once, complete (one entry per prompt token) and free of duplicates, even when preemption
-made it recompute its prompt.
+Swap preemption (`preemption_mode` swap or auto, with swap space): the victim's blocks go to
+host memory instead (engine.core.kv_cache_manager.swap_out) and it joins `swapped`, keeping
+its computed tokens. Swapped requests resume (swap-in) before any waiting request is admitted,
+in `sort_key` order, and waiting requests wait while any is swapped (vLLM's rule), so swapped
+ones cannot starve. `auto` swaps a victim holding at least `swap_min_computed_tokens`
+computed tokens; smaller ones are cheaper to recompute. Either mode recomputes when the swap
+space has no room. If nothing runs and no swapped request fits back (shared blocks kept by
+other swapped requests), the swapped ones fall back to recompute, so the engine cannot stall.
+
+Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`), `running` or
+`swapped` (sorted by `sort_key`); no waiting or swapped request is admitted in a step that
+preempted (so no swap-in reads a host block that a swap-out of the same step writes); a
+request's prompt logprobs are sent at most once, complete (one entry per prompt token) and
+free of duplicates, even when preemption made it recompute its prompt.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 from engine.core.fair_share import FairShare
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import HostHit, KVCacheManager
 from engine.logprobs import TokenLogprobs
 from engine.request import Request, RequestStatus
 
@@ -53,6 +63,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    # "recompute", "swap" or "auto" (vLLM's preemption_mode); swap needs the KV manager's
+    # swap space.
+    preemption_mode: str = "recompute"
+    swap_min_computed_tokens: int = 256
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,10 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Every preemption victim; those preempted by swap are also in `swapped_out`.
     preempted: list[Request] = field(default_factory=list)
+    swapped_out: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -98,8 +115,12 @@ class Scheduler:
         self.fair_share = fair_share
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._swap_enabled = (
+            config.preemption_mode != "recompute" and kv_cache_manager.swap is not None
+        )
 
     # ------------------------------------------------------------------ queue management
     def add_request(self, request: Request) -> None:
@@ -111,8 +132,7 @@ class Scheduler:
         self._enqueue_waiting(request)
 
     def _enqueue_waiting(self, request: Request) -> None:
-        keys = [r.sort_key for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, request.sort_key), request)
+        _insert_sorted(self.waiting, request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -131,7 +151,7 @@ class Scheduler:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
@@ -156,7 +176,12 @@ class Scheduler:
             budget -= num_new
             index += 1
         if not out.preempted:
-            budget = self._admit_waiting(out, budget, computing)
+            if self.swapped:
+                budget = self._resume_swapped(out, budget, computing)
+                if not self.running and self.swapped:
+                    self._recompute_swapped()
+            if not self.swapped:
+                budget = self._admit_waiting(out, budget, computing)
         if deferred:
             self._schedule_deferred(out, budget, deferred, computing)
         if self.fair_share is not None:
@@ -177,6 +202,31 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             self._note_computing(request, num_new, computing)
             budget -= num_new
+
+    def _resume_swapped(self, out: SchedulerOutput, budget: int, computing: set[BlockHash]) -> int:
+        """Swap requests back in, in order, while blocks, budget and max_num_seqs allow."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.swap_in(request, num_new) is None:
+                break
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.swapped_in.append(request)
+            self._note_computing(request, num_new, computing)
+            budget -= num_new
+        return budget
+
+    def _recompute_swapped(self) -> None:
+        """Nothing runs and no swapped request fits back: drop their swap, recompute them."""
+        for request in self.swapped:
+            self.kv.drop_swapped(request)
+            self._reset_for_recompute(request)
+            request.status = RequestStatus.PREEMPTED
+            self._enqueue_waiting(request)
+        self.swapped.clear()
 
     def _note_computing(self, request: Request, num_new: int, computing: set[BlockHash]) -> None:
         if not self.kv.enable_caching:
@@ -200,7 +250,7 @@ class Scheduler:
         """Allocate, preempting from the unscheduled tail; False if `request` itself was."""
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self.running.pop()
-            self._preempt(victim)
+            self._preempt(victim, out)
             out.preempted.append(victim)
             if victim is request:
                 return False
@@ -227,10 +277,13 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             if looked_up:
-                self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+                self.kv.record_prefix_lookup(request.num_tokens, hits)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
+                request.num_host_cached_tokens = self.kv.block_size * sum(
+                    1 for hit in hits if isinstance(hit, HostHit)
+                )
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
@@ -240,17 +293,37 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        request.num_preemptions += 1
+        request.preemption_times.append(time.monotonic())
+        self.num_preemptions += 1
+        if self._swap_enabled and self._should_swap(request):
+            self.kv.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            _insert_sorted(self.swapped, request)
+            out.swapped_out.append(request)
+            return
         self.kv.free(request)
+        self._reset_for_recompute(request)
+        request.status = RequestStatus.PREEMPTED
+        self._enqueue_waiting(request)
+
+    def _should_swap(self, request: Request) -> bool:
+        if request.num_computed_tokens == 0:
+            return False  # nothing to keep
+        if (
+            self.config.preemption_mode == "auto"
+            and request.num_computed_tokens < self.config.swap_min_computed_tokens
+        ):
+            return False
+        return self.kv.can_swap_out(request)
+
+    @staticmethod
+    def _reset_for_recompute(request: Request) -> None:
         request.num_computed_tokens = 0
         # Its prompt is recomputed from position 0, rewriting any entries still owed; drop
         # them now rather than hold them while it waits.
         request.pending_prompt_logprobs.clear()
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        request.preemption_times.append(time.monotonic())
-        self.num_preemptions += 1
-        self._enqueue_waiting(request)
 
     # ------------------------------------------------------------------ step results
     def update_from_output(
@@ -315,6 +388,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -330,13 +405,26 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        ids = [r.request_id for r in self.waiting + self.running]
+        ids = [r.request_id for r in self.waiting + self.running + self.swapped]
         if len(ids) != len(set(ids)) or set(ids) != set(self.requests):
             raise AssertionError("a request is lost or queued twice")
-        if [r.sort_key for r in self.waiting] != sorted(r.sort_key for r in self.waiting):
-            raise AssertionError("waiting queue is out of order")
+        for queue in (self.waiting, self.swapped):
+            if [r.sort_key for r in queue] != sorted(r.sort_key for r in queue):
+                raise AssertionError("waiting or swapped queue is out of order")
+        swap_records = set() if self.kv.swap is None else set(self.kv.swap.records)
+        if swap_records != {r.request_id for r in self.swapped}:
+            raise AssertionError("swap records disagree with the swapped queue")
+
+
+def _insert_sorted(queue: list[Request], request: Request) -> None:
+    keys = [r.sort_key for r in queue]
+    queue.insert(bisect.bisect_right(keys, request.sort_key), request)
 
 
 def _store_prompt_logprobs(request: Request, start: int, entries: list[TokenLogprobs]) -> None:

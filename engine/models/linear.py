@@ -1,5 +1,6 @@
 """Linear layers whose CPU GEMM path is chosen per machine: plain `F.linear`, MKL's packed
-GEMM, or oneDNN with the weight reordered once into oneDNN's blocked layout.
+GEMM, oneDNN with the weight reordered once into oneDNN's blocked layout, or our own
+register-blocked kernel on a panel-packed weight (kernels/cpu/panel_linear.cpp).
 
 Why a choice: the fastest float32 GEMM differs between CPUs. On an AMD EPYC (Zen 4) oneDNN
 with a prepacked weight ran the model's shapes at 160-220 GFLOP/s where MKL's paths ran at
@@ -18,10 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# "dense": F.linear; "mkl": MKL packed GEMM; "onednn": oneDNN with a reordered weight.
-BACKENDS = ("dense", "mkl", "onednn")
+# "dense": F.linear; "mkl": MKL packed GEMM; "onednn": oneDNN with a reordered weight;
+# "panel": kvfleet's kernel on [ceil(N / 32), K, 32] panels.
+BACKENDS = ("dense", "mkl", "onednn", "panel")
 # The row count the packed layouts are tuned for (a decode batch).
 _PACK_HINT_ROWS = 32
+_PANEL = 32
 
 
 def backend_supported(backend: str, dtype: torch.dtype) -> bool:
@@ -35,6 +38,13 @@ def backend_supported(backend: str, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available()
             and torch.backends.mkldnn.enabled
         )
+    if backend == "panel":
+        from kernels.cpu import load as load_cpu_kernels
+
+        if not load_cpu_kernels():
+            return False
+        return dtype == torch.float32 or (
+            dtype == torch.bfloat16 and hasattr(torch.ops.kvfleet_cpu, "panel_linear_bf16"))
     raise ValueError(f"unknown linear backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
 
@@ -45,7 +55,40 @@ def pack_weight(weight: torch.Tensor, backend: str) -> torch.Tensor | None:
         return torch.ops.mkl._mkl_reorder_linear_weight(w, _PACK_HINT_ROWS)
     if backend == "onednn":
         return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
+    if backend == "panel":
+        return pack_panels(w)
     return None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] -> [ceil(N / 32), K, 32]: panel p holds columns 32p.. of W^T,
+    zero-padded. bfloat16 -> [ceil(N / 32), ceil(K / 2), 64]: k in pairs, each column's pair
+    adjacent (the operand order of VDPBF16PS)."""
+    n, k = weight.shape
+    panels = -(-n // _PANEL)
+    if weight.dtype == torch.bfloat16:
+        k_pad = k + k % 2
+        padded = weight.new_zeros(panels * _PANEL, k_pad)
+        padded[:n, :k] = weight
+        return (padded.view(panels, _PANEL, k_pad // 2, 2).permute(0, 2, 1, 3)
+                .reshape(panels, k_pad // 2, 2 * _PANEL).contiguous())
+    padded = weight.new_zeros(panels * _PANEL, k)
+    padded[:n] = weight
+    return padded.view(panels, _PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = x.new_empty(x.shape[0], n)
+    if x.dtype == torch.bfloat16:
+        torch.ops.kvfleet_cpu.panel_linear_bf16(out, x, packed, n)
+    else:
+        torch.ops.kvfleet_cpu.panel_linear(out, x, packed, n)
+    if bias is not None:
+        out += bias
+    return out
 
 
 def apply_linear(
@@ -59,6 +102,8 @@ def apply_linear(
         return F.linear(x, weight, bias)
     if backend == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if backend == "panel":
+        return panel_linear(x, packed, weight.shape[0], bias)
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, _PACK_HINT_ROWS)
 
 

@@ -125,6 +125,9 @@ class AsyncEngine:
         self._live: dict[str, int] = {}
         self._stored: list[BlockHash] = []
         self._removed: list[BlockHash] = []
+        # Host-tier events (engine.core.host_kv_tier); stay empty without a host tier.
+        self._stored_host: list[BlockHash] = []
+        self._removed_host: list[BlockHash] = []
         self._load = EngineLoad.of(engine)
         self._progress = StepProgress(iterations=0, at=time.monotonic(), idle=True)
         self._failure: str | None = None  # why the engine thread died
@@ -249,6 +252,11 @@ class AsyncEngine:
     def cached_block_hashes(self) -> list[BlockHash]:
         """Every hash in the prefix cache. Engine thread only (see call_in_engine_thread)."""
         return list(self._engine.kv.pool.cached)
+
+    def host_block_hashes(self) -> list[BlockHash]:
+        """Every hash in the prefix cache's host tier (none without one). Engine thread only."""
+        tier = self._engine.kv.host_tier
+        return [] if tier is None else tier.hashes()
 
     # -- event-loop side helpers -----------------------------------------------------------
 
@@ -420,10 +428,15 @@ class AsyncEngine:
     def _collect_kv_events(self, events: KVCacheEvents) -> None:
         self._stored.extend(events.stored)
         self._removed.extend(events.removed)
+        if events.stored_host or events.removed_host:
+            self._stored_host.extend(events.stored_host)
+            self._removed_host.extend(events.removed_host)
 
     def _after_iteration(self) -> None:
-        events = KVCacheEvents(stored=self._stored, removed=self._removed)
+        events = KVCacheEvents(self._stored, self._removed, self._stored_host, self._removed_host)
         self._stored, self._removed = [], []
+        if events.stored_host or events.removed_host:
+            self._stored_host, self._removed_host = [], []
         self._load = EngineLoad.of(self._engine)
         for listener in self._listeners:
             try:

@@ -7,10 +7,15 @@ observed from the request's timestamps (`Request.arrival_time`, `first_scheduled
 
 Names (all with a `model_name` label; counters get `_total` in the exposition):
 - gauges: kvfleet:num_requests_running, kvfleet:num_requests_waiting,
-  kvfleet:kv_cache_usage_perc (0-1, like vLLM)
-- counters: kvfleet:prefix_cache_queries, kvfleet:prefix_cache_hits (tokens),
+  kvfleet:kv_cache_usage_perc (0-1, like vLLM); KV tiers (0 when off):
+  kvfleet:num_requests_swapped, kvfleet:cpu_cache_usage_perc (swap space, vLLM v0's name),
+  kvfleet:host_cache_usage_perc (host tier of the prefix cache)
+- counters: kvfleet:prefix_cache_queries, kvfleet:prefix_cache_hits (tokens, device),
   kvfleet:num_preemptions, kvfleet:prompt_tokens, kvfleet:generation_tokens,
-  kvfleet:request_success{finished_reason}
+  kvfleet:request_success{finished_reason}; KV tiers: kvfleet:kv_swapped_out_blocks,
+  kvfleet:kv_swapped_in_blocks, kvfleet:host_cache_hits / _misses / _evictions (blocks; a
+  miss is a lookup the tier could not extend), kvfleet:host_cache_stored_blocks,
+  kvfleet:prefix_cache_host_hits (tokens), kvfleet:kv_transfer_bytes{direction}
 - histograms: kvfleet:time_to_first_token_seconds, kvfleet:inter_token_latency_seconds,
   kvfleet:e2e_request_latency_seconds, kvfleet:request_queue_time_seconds,
   kvfleet:request_prompt_tokens, kvfleet:request_generation_tokens,
@@ -48,6 +53,22 @@ COUNTER_STATS = (
     "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
     "generation_tokens",
 )
+# get_stats() key -> (metric name, help) of the KV-tier counters.
+TIER_COUNTERS = {
+    "swapped_out_blocks": ("kv_swapped_out_blocks", "KV blocks copied to swap space"),
+    "swapped_in_blocks": ("kv_swapped_in_blocks", "KV blocks copied back from swap space"),
+    "host_cache_hits": ("host_cache_hits", "Prefix blocks reloaded from the host tier"),
+    "host_cache_misses": (
+        "host_cache_misses", "Prefix lookups the host tier could not extend"
+    ),
+    "host_cache_evictions": ("host_cache_evictions", "Blocks evicted from the host tier"),
+    "host_cache_stored": ("host_cache_stored_blocks", "Blocks written to the host tier"),
+    "prefix_cache_host_hits": (
+        "prefix_cache_host_hits", "Prompt tokens found in the host tier"
+    ),
+}
+TRANSFER_DIRECTIONS = {"kv_transfer_bytes_to_host": "to_host",
+                       "kv_transfer_bytes_to_device": "to_device"}
 
 
 def token_buckets(max_value: int) -> tuple[float, ...]:
@@ -96,6 +117,16 @@ class EngineMetrics:
             "prompt_tokens": counter("prompt_tokens", "Prefill tokens processed"),
             "generation_tokens": counter("generation_tokens", "Generation tokens processed"),
         }
+        self.counters.update(
+            {key: counter(name, doc) for key, (name, doc) in TIER_COUNTERS.items()}
+        )
+        self.swapped = gauge("num_requests_swapped", "Requests swapped out to host memory")
+        self.swap_usage = gauge("cpu_cache_usage_perc", "Swap space usage, 0-1")
+        self.host_usage = gauge("host_cache_usage_perc", "Host KV tier usage, 0-1")
+        self.transfer_bytes = Counter(
+            "kvfleet:kv_transfer_bytes", "KV bytes copied between device and host memory",
+            ["model_name", "direction"], registry=r,
+        )
         self.success = Counter(
             "kvfleet:request_success", "Finished requests by finish reason",
             ["model_name", "finished_reason"], registry=r,
@@ -124,7 +155,7 @@ class EngineMetrics:
     def attach(self, async_engine: AsyncEngine) -> None:
         """Observe `async_engine` (call before it starts)."""
         self._engine = async_engine
-        self._last_counts = {k: 0 for k in COUNTER_STATS}
+        self._last_counts = {k: 0 for k in (*COUNTER_STATS, *TIER_COUNTERS, *TRANSFER_DIRECTIONS)}
         async_engine.add_step_listener(self.on_step)
         async_engine.add_update_listener(self.on_updates)
 
@@ -138,12 +169,23 @@ class EngineMetrics:
         self.running.labels(model).set(stats["num_requests_running"])
         self.waiting.labels(model).set(stats["num_requests_waiting"])
         self.kv_usage.labels(model).set(stats["kv_cache_usage"])
+        self.swapped.labels(model).set(stats["num_requests_swapped"])
+        self.swap_usage.labels(model).set(stats["swap_space_usage"])
+        self.host_usage.labels(model).set(stats["host_cache_usage"])
         for name, counter in self.counters.items():
-            value = int(stats[name])
-            delta = value - self._last_counts.get(name, 0)
+            delta = self._delta(name, stats)
             if delta > 0:
                 counter.labels(model).inc(delta)
-            self._last_counts[name] = value
+        for name, direction in TRANSFER_DIRECTIONS.items():
+            delta = self._delta(name, stats)
+            if delta > 0:
+                self.transfer_bytes.labels(model, direction).inc(delta)
+
+    def _delta(self, name: str, stats: dict[str, int | float]) -> int:
+        value = int(stats[name])
+        delta = value - self._last_counts.get(name, 0)
+        self._last_counts[name] = value
+        return delta
 
     def on_updates(self, updates: Sequence[RequestUpdate], stepped: bool) -> None:
         """Per-request histograms; `stepped`: the updates come from a model step."""

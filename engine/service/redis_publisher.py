@@ -18,6 +18,8 @@ never I/O); a background thread turns them into Redis writes:
 
 Invariants:
 - The engine thread never waits on Redis: `on_step` only records; writes happen elsewhere.
+- Host-tier events go to a second set (`redis_schema.host_blocks_key`) by the same rules, in
+  the same transactions; an engine without a host tier never writes it.
 - Events are coalesced per hash, last state wins (stored then evicted before a flush = no
   write), so the set converges to exactly the engine's cached hashes.
 - If Redis is unreachable the publisher drops pending events (a resync will rebuild the
@@ -97,6 +99,8 @@ class EngineView(Protocol):
 
     def cached_block_hashes(self) -> list[BlockHash]: ...
 
+    def host_block_hashes(self) -> list[BlockHash]: ...
+
 
 class RedisPublisher:
     """Publishes one engine to Redis from a background thread; see the module docstring."""
@@ -117,6 +121,7 @@ class RedisPublisher:
         self._heartbeat_s = heartbeat_s
         self._engine_key = redis_schema.engine_key(registration.engine_id)
         self._blocks_key = redis_schema.blocks_key(registration.engine_id, self.epoch)
+        self._host_blocks_key = redis_schema.host_blocks_key(registration.engine_id, self.epoch)
         self._client = redis.Redis.from_url(
             redis_url,
             socket_timeout=REDIS_TIMEOUT_S,
@@ -124,8 +129,10 @@ class RedisPublisher:
             retry=Retry(NoBackoff(), 0),  # fail fast; the loop retries on its own schedule
         )
         self._cond = threading.Condition()
-        # hash -> True (cached) / False (evicted): the net change since the last flush.
+        # hash -> True (cached) / False (evicted): the net change since the last flush, for
+        # the device and the host tier.
         self._pending: dict[BlockHash, bool] = {}
+        self._pending_host: dict[BlockHash, bool] = {}
         self._dirty = False
         self._stopping = False
         self._needs_resync = True
@@ -134,6 +141,8 @@ class RedisPublisher:
         self._thread: threading.Thread | None = None
         self._failures = 0
         self._last_log = -LOG_EVERY_S
+        # Set once a host-tier hash was seen: from then on every flush refreshes that set's TTL.
+        self._has_host_tier = False
         self.registered = threading.Event()  # set after every successful write, cleared on failure
 
     # -- engine thread ---------------------------------------------------------------------
@@ -147,6 +156,10 @@ class RedisPublisher:
                 self._pending[block_hash] = True
             for block_hash in events.removed:
                 self._pending[block_hash] = False
+            for block_hash in events.stored_host:
+                self._pending_host[block_hash] = True
+            for block_hash in events.removed_host:
+                self._pending_host[block_hash] = False
             self._dirty = True
             self._cond.notify()
 
@@ -176,7 +189,7 @@ class RedisPublisher:
             self._thread.join()
         try:
             pipe = self._client.pipeline(transaction=True)
-            pipe.delete(self._engine_key, self._blocks_key)
+            pipe.delete(self._engine_key, self._blocks_key, self._host_blocks_key)
             pipe.srem(redis_schema.ENGINES_SET, self.registration.engine_id)
             pipe.execute()
             logger.info("deregistered engine %s from Redis", self.registration.engine_id)
@@ -200,7 +213,7 @@ class RedisPublisher:
                 self._not_before = now + (MIN_FLUSH_INTERVAL_S if ok else self._heartbeat_s)
                 self._heartbeat_due = now + self._heartbeat_s
 
-    def _wait_for_work(self) -> dict[BlockHash, bool] | None:
+    def _wait_for_work(self) -> _Pending | None:
         """Block until a flush is due; returns the pending changes, or None when stopping."""
         with self._cond:
             while not self._stopping:
@@ -212,10 +225,11 @@ class RedisPublisher:
                 self._cond.wait(max(wake_at, self._not_before) - now)
             if self._stopping:
                 return None
-            pending, self._pending, self._dirty = self._pending, {}, False
+            pending = _Pending(self._pending, self._pending_host)
+            self._pending, self._pending_host, self._dirty = {}, {}, False
             return pending
 
-    def _sync(self, pending: dict[BlockHash, bool]) -> bool:
+    def _sync(self, pending: _Pending) -> bool:
         try:
             if not self._needs_resync and not self._flush(pending):
                 logger.warning("engine %s vanished from Redis; re-registering",
@@ -231,17 +245,16 @@ class RedisPublisher:
         self.registered.set()
         return True
 
-    def _flush(self, pending: dict[BlockHash, bool]) -> bool:
+    def _flush(self, pending: _Pending) -> bool:
         """One transaction with the net changes and the load; False if our registry was gone."""
         pipe = self._client.pipeline(transaction=True)
         pipe.exists(self._engine_key)
-        added = [h for h, cached in pending.items() if cached]
-        removed = [h for h, cached in pending.items() if not cached]
-        for chunk in _chunks(added):
-            pipe.sadd(self._blocks_key, *chunk)
-        for chunk in _chunks(removed):
-            pipe.srem(self._blocks_key, *chunk)
+        _apply_changes(pipe, self._blocks_key, pending.device)
         pipe.expire(self._blocks_key, redis_schema.BLOCKS_TTL_S)
+        self._has_host_tier = self._has_host_tier or bool(pending.host)
+        if self._has_host_tier:
+            _apply_changes(pipe, self._host_blocks_key, pending.host)
+            pipe.expire(self._host_blocks_key, redis_schema.BLOCKS_TTL_S)
         pipe.hset(self._engine_key, mapping=self._registry_fields())
         pipe.expire(self._engine_key, redis_schema.REGISTRY_TTL_S)
         results = pipe.execute()
@@ -250,25 +263,35 @@ class RedisPublisher:
     def _resync(self) -> int:
         """Replace everything this engine id has in Redis with the current truth."""
         snapshot = self._view.call_in_engine_thread(self._capture_cache)
-        hashes = snapshot.result(SNAPSHOT_TIMEOUT_S)
-        pattern = redis_schema.blocks_key_pattern(self.registration.engine_id)
-        stale = list(self._client.scan_iter(match=pattern, count=1000))
+        hashes, host_hashes = snapshot.result(SNAPSHOT_TIMEOUT_S)
+        self._has_host_tier = self._has_host_tier or bool(host_hashes)
+        engine_id = self.registration.engine_id
+        stale = [
+            key
+            for pattern in (redis_schema.blocks_key_pattern(engine_id),
+                            redis_schema.host_blocks_key_pattern(engine_id))
+            for key in self._client.scan_iter(match=pattern, count=1000)
+        ]
         pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self._blocks_key, self._engine_key, *stale)
+        pipe.delete(self._blocks_key, self._host_blocks_key, self._engine_key, *stale)
         for chunk in _chunks(hashes):
             pipe.sadd(self._blocks_key, *chunk)
         pipe.expire(self._blocks_key, redis_schema.BLOCKS_TTL_S)
+        for chunk in _chunks(host_hashes):
+            pipe.sadd(self._host_blocks_key, *chunk)
+        pipe.expire(self._host_blocks_key, redis_schema.BLOCKS_TTL_S)
         pipe.hset(self._engine_key, mapping=self._registry_fields())
         pipe.expire(self._engine_key, redis_schema.REGISTRY_TTL_S)
         pipe.sadd(redis_schema.ENGINES_SET, self.registration.engine_id)
         pipe.execute()
         return len(hashes)
 
-    def _capture_cache(self) -> list[BlockHash]:
+    def _capture_cache(self) -> tuple[list[BlockHash], list[BlockHash]]:
         # Engine thread: events recorded so far are part of this snapshot; later ones follow.
         with self._cond:
             self._pending.clear()
-        return self._view.cached_block_hashes()
+            self._pending_host.clear()
+        return self._view.cached_block_hashes(), self._view.host_block_hashes()
 
     def _registry_fields(self) -> dict[Any, str]:
         reg, load = self.registration, self._view.load
@@ -297,6 +320,7 @@ class RedisPublisher:
         self.registered.clear()
         with self._cond:
             self._pending.clear()  # the resync on reconnect re-publishes the whole cache
+            self._pending_host.clear()
         self._needs_resync = True
         self._failures += 1
         now = time.monotonic()
@@ -307,6 +331,23 @@ class RedisPublisher:
                 "Redis publish failed (%d attempt(s) so far; serving continues, retrying every "
                 "%.1fs): %s", self._failures, self._heartbeat_s, exc, exc_info=not expected
             )
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """Net changes since the last flush: hash -> cached (True) / evicted (False)."""
+
+    device: dict[BlockHash, bool]
+    host: dict[BlockHash, bool]
+
+
+def _apply_changes(pipe: Any, key: str, changes: dict[BlockHash, bool]) -> None:
+    added = [h for h, cached in changes.items() if cached]
+    removed = [h for h, cached in changes.items() if not cached]
+    for chunk in _chunks(added):
+        pipe.sadd(key, *chunk)
+    for chunk in _chunks(removed):
+        pipe.srem(key, *chunk)
 
 
 def _chunks(items: Sequence[BlockHash]) -> Iterator[Sequence[Any]]:

@@ -39,6 +39,7 @@ from redis.connection import parse_url
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.service.async_engine import AsyncEngine
+from engine.service.kv_tier_flags import add_kv_tier_arguments, kv_tier_config
 from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
 from engine.service.servicer import EngineIdentity, EngineServicer
@@ -272,10 +273,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=True)
     engine.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    engine.add_argument("--device", default="auto",
+                        help="auto (CUDA when available), cpu, cuda or cuda:N "
+                             "(default: %(default)s)")
+    engine.add_argument("--attention-backend", default="auto",
+                        choices=["auto", "torch", "kernel", "triton"],
+                        help="auto: Triton on CUDA, the C++ kernels (else PyTorch) on CPU; "
+                             "triton on CPU runs interpreted (default: %(default)s)")
     engine.add_argument("--linear-backend", default="auto",
-                        choices=["auto", "onednn", "mkl", "dense"],
+                        choices=["auto", "onednn", "mkl", "dense", "panel"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
                              "(default: %(default)s)")
+    add_kv_tier_arguments(engine)
     parser.add_argument("--max-concurrent-requests", type=_positive_int,
                         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                         help="requests in flight beyond which new ones are refused with "
@@ -312,6 +321,9 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         enable_chunked_prefill=args.enable_chunked_prefill,
         linear_backend=args.linear_backend,
         scheduling_policy=args.scheduling_policy,
+        attention_backend=args.attention_backend,
+        device=args.device,
+        **kv_tier_config(args),
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded
     return EngineServerOptions(

@@ -12,13 +12,16 @@ from collections.abc import Callable, Iterable
 import pytest
 
 from engine.core.fair_share import FairShare
+from engine.core.host_kv_tier import HostKVTier
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_transfer import TransferPlan
 from engine.core.scheduler import (
     RequestUpdate,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
+from engine.core.swap_space import SwapSpace
 from engine.request import Request, TenantShare
 from engine.sampling_params import SamplingParams
 
@@ -37,14 +40,27 @@ class Harness:
         enable_chunked_prefill: bool = True,
         enable_caching: bool = True,
         fair_share: bool = False,
+        num_swap_blocks: int = 0,
+        num_host_blocks: int = 0,
+        preemption_mode: str = "recompute",
+        swap_min_computed_tokens: int = 0,
     ) -> None:
-        self.kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching)
+        # Host ids as the engine lays them out: swap space first, then the host tier.
+        self.kv = KVCacheManager(
+            num_blocks, BLOCK_SIZE, enable_caching,
+            swap=SwapSpace(num_swap_blocks) if num_swap_blocks else None,
+            host_tier=HostKVTier(num_host_blocks, num_swap_blocks) if num_host_blocks else None,
+        )
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill,
+            preemption_mode=preemption_mode,
+            swap_min_computed_tokens=swap_min_computed_tokens,
         )
+        # The copies planned by the last schedule() (the engine runs them before the step).
+        self.last_plan = TransferPlan()
         self.scheduler = Scheduler(self.config, self.kv, FairShare() if fair_share else None)
         self._next_seq = 0
 
@@ -81,6 +97,8 @@ class Harness:
 
     def schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        self.scheduler.check_integrity()
+        self.last_plan = self.kv.transfers.take()
         self.scheduler.check_integrity()
         assert out.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
         assert self.scheduler.num_running <= self.config.max_num_seqs
@@ -125,6 +143,10 @@ class Harness:
     @property
     def running(self) -> list[str]:
         return [r.request_id for r in self.scheduler.running]
+
+    @property
+    def swapped(self) -> list[str]:
+        return [r.request_id for r in self.scheduler.swapped]
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.kv.get_block_ids(request_id)

@@ -1,0 +1,224 @@
+// Linear layer on a panel-packed weight: out[M, N] = x[M, K] @ W[N, K]^T, float32 and (where
+// the CPU has AVX512-BF16) bfloat16.
+//
+// Why: at decode-sized M (8-64 rows) oneDNN ran this model's projections at 110-155 GFLOP/s on
+// a 2-core Zen 4 against ~218 at large M; a register-blocked kernel over a layout made for it
+// keeps the FMA units busy at small M as well. The engine uses it only where start-up
+// measurement shows it faster (engine/models/gemm_select.py).
+//
+// Packed layout (made by engine/models/linear.py): [P = ceil(N / 32)][K][32]: panel p holds
+// columns [32 p, 32 p + 32) of W^T, one 32-float row per k, zero-padded past N. A panel is
+// read front to back (hardware prefetch streams it from memory once per call) and stays in
+// L2 while every row block of x passes over it.
+//
+// Micro-kernel: up to 12 rows x 32 columns of out in 24 vector accumulators; per k, two panel
+// vectors are loaded and each row's x[m][k] is broadcast into two FMAs. Each output element is
+// the sum over k in increasing order (one rounding per FMA); results differ from other GEMMs
+// only in the last bits, like any two BLAS libraries.
+//
+// bfloat16: the panel holds k in pairs, [P][ceil(K / 2)][32][2], and one VDPBF16PS per vector
+// adds both products of a pair (exact bf16 x bf16 products, float32 sums, as oneDNN's bf16
+// GEMM); the float32 sums are rounded to bfloat16 once, to nearest even, on store.
+//
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define KVFLEET_PANEL_BF16 1
+#endif
+
+#include "simd.h"
+
+namespace {
+
+using kvfleet::bcast;
+using kvfleet::load16;
+using kvfleet::store16;
+using kvfleet::v16;
+
+constexpr int kPanel = 32;
+constexpr int kMaxRows = 12;
+// Rows of x per block: about 512 KiB of them, so they stay in L2 beside the panel.
+constexpr int64_t kRowBlockBytes = 512 * 1024;
+
+template <int MR>
+inline void micro(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t k_len,
+                  float* __restrict c, int64_t ldc, int cols) {
+  v16 acc0[MR], acc1[MR];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = v16{};
+  for (int64_t k = 0; k < k_len; ++k) {
+    const v16 b0 = load16(b + k * kPanel), b1 = load16(b + k * kPanel + 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const v16 ai = bcast(a[i * lda + k]);
+      acc0[i] += ai * b0;
+      acc1[i] += ai * b1;
+    }
+  }
+  if (cols == kPanel) {
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      store16(c + i * ldc, acc0[i]);
+      store16(c + i * ldc + 16, acc1[i]);
+    }
+    return;
+  }
+  for (int i = 0; i < MR; ++i) {  // last panel: only the real columns
+    float tmp[kPanel];
+    store16(tmp, acc0[i]);
+    store16(tmp + 16, acc1[i]);
+    std::memcpy(c + i * ldc, tmp, sizeof(float) * cols);
+  }
+}
+
+#if KVFLEET_PANEL_BF16
+template <int MR>
+inline void micro_bf16(const uint16_t* __restrict a, int64_t lda, const uint16_t* __restrict b,
+                       int64_t k_len, uint16_t* __restrict c, int64_t ldc, int cols) {
+  __m512 acc0[MR], acc1[MR];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  const int64_t pairs = k_len / 2;
+  for (int64_t k = 0; k < pairs; ++k) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + k * 2 * kPanel);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + k * 2 * kPanel + kPanel);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      uint32_t pair;
+      std::memcpy(&pair, a + i * lda + 2 * k, sizeof pair);
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      acc0[i] = _mm512_dpbf16_ps(acc0[i], ai, b0);
+      acc1[i] = _mm512_dpbf16_ps(acc1[i], ai, b1);
+    }
+  }
+  if (k_len % 2) {  // odd K: the last x element pairs with the panel's zero padding
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + pairs * 2 * kPanel);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + pairs * 2 * kPanel + kPanel);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(a[i * lda + k_len - 1]);
+      acc0[i] = _mm512_dpbf16_ps(acc0[i], ai, b0);
+      acc1[i] = _mm512_dpbf16_ps(acc1[i], ai, b1);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    uint16_t tmp[kPanel];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp), (__m256i)_mm512_cvtneps_pbh(acc0[i]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + 16),
+                        (__m256i)_mm512_cvtneps_pbh(acc1[i]));
+    std::memcpy(c + i * ldc, tmp, sizeof(uint16_t) * cols);
+  }
+}
+#endif
+
+template <typename T>
+using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int);
+
+// Work is handed out in units (a row block x a group of panels) from an atomic counter, not
+// split evenly up front: when another process takes one core for a while (a router or a
+// client on the same machine), the other thread keeps taking units instead of finishing its
+// fixed half and then idling at the barrier. Units go row block by row block so x's active
+// rows stay in cache; about eight units per thread per row block keep the tail short.
+template <typename T, MicroFn<T> (*Pick)(int)>
+void drive(T* op, int64_t ldc, const T* xp, int64_t lda, const T* wp, int64_t m, int64_t k_len,
+           int64_t n, int64_t panels, int64_t panel_elems) {
+  const int64_t row_block =
+      std::max<int64_t>(kMaxRows, kRowBlockBytes / (k_len * static_cast<int64_t>(sizeof(T))) /
+                                      kMaxRows * kMaxRows);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t group = std::max<int64_t>(1, panels / (threads * 8));
+  const int64_t groups = (panels + group - 1) / group;
+  const int64_t units = (m + row_block - 1) / row_block * groups;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, units), 1, [&](int64_t, int64_t) {
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+      const int64_t r0 = u / groups * row_block, r1 = std::min(m, r0 + row_block);
+      const int64_t p0 = u % groups * group, p1 = std::min(panels, p0 + group);
+      for (int64_t p = p0; p < p1; ++p) {
+        const T* b = wp + p * panel_elems;
+        const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+        for (int64_t r = r0; r < r1; r += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, r1 - r));
+          Pick(rows)(xp + r * lda, lda, b, k_len, op + r * ldc + p * kPanel, ldc, cols);
+        }
+      }
+    }
+  });
+}
+
+MicroFn<float> pick_f32(int rows) {
+  static constexpr MicroFn<float> table[kMaxRows + 1] = {
+      nullptr,  micro<1>, micro<2>, micro<3>,  micro<4>,  micro<5>, micro<6>,
+      micro<7>, micro<8>, micro<9>, micro<10>, micro<11>, micro<12>};
+  return table[rows];
+}
+
+#if KVFLEET_PANEL_BF16
+MicroFn<uint16_t> pick_bf16(int rows) {
+  static constexpr MicroFn<uint16_t> table[kMaxRows + 1] = {
+      nullptr,       micro_bf16<1>, micro_bf16<2>,  micro_bf16<3>,  micro_bf16<4>,
+      micro_bf16<5>, micro_bf16<6>, micro_bf16<7>,  micro_bf16<8>,  micro_bf16<9>,
+      micro_bf16<10>, micro_bf16<11>, micro_bf16<12>};
+  return table[rows];
+}
+#endif
+
+// Checks shared by both dtypes (k_rows: the packed weight's K rows); returns the panel count.
+int64_t check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+              at::ScalarType dtype, int64_t k_rows) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 3, "panel_linear: bad ranks");
+  TORCH_CHECK(x.scalar_type() == dtype && packed.scalar_type() == dtype &&
+                  out.scalar_type() == dtype,
+              "panel_linear: x, packed and out must share the op's dtype");
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k_rows && packed.is_contiguous(),
+              "panel_linear: packed weight does not match x's K");
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "panel_linear: N mismatch");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1 &&
+                  x.stride(1) == 1,
+              "panel_linear: out must be [M, N] and both rows unit-stride");
+  return panels;
+}
+
+void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  const int64_t k_len = x.size(1);
+  const int64_t panels = check(out, x, packed, n, at::kFloat, k_len);
+  TORCH_CHECK(packed.size(2) == kPanel, "panel_linear: packed weight must be [P, K, 32]");
+  drive<float, pick_f32>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
+                         packed.data_ptr<float>(), x.size(0), k_len, n, panels,
+                         k_len * kPanel);
+}
+
+#if KVFLEET_PANEL_BF16
+void panel_linear_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                       int64_t n) {
+  const int64_t k_len = x.size(1);
+  const int64_t panels = check(out, x, packed, n, at::kBFloat16, (k_len + 1) / 2);
+  TORCH_CHECK(packed.size(2) == 2 * kPanel, "panel_linear: packed weight must be [P, K/2, 64]");
+  auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  drive<uint16_t, pick_bf16>(u16(out), out.stride(0), u16(x), x.stride(0), u16(packed),
+                             x.size(0), k_len, n, panels, (k_len + 1) / 2 * 2 * kPanel);
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
+#if KVFLEET_PANEL_BF16
+  m.def("panel_linear_bf16(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
+  m.impl("panel_linear", &panel_linear);
+#if KVFLEET_PANEL_BF16
+  m.impl("panel_linear_bf16", &panel_linear_bf16);
+#endif
+}
