@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.service_auth import CREDENTIAL_HEADER
 from kvfleet.v1 import tokenizer_pb2
 from router.client import build_request
 from tests.services.router_fleet import RouterClient, greedy
@@ -54,13 +55,14 @@ METHODS = [
 ]
 
 
-def _call(channel: grpc.Channel, method: str, kind: str, payload: bytes) -> None:
+def _call(channel: grpc.Channel, method: str, kind: str, payload: bytes,
+          metadata: tuple[tuple[str, str], ...] = ()) -> None:
     if kind == "unary":
-        channel.unary_unary(method)(payload, timeout=10)
+        channel.unary_unary(method)(payload, timeout=10, metadata=metadata)
     elif kind == "server_stream":
-        list(channel.unary_stream(method)(payload, timeout=10))
+        list(channel.unary_stream(method)(payload, timeout=10, metadata=metadata))
     else:
-        list(channel.stream_stream(method)(iter([payload]), timeout=10))
+        list(channel.stream_stream(method)(iter([payload]), timeout=10, metadata=metadata))
 
 
 @pytest.mark.parametrize("payload", [TRUNCATED, BAD_UTF8], ids=["truncated", "bad-utf8"])
@@ -68,9 +70,12 @@ def _call(channel: grpc.Channel, method: str, kind: str, payload: bytes) -> None
 def test_undecodable_request_is_invalid_argument(
     fleet: Fleet, service: str, method: str, kind: str, payload: bytes
 ) -> None:
+    # Engines check the router credential before decoding: send it, so decoding is what fails.
+    metadata = ((CREDENTIAL_HEADER, fleet.router_secret_file.read_text()),) \
+        if service == "engine" else ()
     with grpc.insecure_channel(_addresses(fleet)[service]) as channel, \
             pytest.raises(grpc.RpcError) as info:
-        _call(channel, method, kind, payload)
+        _call(channel, method, kind, payload, metadata)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     details = info.value.details() or ""
     assert "could not be decoded" in details and "<class" not in details

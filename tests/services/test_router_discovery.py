@@ -69,7 +69,9 @@ def start_router(fleet: Fleet, name: str, *flags: str) -> ServiceProcess:
     command = [sys.executable, "-m", "router.server", "--tokenizer", fleet.tokenizer.address,
                "--api-keys", str(fleet.config.api_keys), "--host", "127.0.0.1", "--port", "0",
                "--port-file", str(port_file), "--metrics-port", "0",
-               "--metrics-port-file", str(metrics_port_file), "--no-http", *flags]
+               "--metrics-port-file", str(metrics_port_file), "--no-http",
+               # The fleet's engines serve only callers holding its router credential.
+               "--router-secret-file", str(fleet.router_secret_file), *flags]
     with open(log_path, "ab") as log:
         process = subprocess.Popen(command, stdout=log, stderr=log)
     router = ServiceProcess(name, process, port_file, log_path, "127.0.0.1",
