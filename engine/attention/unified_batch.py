@@ -26,13 +26,6 @@ class UnifiedBatch:
     seq_lens: torch.Tensor  # [S] int32, this step's tokens included
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with block 0
 
-    def to(self, device: torch.device) -> UnifiedBatch:
-        return UnifiedBatch(
-            self.query_start_loc.to(device, non_blocking=True),
-            self.seq_lens.to(device, non_blocking=True),
-            self.block_tables.to(device, non_blocking=True),
-        )
-
 
 def build_unified_batch(
     scheduled: Sequence[ScheduledRequest], block_ids: dict[str, list[int]], block_size: int

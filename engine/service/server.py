@@ -284,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["auto", "onednn", "mkl", "dense", "panel"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
                              "(default: %(default)s)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: fraction of the GPU's memory for weights, activations and "
+                             "KV cache (default: %(default)s)")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: run decode steps eagerly instead of through CUDA graphs")
     add_kv_tier_arguments(engine)
     parser.add_argument("--max-concurrent-requests", type=_positive_int,
                         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -323,6 +328,8 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         scheduling_policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
         **kv_tier_config(args),
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded

@@ -20,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from kernels.triton import runtime
 
+HAS_CUDA = torch.cuda.is_available()
 NEW_TOKENS = 6
 PROMPT_LENGTHS = [1, 12, 17, 29]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -49,17 +50,22 @@ def reference(tiny_model_dir, prompts) -> list[list[int]]:
 
 def triton_llm(model_dir, **engine_args) -> LLM:
     # A small cache: the interpreter copies every tensor argument (the whole layer cache
-    # included) to the host and back on each launch.
+    # included) to the host and back on each launch. On a GPU machine (make gpu-check) the
+    # same tests run compiled on CUDA, eagerly so that every launch is counted.
     engine_args.setdefault("num_kv_blocks", 32)
+    engine_args.setdefault("enforce_eager", True)
     llm = LLM(
-        str(model_dir), dtype="float32", attention_backend="triton", device="cpu",
-        linear_backend="dense", **engine_args,
+        str(model_dir), dtype="float32", attention_backend="triton",
+        device="cuda" if HAS_CUDA else "cpu", linear_backend="dense", **engine_args,
     )
     assert llm.engine.runner.use_triton and not llm.engine.runner.use_decode_kernel
     return llm
 
 
-def run_checked(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+def run_checked(
+    engine: LLMEngine, prompts: list[list[int]], replayed: int = 0
+) -> list[list[int]]:
+    """Runs to completion; `replayed` steps ran from CUDA graphs (no launch counted)."""
     before = runtime.launch_counts["unified_attention"]
     requests = [engine.add_request(f"r{i}", ids, GREEDY) for i, ids in enumerate(prompts)]
     steps = 0
@@ -69,7 +75,10 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
         steps += 1
         assert steps < 1000, "engine made no progress"
     layers = engine.model_config.num_hidden_layers
-    assert runtime.launch_counts["unified_attention"] - before == steps * layers
+    graphs = engine.runner.decode_graphs
+    if graphs is not None and graphs.graphs:
+        replayed = sum(graphs.runs.values())
+    assert runtime.launch_counts["unified_attention"] - before == (steps - replayed) * layers
     return [r.output_token_ids for r in requests]
 
 
@@ -97,3 +106,27 @@ def test_triton_engine_one_batch_then_prefix_hits(tiny_model_dir, prompts, refer
     expected_hits = [((len(p) - 1) // 16) * 16 for p in prompts]
     assert [o.num_cached_tokens for o in second] == expected_hits
     assert sum(expected_hits) > 0
+
+
+@pytest.mark.parametrize(
+    ("sizes", "engine_args", "expected_sizes"),
+    [
+        # Four decodes padded up to 8 rows (three padding rows that must change nothing).
+        pytest.param((1, 2, 8), {}, {8}, id="padded-4-to-8"),
+        # Three at a time fit exactly; the fourth decodes alone, then padded 1 -> 2 never
+        # happens: sizes 1 and 3 both run.
+        pytest.param((1, 3), {"max_num_seqs": 3}, {1, 3}, id="exact-sizes"),
+    ],
+)
+def test_triton_engine_decode_graph_path(
+    tiny_model_dir, prompts, reference, sizes, engine_args, expected_sizes
+):
+    """The CUDA-graph decode path (static buffers, padding): exact tokens. Run eagerly under
+    the interpreter on CPU, captured and replayed on CUDA."""
+    llm = triton_llm(tiny_model_dir, **engine_args)
+    runner = llm.engine.runner
+    max_blocks = -(-llm.engine.max_model_len // 16)
+    runner.enable_decode_graphs(sizes, max_blocks, capture=HAS_CUDA)
+    assert run_checked(llm.engine, prompts) == reference
+    assert runner.decode_graphs is not None
+    assert set(runner.decode_graphs.runs) == expected_sizes

@@ -9,7 +9,6 @@ import torch
 from engine.config import EngineConfig
 from engine.device import (
     DeviceUnavailableError,
-    placement_device,
     resolve_attention_backend,
     resolve_device,
 )
@@ -60,12 +59,6 @@ def test_attention_backend_by_device():
             resolve_attention_backend(cpu_only, cuda)
 
 
-def test_placement_stays_on_cpu_until_cuda_placement_lands():
-    assert placement_device(torch.device("cuda"), "auto") == torch.device("cpu")
-    with pytest.raises(DeviceUnavailableError, match="not implemented yet"):
-        placement_device(torch.device("cuda"), "cuda")
-
-
 def test_engine_flags_reach_the_config():
     args = build_parser().parse_args(
         ["--model", "m", "--engine-id", "e", "--redis-url", "redis://127.0.0.1:1/0",
@@ -73,6 +66,23 @@ def test_engine_flags_reach_the_config():
     )
     engine = options_from_args(args).engine
     assert (engine.device, engine.attention_backend) == ("cpu", "triton")
+    assert (engine.gpu_memory_utilization, engine.enforce_eager) == (0.9, False)
+    args = build_parser().parse_args(
+        ["--model", "m", "--engine-id", "e", "--redis-url", "redis://127.0.0.1:1/0",
+         "--device", "cuda:1", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
+    )
+    engine = options_from_args(args).engine
+    assert (engine.device, engine.gpu_memory_utilization, engine.enforce_eager) == (
+        "cuda:1", 0.5, True)
+
+
+def test_cpu_linear_backends_are_refused_on_cuda(tmp_path, monkeypatch):
+    from engine.llm_engine import LLMEngine
+
+    (tmp_path / "config.json").write_text("{}")  # never read: the checks come first
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="CPU path"):
+        LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", linear_backend="panel"))
 
 
 def test_llm_engine_reports_missing_gpu_before_loading(tmp_path, monkeypatch):
