@@ -58,6 +58,24 @@ def plan_kv_blocks(profile: GpuMemoryProfile, utilization: float, bytes_per_bloc
     return blocks
 
 
+# What to lower when a start-up stage runs out of GPU memory.
+_ADVICE = {
+    "weights": "free the GPU, choose a smaller --dtype (bfloat16), or use a larger GPU",
+    "activations": "lower --max-num-batched-tokens or --max-num-seqs",
+    "KV cache": "lower --num-kv-blocks / --kv-cache-memory-bytes or --gpu-memory-utilization",
+}
+
+
+def out_of_memory(stage: str, asked_bytes: int, device: torch.device) -> GpuMemoryError:
+    """The start-up error for a CUDA out-of-memory while allocating `stage`."""
+    in_use, total = memory_in_use(device)
+    return GpuMemoryError(
+        f"out of GPU memory allocating the {stage} ({asked_bytes / GIB:.2f} GiB asked; "
+        f"{in_use / GIB:.2f} of {total / GIB:.2f} GiB in use on {device}, weights "
+        f"{torch.cuda.memory_allocated(device) / GIB:.2f} GiB of it): {_ADVICE[stage]}"
+    )
+
+
 def memory_in_use(device: torch.device) -> tuple[int, int]:
     """(bytes in use on the device by anyone, total bytes). This process's cached-but-free
     allocator blocks (an engine freed earlier) are released first, so they do not count."""

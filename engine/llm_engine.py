@@ -26,6 +26,7 @@ from engine.device import resolve_attention_backend, resolve_device
 from engine.gpu_memory import (
     GpuMemoryProfile,
     memory_in_use,
+    out_of_memory,
     plan_kv_blocks,
     profile_peak_activations,
 )
@@ -33,6 +34,7 @@ from engine.host_malloc import tune_for_reuse
 from engine.kv_offload import HostKVBuffer, plan_host_layout
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
 from engine.request import Request, TenantShare
 from engine.sampling_params import SamplingParams
@@ -73,7 +75,7 @@ class LLMEngine:
                 torch.cuda.set_device(self.device)
             self._gpu_in_use_at_start = memory_in_use(self.device)
         tune_for_reuse()  # before the model's buffers exist (engine.host_malloc)
-        self.model, _ = load_model(model_dir, self.dtype, self.device)
+        self.model = self._load_model(model_dir)
         self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
         self.max_model_len = self._resolve_max_model_len()
@@ -104,17 +106,7 @@ class LLMEngine:
             self.kv,
             FairShare() if config.scheduling_policy == "fair" else None,
         )
-        self.runner = ModelRunner(
-            self.model,
-            self.model_config,
-            self.kv_layout.num_blocks,
-            config.block_size,
-            self.dtype,
-            config.seed,
-            self.attention_backend,
-            config.linear_backend,
-            self.device,
-        )
+        self.runner = self._make_runner()
         # Host memory of the KV tiers; None (the default) keeps the step free of tier work.
         self.host_kv = (
             HostKVBuffer(self.runner.kv_caches, self.host_layout.num_blocks)
@@ -134,6 +126,15 @@ class LLMEngine:
         self._log_kv_cache()
 
     # ------------------------------------------------------------------ start-up
+    def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
+        try:
+            return load_model(model_dir, self.dtype, self.device)[0]
+        except torch.OutOfMemoryError as exc:
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            raise out_of_memory(
+                "weights", self.model_config.num_parameters * itemsize, self.device
+            ) from exc
+
     def _resolve_max_model_len(self) -> int:
         derived = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
@@ -168,17 +169,33 @@ class LLMEngine:
                 )
         return KVCacheLayout(num_blocks, per_block)
 
+    def _make_runner(self) -> ModelRunner:
+        config = self.config
+        try:
+            return ModelRunner(
+                self.model, self.model_config, self.kv_layout.num_blocks, config.block_size,
+                self.dtype, config.seed, self.attention_backend, config.linear_backend,
+                self.device,
+            )
+        except torch.OutOfMemoryError as exc:
+            asked = self.kv_layout.num_blocks * self.kv_layout.bytes_per_block
+            raise out_of_memory("KV cache", asked, self.device) from exc
+
     def _gpu_kv_blocks(self, bytes_per_block: int) -> int:
         """vLLM's gpu_memory_utilization: what is left after the weights and a profiled
         largest step (engine.gpu_memory)."""
         config = self.config
         other, total = self._gpu_in_use_at_start
         weights = torch.cuda.memory_allocated(self.device)
-        peak = profile_peak_activations(
-            self.model, self.device, self.dtype,
-            min(config.max_num_batched_tokens, self.max_model_len), config.max_num_seqs,
-            config.block_size,
-        )
+        num_tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        try:
+            peak = profile_peak_activations(
+                self.model, self.device, self.dtype, num_tokens, config.max_num_seqs,
+                config.block_size,
+            )
+        except torch.OutOfMemoryError as exc:
+            hidden = self.model_config.intermediate_size * 4 * num_tokens
+            raise out_of_memory("activations", hidden, self.device) from exc
         profile = GpuMemoryProfile(total, other, weights, peak)
         num_blocks = plan_kv_blocks(profile, config.gpu_memory_utilization, bytes_per_block)
         gib = 2**30

@@ -83,6 +83,18 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count of the decoder (embedding, layers, final norm, untied LM head)."""
+        hidden, inter = self.hidden_size, self.intermediate_size
+        per_layer = (
+            hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
+            + 3 * hidden * inter + 2 * hidden
+        )
+        embed = self.vocab_size * hidden
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + self.num_hidden_layers * per_layer + hidden + head
+
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"

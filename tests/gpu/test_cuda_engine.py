@@ -3,10 +3,11 @@
 - float32: greedy tokens equal transformers' `generate` on the same GPU, token for token, in
   one mixed batch, with chunked prefill, under preemption and with prefix hits, with decode
   steps replayed from CUDA graphs and with --enforce-eager.
-- bfloat16: tokens agree with transformers in bfloat16 on the same GPU; rounding differs
-  between two bf16 implementations (kernel order, fused projections), so a greedy stream may
-  part after a near-tie. The test requires every prompt's first token to agree and most of
-  the tokens before the first divergence, and prints the figures for the report.
+- bfloat16 and float16: tokens agree with transformers in the same dtype on the same GPU;
+  rounding differs between two half-precision implementations (kernel order, fused
+  projections), so a greedy stream may part after a near-tie. The test requires every
+  prompt's first token to agree and most of the tokens before the first divergence, and
+  prints the figures for the report.
 - KV sizing from gpu_memory_utilization, and its error when nothing is left.
 - Seeded sampling gives the same tokens run to run.
 """
@@ -106,16 +107,18 @@ def test_cuda_prefix_hits(tiny_model_dir, prompts, reference):
     assert [o.num_cached_tokens for o in second] == [((len(p) - 1) // 16) * 16 for p in prompts]
 
 
-def test_cuda_bfloat16_agrees_with_transformers(tiny_model_dir, prompts):
-    want = hf_greedy(tiny_model_dir, prompts, torch.bfloat16)
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16", device="cuda", num_kv_blocks=256)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_half_precision_agrees_with_transformers(tiny_model_dir, prompts, dtype):
+    want = hf_greedy(tiny_model_dir, prompts, getattr(torch, dtype))
+    llm = LLM(str(tiny_model_dir), dtype=dtype, device="cuda", num_kv_blocks=256)
+    assert llm.engine.runner.kv_caches[0].dtype == getattr(torch, dtype)
     got = run_checked(llm.engine, prompts)
     agree = []
     for g, w in zip(got, want, strict=True):
         same = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(g))
         agree.append(same)
     fraction = sum(agree) / (len(prompts) * NEW_TOKENS)
-    print(f"bf16 agreement: tokens before first divergence {agree}, fraction {fraction:.3f}")
+    print(f"{dtype} agreement: tokens before first divergence {agree}, fraction {fraction:.3f}")
     assert all(a >= 1 for a in agree)
     assert fraction >= 0.5
 
@@ -154,3 +157,11 @@ def test_cuda_seeded_sampling_repeats(tiny_model_dir, prompts):
         llm = LLM(str(tiny_model_dir), dtype="float32", device="cuda", num_kv_blocks=256)
         runs.append([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)])
     assert runs[0] == runs[1]
+
+
+def test_kv_cache_that_does_not_fit_is_a_clear_error(tiny_model_dir):
+    # 2^36 bytes of blocks for the tiny model: more than any GPU holds.
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", device="cuda",
+                          enforce_eager=True, kv_cache_memory_bytes=2**36 * 4)
+    with pytest.raises(GpuMemoryError, match="out of GPU memory allocating the KV cache"):
+        LLMEngine(config)

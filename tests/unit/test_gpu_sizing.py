@@ -55,3 +55,21 @@ def test_utilization_out_of_range_is_refused():
     for bad in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             EngineConfig(model="m", gpu_memory_utilization=bad)
+
+
+def test_parameter_count_matches_the_checkpoint(tiny_model_dir):
+    from safetensors import safe_open
+
+    from engine.models.config import ModelConfig
+
+    config = ModelConfig.from_dir(tiny_model_dir)
+    with safe_open(str(tiny_model_dir / "model.safetensors"), framework="pt") as f:
+        stored = sum(_numel(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    assert config.num_parameters == stored
+
+
+def _numel(shape: list[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
