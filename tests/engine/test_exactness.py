@@ -7,14 +7,10 @@ Block-pool integrity is checked after every step.
 
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
-import transformers
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from tests.fixtures.greedy import random_prompts, run_checked, transformers_greedy
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 200]
@@ -22,41 +18,12 @@ PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 200]
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_dir) -> list[list[int]]:
-    vocab = transformers.AutoConfig.from_pretrained(tiny_model_dir).vocab_size
-    rng = random.Random(1234)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return random_prompts(tiny_model_dir, PROMPT_LENGTHS, seed=1234)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, prompts) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    outputs = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        generated = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outputs.append(generated[0, len(ids) :].tolist())
-    return outputs
-
-
-def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
-    """Drive the engine step by step, checking block accounting after every step."""
-    requests = [engine.add_request(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.scheduler.check_integrity()
-        steps += 1
-        assert steps < 10_000, "engine made no progress"
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return [r.output_token_ids for r in requests], steps
+    return transformers_greedy(tiny_model_dir, prompts, NEW_TOKENS)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -15,16 +15,16 @@
 from __future__ import annotations
 
 import gc
-import random
 
 import pytest
 import torch
-import transformers
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.gpu_memory import GpuMemoryError
 from engine.llm_engine import LLMEngine
+from tests.fixtures.greedy import random_prompts, transformers_greedy
+from tests.fixtures.greedy import run_checked as run_to_completion
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -35,23 +35,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_dir) -> list[list[int]]:
-    vocab = transformers.AutoConfig.from_pretrained(tiny_model_dir).vocab_size
-    rng = random.Random(1234)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return random_prompts(tiny_model_dir, PROMPT_LENGTHS, seed=1234)
 
 
 def hf_greedy(model_dir, prompts, dtype) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda()
-    model.generation_config.eos_token_id = None
-    outputs = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids], device="cuda")
-        generated = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-        )
-        outputs.append(generated[0, len(ids):].tolist())
-    return outputs
+    return transformers_greedy(model_dir, prompts, NEW_TOKENS, dtype, device="cuda")
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +48,7 @@ def reference(tiny_model_dir, prompts) -> list[list[int]]:
 
 
 def run_checked(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    requests = [engine.add_request(f"r{i}", ids, GREEDY) for i, ids in enumerate(prompts)]
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.scheduler.check_integrity()
-        steps += 1
-        assert steps < 10_000, "engine made no progress"
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return [r.output_token_ids for r in requests]
+    return run_to_completion(engine, prompts, GREEDY)[0]
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])

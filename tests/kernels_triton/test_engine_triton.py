@@ -10,15 +10,14 @@ attention ran in the Triton kernels, not in a CPU fallback.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-import transformers
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from kernels.triton import runtime
+from tests.fixtures.greedy import random_prompts, transformers_greedy
+from tests.fixtures.greedy import run_checked as run_to_completion
 
 HAS_CUDA = torch.cuda.is_available()
 NEW_TOKENS = 6
@@ -28,24 +27,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_dir) -> list[list[int]]:
-    vocab = transformers.AutoConfig.from_pretrained(tiny_model_dir).vocab_size
-    rng = random.Random(99)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return random_prompts(tiny_model_dir, PROMPT_LENGTHS, seed=99)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, prompts) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    outputs = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        generated = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-        )
-        outputs.append(generated[0, len(ids) :].tolist())
-    return outputs
+    return transformers_greedy(tiny_model_dir, prompts, NEW_TOKENS)
 
 
 def triton_llm(model_dir, **engine_args) -> LLM:
@@ -62,24 +49,18 @@ def triton_llm(model_dir, **engine_args) -> LLM:
     return llm
 
 
-def run_checked(
-    engine: LLMEngine, prompts: list[list[int]], replayed: int = 0
-) -> list[list[int]]:
-    """Runs to completion; `replayed` steps ran from CUDA graphs (no launch counted)."""
+def run_checked(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Runs to completion (block accounting checked every step); every step that did not
+    replay a CUDA graph launched the unified kernel once per layer."""
     before = runtime.launch_counts["unified_attention"]
-    requests = [engine.add_request(f"r{i}", ids, GREEDY) for i, ids in enumerate(prompts)]
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.scheduler.check_integrity()
-        steps += 1
-        assert steps < 1000, "engine made no progress"
-    layers = engine.model_config.num_hidden_layers
+    outputs, steps = run_to_completion(engine, prompts, GREEDY)
+    replayed = 0
     graphs = engine.runner.decode_graphs
     if graphs is not None and graphs.graphs:
         replayed = sum(graphs.runs.values())
+    layers = engine.model_config.num_hidden_layers
     assert runtime.launch_counts["unified_attention"] - before == (steps - replayed) * layers
-    return [r.output_token_ids for r in requests]
+    return outputs
 
 
 def test_triton_engine_chunked_prefill(tiny_model_dir, prompts, reference):
