@@ -212,7 +212,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--engine-threads", type=int, default=1, help="torch threads per engine")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # The engines' step token budget: a short request that arrives waits for the step in
+    # flight, which at 2,048 tokens is seconds on one CPU thread (docs/tenants.md).
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--engine-arg", action="append", default=[],
                    help="extra engine flag (repeatable), e.g. --engine-arg=--num-kv-blocks=512")
     p.add_argument("--flood-concurrency", type=int, default=8)
