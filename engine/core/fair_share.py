@@ -10,10 +10,13 @@ with the smallest counter goes first. This is the Virtual Token Counter of Sheng
 and not DLPM's locality-bounded variant, is what runs here.
 
 Invariants:
-- Priority still comes first: order is (priority, counter, arrival). Within one tenant the
-  order is exactly the FCFS one, so a single tenant schedules as before.
+- Priority still comes first: order is (priority, counter, newcomer, arrival). Within one
+  tenant the order is exactly the FCFS one, so a single tenant schedules as before.
 - A tenant that arrives (no request of it queued or running) has its counter lifted to at
   least the smallest counter of the tenants present, so idling banks no credit (VTC's lift).
+  The lift makes it tie with the least served tenant; ties go to the tenant that became
+  active most recently, so a tenant returning from idle is served in the next step rather
+  than one step later (one step of a long-prompt flood is seconds on a CPU).
 - Work-conserving: deferring a running prompt only moves it behind others within the step;
   the scheduler gives it whatever budget is left (`engine.core.scheduler`), so a lone
   tenant still gets the whole engine.
@@ -43,12 +46,15 @@ def weight_of(request: Request) -> float:
 class FairShare:
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
+        # Arrival number of the request that made each tenant active (ties: latest first).
+        self.active_since: dict[str, int] = {}
 
     def on_arrival(self, request: Request, present: Iterable[Request]) -> None:
         tenant = tenant_of(request)
         others = {tenant_of(r) for r in present if r is not request}
         counter = self.counters.get(tenant, 0.0)
         if tenant not in others:
+            self.active_since[tenant] = request.arrival_seq
             active = [self.counters.get(t, 0.0) for t in others]
             if active:
                 counter = max(counter, min(active))
@@ -61,9 +67,10 @@ class FairShare:
                 self.counters.get(tenant, 0.0) + num_tokens / weight_of(request)
             )
 
-    def key(self, request: Request) -> tuple[int, float, int]:
-        return (request.priority, self.counters.get(tenant_of(request), 0.0),
-                request.arrival_seq)
+    def key(self, request: Request) -> tuple[int, float, int, int]:
+        tenant = tenant_of(request)
+        return (request.priority, self.counters.get(tenant, 0.0),
+                -self.active_since.get(tenant, 0), request.arrival_seq)
 
     def admission_order(self, waiting: Sequence[Request]) -> list[Request]:
         return sorted(waiting, key=self.key)
@@ -75,6 +82,6 @@ class FairShare:
         if not prefilling or len({tenant_of(r) for r in [*prefilling, *waiting]}) < 2:
             return set()
         best = min([*prefilling, *waiting], key=self.key)
-        best_tenant, best_rank = tenant_of(best), self.key(best)[:2]
+        best_tenant, best_rank = tenant_of(best), self.key(best)[:3]
         return {id(r) for r in prefilling
-                if tenant_of(r) != best_tenant and self.key(r)[:2] > best_rank}
+                if tenant_of(r) != best_tenant and self.key(r)[:3] > best_rank}

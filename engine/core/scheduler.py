@@ -175,33 +175,42 @@ class Scheduler:
             self._note_computing(request, num_new, computing)
             budget -= num_new
             index += 1
-        if not out.preempted:
+        # Waiting requests that sort after a deferred prompt (its own tenant's later ones) are
+        # admitted only after it has had the budget left.
+        first_deferred = min((r for r in self.running if id(r) in deferred),
+                             key=self.fair_share.key) if deferred and self.fair_share else None
+        admits = not out.preempted
+        if admits:
             if self.swapped:
                 budget = self._resume_swapped(out, budget, computing)
                 if not self.running and self.swapped:
                     self._recompute_swapped()
-            if not self.swapped:
-                budget = self._admit_waiting(out, budget, computing)
+            admits = not self.swapped
+            if admits:
+                budget = self._admit_waiting(out, budget, computing, before=first_deferred)
         if deferred:
-            self._schedule_deferred(out, budget, deferred, computing)
+            budget = self._schedule_deferred(out, budget, deferred, computing)
+            if admits and first_deferred is not None:
+                budget = self._admit_waiting(out, budget, computing)
         if self.fair_share is not None:
             self.fair_share.charge((s.request, s.num_new_tokens) for s in out.scheduled)
         return out
 
     def _schedule_deferred(self, out: SchedulerOutput, budget: int, deferred: set[int],
-                           computing: set[BlockHash]) -> None:
+                           computing: set[BlockHash]) -> int:
         """Prompts that gave way, in running order, with what budget is left; no preemption."""
         for request in list(self.running):
             if budget <= 0:
-                return
+                break
             if id(request) not in deferred:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.kv.allocate_slots(request, num_new) is None:
-                return
+                break
             out.scheduled.append(ScheduledRequest(request, num_new))
             self._note_computing(request, num_new, computing)
             budget -= num_new
+        return budget
 
     def _resume_swapped(self, out: SchedulerOutput, budget: int, computing: set[BlockHash]) -> int:
         """Swap requests back in, in order, while blocks, budget and max_num_seqs allow."""
@@ -256,12 +265,17 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash]) -> int:
-        """Admit waiting requests in order while budget and seats last; the budget left."""
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash],
+                       before: Request | None = None) -> int:
+        """Admit waiting requests in order while budget and seats last (and, with `before`,
+        while they sort before it in fair-share order); the budget left."""
         order = (self.fair_share.admission_order(self.waiting)
                  if self.fair_share is not None else list(self.waiting))
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if (before is not None and self.fair_share is not None
+                    and self.fair_share.key(request) > self.fair_share.key(before)):
                 break
             # Cached positions would have no logits, so a request owing prompt logprobs
             # computes its whole prompt (vLLM); it makes no lookup and counts as no query.

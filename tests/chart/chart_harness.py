@@ -54,6 +54,10 @@ GRPC_SERVICES = {
 SCENARIOS: dict[str, dict[str, Any]] = {
     "default": {},
     "gpu": {"engine": {"gpu": {"enabled": True, "count": 2}}},
+    "gpu-eager": {"engine": {"gpu": {"enabled": True, "memoryUtilization": 0.75,
+                                     "enforceEager": True}}},
+    "kv-tiers": {"engine": {"preemptionMode": "auto", "swapSpace": 0.5,
+                            "swapMinComputedTokens": 128, "kvOffloadingSize": 2}},
     "external-redis-url": {
         "redis": {"bundled": False, "external": {"url": "redis://redis.shared.svc:6379/3"}}
     },

@@ -45,7 +45,8 @@ def test_image_user_matches_the_chart_security_context() -> None:
 
 
 def test_image_holds_every_package_the_services_import() -> None:
-    copied = set(re.findall(r"^COPY (\S+) \./\S+$", _dockerfile(), re.M))
+    copied = {src for src, dst in re.findall(r"^COPY (\S+) \./(\S+)$", _dockerfile(), re.M)
+              if src == dst}  # the packages, each copied to its own name
     assert {"kvfleet", "engine", "kernels", "router", "tokenizer_svc"} <= copied
     assert all((REPO_ROOT / name).is_dir() for name in copied)
     assert 'ENTRYPOINT ["python", "-m", "kvfleet.cli"]' in _dockerfile()
@@ -74,3 +75,48 @@ def test_dockerfile_passes_hadolint() -> None:
     result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _build_args() -> dict[str, str]:
+    """The Dockerfile's ARG defaults (ARG NAME=value, or ARG NAME for empty)."""
+    found = re.findall(r"^ARG (\w+)(?:=(\S*))?$", _dockerfile(), re.M)
+    return {name: value for name, value in found}
+
+
+def _torch_index(**build_args: str) -> subprocess.CompletedProcess[str]:
+    """Run the Dockerfile's own index selection, as `docker build --build-arg ...` would."""
+    match = re.search(r'index="\$\((sh scripts/torch_index_url\.sh [^)]*)\)"', _dockerfile())
+    assert match, "the torch RUN step no longer picks its index with scripts/torch_index_url.sh"
+    env = {**_build_args(), **build_args}
+    assert {"TORCH_VARIANT", "TORCH_CUDA", "TORCH_INDEX_URL"} <= env.keys()
+    return subprocess.run(["sh", "-c", match.group(1)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=30, check=False, env={"PATH": "/usr/bin:/bin", **env})
+
+
+@pytest.mark.parametrize(("build_args", "index"), [
+    ({}, "https://download.pytorch.org/whl/cpu"),
+    ({"TORCH_VARIANT": "cuda"}, "https://download.pytorch.org/whl/cu128"),
+    ({"TORCH_VARIANT": "cuda", "TORCH_CUDA": "cu126"}, "https://download.pytorch.org/whl/cu126"),
+    ({"TORCH_VARIANT": "cuda", "TORCH_INDEX_URL": "https://mirror.example/whl"},
+     "https://mirror.example/whl"),
+])
+def test_image_takes_torch_from_the_variants_index(build_args: dict[str, str],
+                                                   index: str) -> None:
+    result = _torch_index(**build_args)
+    assert (result.returncode, result.stdout.strip()) == (0, index), result.stderr
+    assert 'pip install --index-url "${index}" torch==' in _dockerfile()
+
+
+@pytest.mark.parametrize(("build_args", "message"), [
+    ({"TORCH_VARIANT": "gpu"}, "TORCH_VARIANT must be cpu or cuda, got 'gpu'"),
+    ({"TORCH_VARIANT": "cuda", "TORCH_CUDA": "12.8"}, "TORCH_CUDA must look like cu128"),
+])
+def test_a_bad_torch_variant_fails_the_build(build_args: dict[str, str], message: str) -> None:
+    result = _torch_index(**build_args)
+    assert result.returncode != 0 and message in result.stderr
+
+
+def test_the_index_script_is_in_the_build_context_before_use() -> None:
+    text = _dockerfile()
+    copy = text.index("COPY scripts/torch_index_url.sh ./scripts/")
+    assert copy < text.index("sh scripts/torch_index_url.sh")

@@ -21,17 +21,19 @@ def B(weight=1.0):
 
 
 def test_waiting_requests_are_admitted_least_served_tenant_first(make_harness):
-    for fair, expected in ((True, [("a1", 1), ("b1", 4), ("a2", 3)]),
-                           (False, [("a1", 1), ("a2", 7)])):
+    # B is lifted to A's 8: a tie, which goes to the tenant active most recently; a1 gives
+    # way for the step and gets what b1 leaves; a2, behind a1 in A's own order, waits for it.
+    for fair, expected in (
+        (True, [[("b1", 4), ("a1", 4)], [("a1", 5), ("b1", 1), ("a2", 2)]]),
+        (False, [[("a1", 8)], [("a1", 1), ("a2", 7)]]),
+    ):
         h = make_harness(max_num_batched_tokens=8, num_blocks=40, fair_share=fair)
-        h.add("a1", toks(10, 16), share=A())
+        h.add("a1", toks(10, 17), share=A())
         h.add("a2", toks(40, 16), share=A())
         h.step()
         h.add("b1", toks(80, 4), share=B())
-        out, _ = h.step()
-        assert h.scheduled(out) == [("a1", 8)]  # B was lifted to A's 8: a tie, A arrived first
-        out, _ = h.step()
-        assert h.scheduled(out) == expected, f"fair={fair}"
+        steps = [h.scheduled(h.step()[0]) for _ in range(2)]
+        assert steps == expected, f"fair={fair}"
 
 
 def test_a_running_prompt_gives_way_to_a_less_served_tenant(make_harness):
@@ -40,14 +42,18 @@ def test_a_running_prompt_gives_way_to_a_less_served_tenant(make_harness):
     out, _ = h.step()
     assert h.scheduled(out) == [("a1", 8)]
     h.add("b1", toks(80, 4), share=B())
+    assert h.scheduler.fair_share.counters == {"A": 8.0, "B": 8.0}  # lifted: a tie
     out, _ = h.step()
-    assert h.scheduled(out) == [("a1", 8)]
-    assert h.scheduler.fair_share.counters == {"A": 16.0, "B": 8.0}
-    out, _ = h.step()
-    # b1 first; a1 is deferred, not dropped: it gets what b1 leaves (work-conserving).
+    # b1 first (the tie goes to the tenant active most recently); a1 is deferred, not
+    # dropped: it gets what b1 leaves (work-conserving).
     assert h.scheduled(out) == [("b1", 4), ("a1", 4)]
+    assert h.scheduler.fair_share.counters == {"A": 12.0, "B": 12.0}
     out, _ = h.step()
-    assert h.scheduled(out) == [("a1", 4), ("b1", 1)]  # decodes are never deferred
+    # A tie again, but b1 now decodes, and a1's prompt has no prompt of another tenant to give
+    # way to: running order (a1 first) spends the budget, as under FCFS.
+    assert h.scheduled(out) == [("a1", 8)]
+    out, _ = h.step()
+    assert h.scheduled(out) == [("a1", 4), ("b1", 1)]
     assert h.scheduler.fair_share.counters == {"A": 24.0, "B": 13.0}
 
 

@@ -1,0 +1,157 @@
+"""Fair share and priority clamping end to end: real router, tokenizer, Redis and engine.
+
+The engine runs one request at a time (`--max-num-seqs 1`), so the order in which queued
+requests complete is the order the scheduler admitted them. A long "blocker" request holds
+the engine's only seat while the requests under test queue up one by one (each is waiting
+in the engine, as its load report says, before the next is sent); then the blocker is
+cancelled and the queue drains in the scheduler's order. Each request generates 16 tokens
+after the one before it has finished, so the completion order seen by the client is the
+engine's order with a whole request's time between any two completions.
+
+No verdict depends on timing: if the blocker ends on its own before everything is queued
+(a very slow machine), the attempt is discarded and repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.v1 import router_pb2
+from router.client import auth_metadata, build_request
+from tests.services.router_fleet import RouterClient, engine_load, greedy, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+ATTEMPTS = 3
+# Fresh tenants for every attempt: a discarded attempt leaves service on its tenants'
+# counters, which would change the next attempt's order.
+POLICY = {
+    "tenants": {
+        "blocker": ["key-blocker"],
+        **{f"{name}-{n}": [f"key-{name}-{n}"] for name in ("heavy", "light", "mid")
+           for n in range(ATTEMPTS)},
+        # Asks for any priority it likes; gets 5 at best.
+        **{f"low-{n}": {"keys": [f"key-low-{n}"], "priority": {"min": 5, "max": 10}}
+           for n in range(ATTEMPTS)},
+    }
+}
+OUTPUT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Queued:
+    name: str
+    api_key: str  # + "-<attempt>"
+    prompt: tuple[int, ...]
+    priority: int | None = None
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    work = tmp_path_factory.mktemp("tenant-scheduling")
+    policy = work / "policy.json"
+    policy.write_text(json.dumps(POLICY))
+    config = FleetConfig(
+        model_dir=tiny_model_dir, num_engines=1, api_keys=policy,
+        engine_args=("--max-num-seqs", "1", "--num-kv-blocks", "128",
+                     "--scheduling-policy", "fair"),
+        log_dir=work / "logs", start_timeout_s=120,
+    )
+    with Fleet(config) as started:
+        yield started
+
+
+def _request(item: Queued) -> router_pb2.RouterGenerateRequest:
+    request = build_request(prompt_token_ids=item.prompt,
+                            params=greedy(OUTPUT_TOKENS, ignore_eos=True))
+    if item.priority is not None:
+        request.priority = item.priority
+    return request
+
+
+def completion_order(fleet: Fleet, queued: Sequence[Queued]) -> list[str]:
+    for attempt in range(ATTEMPTS):
+        order = _attempt(fleet, queued, attempt)
+        if order is not None:
+            return order
+    raise AssertionError(f"the blocker ended before the queue filled, {ATTEMPTS} times")
+
+
+def _attempt(fleet: Fleet, queued: Sequence[Queued], attempt: int) -> list[str] | None:
+    """The completion order, or None if the blocker ended before every request queued."""
+    client = RouterClient(grpc.insecure_channel(fleet.router_address))
+    engine = fleet.engines[0].address
+    blocker = client.stub.Generate(
+        build_request(prompt_token_ids=[5, 6, 7, 8], params=greedy(500, ignore_eos=True)),
+        metadata=auth_metadata("key-blocker"), timeout=120)
+    blocker_done = threading.Event()
+
+    def drain_blocker() -> None:
+        try:
+            for _ in blocker:
+                pass
+        except grpc.RpcError:
+            pass  # cancelled: the point
+        blocker_done.set()
+
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def run(item: Queued) -> None:
+        done = client.generate(_request(item), f"{item.api_key}-{attempt}")
+        assert done.num_tokens == OUTPUT_TOKENS, done
+        with lock:
+            order.append(item.name)
+
+    threads = [threading.Thread(target=drain_blocker, daemon=True)]
+    threads[0].start()
+    wait_until(lambda: engine_load(engine).num_running == 1 or blocker_done.is_set(),
+               timeout_s=60, what="the blocker to run")
+    for index, item in enumerate(queued):
+        threads.append(threading.Thread(target=run, args=(item,), daemon=True))
+        threads[-1].start()
+
+        def queued_or_over(expected: int = index + 1) -> bool:
+            return engine_load(engine).num_waiting == expected or blocker_done.is_set()
+
+        wait_until(queued_or_over, timeout_s=60, what=f"{item.name} to queue")
+    valid = not blocker_done.is_set()
+    blocker.cancel()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(order) == len(queued), order
+    return list(order) if valid else None
+
+
+def _prompt(seed: int) -> tuple[int, ...]:
+    # Equal lengths: every request costs its tenant the same service.
+    return tuple(3 + (seed * 37 + i * 11) % 500 for i in range(24))
+
+
+def test_a_light_tenant_alternates_with_a_heavy_tenants_backlog(fleet: Fleet) -> None:
+    """VTC order: heavy queues three requests, then light two. Light is lifted to heavy's
+    service (a tie, which goes to the tenant active most recently), so it goes first; from
+    then on whoever has received less goes next. FCFS would run light's two last."""
+    queued = [Queued("heavy-1", "key-heavy", _prompt(1)),
+              Queued("heavy-2", "key-heavy", _prompt(2)),
+              Queued("heavy-3", "key-heavy", _prompt(3)),
+              Queued("light-1", "key-light", _prompt(4)),
+              Queued("light-2", "key-light", _prompt(5))]
+    assert completion_order(fleet, queued) == [
+        "light-1", "heavy-1", "light-2", "heavy-2", "heavy-3"]
+
+
+def test_a_priority_outside_the_tenants_range_is_clamped(fleet: Fleet) -> None:
+    """"low" asks for -2^31 (would jump every queue) but its range starts at 5; "mid" asks
+    for 1, queued after it, and runs first."""
+    queued = [Queued("low", "key-low", _prompt(6), priority=-(2**31)),
+              Queued("mid", "key-mid", _prompt(7), priority=1)]
+    assert completion_order(fleet, queued) == ["mid", "low"]
