@@ -55,12 +55,7 @@ def test_engine_command_line_parses(scenario: str) -> None:
     argv = _service_argv(scenario, "engine")
     if scenario == "everything":  # a secret's value is only known in the cluster
         argv = [a.replace("<secret:redis-creds/url>", "redis://redis:6379/0") for a in argv]
-    parser = build_parser()
-    # GPU flags the engine does not have yet (issue 13) are checked, xfailing until then, by
-    # test_chart_engine_flags; the rest of the line must parse today.
-    argv = [a for a in argv if a.split("=")[0] in parser._option_string_actions
-            or not a.startswith(("--gpu-memory-utilization", "--enforce-eager"))]
-    options = options_from_args(parser.parse_args(argv))
+    options = options_from_args(build_parser().parse_args(argv))
     assert options.engine_id == "kv-kvfleet-engine-0"
     assert options.advertised_address(50052) == "10.1.2.3:50052"
     assert options.server.port == 50052

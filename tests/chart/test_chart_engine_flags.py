@@ -24,15 +24,7 @@ def _engine_argv(scenario: str) -> list[str]:
 def _parse(argv: list[str]) -> argparse.Namespace:
     from engine.service.server import build_parser
 
-    parser = build_parser()
-    missing = [flag for flag in ("--gpu-memory-utilization", "--enforce-eager")
-               if any(arg.startswith(flag) for arg in argv)
-               and flag not in parser._option_string_actions]
-    if missing:
-        # The chart renders them ahead of the engine flags landing (issue 13); once the
-        # engine has them, this runs for real.
-        pytest.xfail(f"the engine has no {', '.join(missing)} yet")
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def test_cpu_engines_get_no_gpu_flags() -> None:
@@ -61,8 +53,8 @@ def test_gpu_command_line_parses(scenario: str) -> None:
     engine = options_from_args(args).engine
     assert engine.device == "cuda"
     gpu = SCENARIOS[scenario]["engine"]["gpu"]
-    assert engine.gpu_memory_utilization == gpu.get("memoryUtilization", 0.9)  # type: ignore[attr-defined]
-    assert engine.enforce_eager == gpu.get("enforceEager", False)  # type: ignore[attr-defined]
+    assert engine.gpu_memory_utilization == gpu.get("memoryUtilization", 0.9)
+    assert engine.enforce_eager == gpu.get("enforceEager", False)
 
 
 def test_kv_tier_defaults_are_the_engines() -> None:
