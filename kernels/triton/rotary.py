@@ -15,7 +15,8 @@ Invariants: head_dim even and contiguous; one program per token, heads x half-di
 to powers of two and masked; q and k are read completely before being written.
 
 Checked on: CPU under TRITON_INTERPRET=1 (tests/kernels_triton), float32/float16/bfloat16,
-plain and llama3-scaled tables. Written to compile for CUDA; not yet run on a GPU.
+plain and llama3-scaled tables; compiled and run on an NVIDIA H100 (Triton 3.6, torch
+2.11+cu130, `make gpu-check`, 2026-11-24): the same tests pass there.
 """
 
 from __future__ import annotations
