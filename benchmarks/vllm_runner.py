@@ -7,6 +7,13 @@ timed), then sends one `generate` command per round, so its rounds interleave wi
 while the model stays loaded. The worker's stderr (vLLM's logs) goes to a file under
 bench_results/; a worker that dies or stalls raises `PeerError` with that file's tail.
 
+Between calls the worker's whole process group is stopped (SIGSTOP) and only continued
+(SIGCONT) to serve the next call: after each call vLLM keeps polling its queues (its
+shared-memory queue busy-loops for a second after every read, and more polling follows), which
+took 12-23% of the CPU from whatever system ran next on a 2-core machine (kvfleet's bfloat16
+round: 5.45 s alone, 6.1-6.7 s beside an idle worker). Stopped, it takes nothing; its own
+timed call runs after SIGCONT, like every other system's round.
+
 `peer_env` is the environment that matters on a small CPU machine (see the peers notes):
 OpenMP threads bound to our CPUs (the default `auto` leaves the model one thread on 2 cores),
 a fixed KV cache size, loopback for its internal queues, logs on stderr, no network, caches
@@ -15,6 +22,7 @@ inside the bench directory, and tcmalloc preloaded when the machine has it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -133,7 +141,14 @@ class VllmWorker:
         if not self.facts:
             self.facts = self._reply(self.cfg.start_timeout_s, "start-up")
             self.facts["pid"] = self._proc.pid
+            self._signal(signal.SIGSTOP)
         return self.facts
+
+    def _signal(self, sig: signal.Signals) -> None:
+        """Stop or continue the worker's process group (vLLM's engine-core process too)."""
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, sig)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
                  loras: Sequence[tuple[str, int, str] | None] | None = None
@@ -145,8 +160,12 @@ class VllmWorker:
                                "max_tokens": max_tokens}
         if loras is not None:
             cmd["loras"] = [None if x is None else list(x) for x in loras]
+        self._signal(signal.SIGCONT)
         self._send(cmd)
-        reply = self._reply(self.cfg.call_timeout_s, "generate")
+        try:
+            reply = self._reply(self.cfg.call_timeout_s, "generate")
+        finally:
+            self._signal(signal.SIGSTOP)
         self.last_spec_counters: dict[str, float] = reply.get("spec", {})
         return float(reply["wall_s"]), reply["outputs"]
 
@@ -160,6 +179,7 @@ class VllmWorker:
                             f"{log_tail(self.log_path)}") from None
 
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         if self._proc.poll() is None:
             try:
                 self._send({"op": "quit"})
