@@ -126,23 +126,24 @@ def scenario_a(dtype: str, sys_: Systems, prompts: list[list[int]], warm: list[l
 
 def load_systems(model_dir: Path, dtype: str, args: argparse.Namespace,
                  peer_cfg: PeerConfig, *, runs_b: bool) -> Systems:
-    # vLLM loads (and compiles) in its own process while ours load: start-up is never timed.
+    # Ours first, then vLLM: kvfleet times its GEMM candidates at start-up
+    # (engine.models.gemm_select), which vLLM loading and compiling beside it would skew (a
+    # bfloat16 round took 7.2-7.4 s after a start beside vLLM's, 5.4-6.1 s after a quiet one).
+    # Start-up is never timed.
+    llm = kvfleet_runner.load_llm(model_dir, dtype, args.seed)
+    # B times transformers' TTFT for context.
+    wants_hf = bool({"hf-cb", "hf-static"} & set(args.peers)) or runs_b
+    hf = hf_peer.load_model(model_dir, getattr(torch, dtype)) if wants_hf else None
     worker = None
     if "vllm" in args.peers:
         worker = VllmWorker(model_dir, dtype, peer_cfg, Path(args.out).parent /
                             f"vllm_worker_{dtype}.log", seed=args.seed,
                             max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_BATCHED_TOKENS)
-    try:
-        llm = kvfleet_runner.load_llm(model_dir, dtype, args.seed)
-        # B times transformers' TTFT for context.
-        wants_hf = bool({"hf-cb", "hf-static"} & set(args.peers)) or runs_b
-        hf = hf_peer.load_model(model_dir, getattr(torch, dtype)) if wants_hf else None
-        if worker is not None:
+        try:
             worker.wait_ready()
-    except BaseException:
-        if worker is not None:
+        except BaseException:
             worker.close()
-        raise
+            raise
     return Systems(llm, hf, worker)
 
 
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         sys_ = load_systems(model_dir, dtype, args, peer_cfg,
                             runs_b=i == 0 and "B" in args.scenarios)
         try:
+            res["systems"]["kvfleet"].setdefault("linear_backend", {})[dtype] = (
+                sys_.llm.engine.runner.linear_backend)
             if sys_.vllm is not None:
                 res["systems"]["vllm"][dtype] = sys_.vllm.facts
             if "A" in args.scenarios:

@@ -46,8 +46,10 @@ def vllm_line(res: Row) -> str | None:
 def print_systems(res: Row) -> None:
     print(cpu_line(res["cpu"]))
     kv = res["systems"]["kvfleet"]
+    backends = ", ".join(f"{d} {b}" for d, b in kv.get("linear_backend", {}).items())
     print(f"kvfleet: torch {kv['torch']} ({kv['torch_cpu_capability']}), {kv['threads']} torch "
-          f"threads, {kv['allocator']}")
+          f"threads, {kv['allocator']}" + (f"; linear backend chosen at start: {backends}"
+                                           if backends else ""))
     if any(p.startswith("hf") for p in res["config"]["peers"]):
         print(f"transformers {kv['transformers']}: in kvfleet's process (same torch, threads, "
               "allocator)")
