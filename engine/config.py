@@ -29,8 +29,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     # "auto": Triton on CUDA; on CPU the compiled CPU attention kernels when they build, else
-    # PyTorch. "torch": always the PyTorch path; "kernel": the CPU kernels or fail (both CPU
-    # only); "triton": the Triton kernels (interpreted on CPU: slow, for tests).
+    # PyTorch. "torch": always the PyTorch path; "cpu_kernel" ("kernel" is the same): the CPU
+    # kernels or fail (both CPU only); "triton": the Triton kernels (interpreted on CPU: slow,
+    # for tests).
     attention_backend: str = "auto"
     # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; see engine.device.
     device: str = "auto"
@@ -77,9 +78,11 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "torch", "kernel", "triton"):
+        if self.attention_backend == "kernel":  # the earlier name
+            object.__setattr__(self, "attention_backend", "cpu_kernel")
+        if self.attention_backend not in ("auto", "torch", "cpu_kernel", "triton"):
             raise ValueError(
-                "attention_backend must be auto, torch, kernel or triton; "
+                "attention_backend must be auto, torch, cpu_kernel or triton; "
                 f"got {self.attention_backend!r}"
             )
         if self.scheduling_policy not in ("fair", "fcfs"):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
-CPU_ONLY_BACKENDS = ("kernel", "torch")
+CPU_ONLY_BACKENDS = ("cpu_kernel", "torch")
 
 
 class DeviceUnavailableError(ValueError):
@@ -61,7 +61,7 @@ def resolve_device(
 
 
 def resolve_attention_backend(requested: str, device: torch.device) -> str:
-    """The backend the model runner uses: "triton", or a CPU choice ("auto"/"kernel"/"torch")
+    """The backend the model runner uses: "triton", or a CPU choice ("auto"/"cpu_kernel"/"torch")
     that the runner refines by whether the C++ kernels build."""
     if device.type == "cuda":
         if requested in CPU_ONLY_BACKENDS:

@@ -111,8 +111,10 @@ class ModelRunner:
         from kernels.cpu import load
 
         ok = load()
-        if backend == "kernel" and not ok:
-            raise RuntimeError("attention_backend='kernel' but the CPU kernel failed to build")
+        if backend == "cpu_kernel" and not ok:
+            raise RuntimeError(
+                "attention_backend='cpu_kernel' but the CPU kernels failed to build"
+            )
         return ok
 
     def add_request(self, request_id: str, seed: int | None) -> None:

@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="auto (CUDA when available), cpu, cuda or cuda:N "
                              "(default: %(default)s)")
     engine.add_argument("--attention-backend", default="auto",
-                        choices=["auto", "torch", "kernel", "triton"],
+                        choices=["auto", "torch", "cpu_kernel", "kernel", "triton"],
                         help="auto: Triton on CUDA, the C++ kernels (else PyTorch) on CPU; "
                              "triton on CPU runs interpreted (default: %(default)s)")
     engine.add_argument("--linear-backend", default="auto",

@@ -54,7 +54,7 @@ def test_attention_backend_by_device():
     assert resolve_attention_backend("triton", cuda) == "triton"
     assert resolve_attention_backend("auto", cpu) == "auto"
     assert resolve_attention_backend("triton", cpu) == "triton"
-    for cpu_only in ("kernel", "torch"):
+    for cpu_only in ("cpu_kernel", "torch"):
         with pytest.raises(ValueError, match="CPU path"):
             resolve_attention_backend(cpu_only, cuda)
 
@@ -92,3 +92,11 @@ def test_llm_engine_reports_missing_gpu_before_loading(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", no)
     with pytest.raises(DeviceUnavailableError, match="no CUDA GPU"):
         LLMEngine(EngineConfig(model=str(tmp_path), device="cuda"))
+
+
+def test_cpu_kernel_is_the_backend_name_and_kernel_its_alias():
+    assert EngineConfig(model="m", attention_backend="cpu_kernel").attention_backend == (
+        "cpu_kernel")
+    assert EngineConfig(model="m", attention_backend="kernel").attention_backend == "cpu_kernel"
+    with pytest.raises(ValueError, match="cpu_kernel"):
+        EngineConfig(model="m", attention_backend="cuda_kernel")
