@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.llm import LLM
+    from engine.lora.request import LoRARequest
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 _LAZY = {
     "LLM": "engine.llm",
+    "LoRARequest": "engine.lora.request",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",

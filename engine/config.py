@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.device import validate_device_spec
+from engine.lora.config import validate_lora_args
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # like vLLM's CPU default order of magnitude
 
@@ -60,6 +61,13 @@ class EngineConfig:
     # (GiB; None or 0 = off) and reloaded on a later hit. num_host_kv_blocks overrides it.
     kv_offloading_size: float | None = None
     num_host_kv_blocks: int | None = None
+    # Multi-LoRA (engine.lora), vLLM's names: adapters of one base model mixed in one batch;
+    # max_loras per step (compute slots), ranks up to max_lora_rank, max_cpu_loras loaded
+    # adapters kept in host memory (LRU; default max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -98,6 +106,7 @@ class EngineConfig:
         if self.cuda_graph_sizes is not None and any(n < 1 for n in self.cuda_graph_sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
         self._validate_kv_tiers()
+        validate_lora_args(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         if self.linear_backend not in ("auto", "onednn", "mkl", "dense", "panel"):
             raise ValueError(
                 "linear_backend must be auto, onednn, mkl, dense or panel; "

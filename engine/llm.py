@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.output_processor import CompletionTracker
 from engine.outputs import RequestOutput
 from engine.parallel_sampling import fan_out
@@ -37,6 +38,7 @@ class _Prepared:
     params: SamplingParams
     cache_salt: str | None
     max_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class LLM:
@@ -57,13 +59,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt or one (or None) per prompt."""
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError("priority must have one entry per prompt")
-        prepared = [self._prepare(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)]
+        loras = self._loras_per_prompt(lora_request, len(prompt_list))
+        prepared = [
+            self._prepare(p, sp, lora)
+            for p, sp, lora in zip(prompt_list, params_list, loras, strict=True)
+        ]
         return self._run(prepared, priorities, use_tqdm)
 
     def chat(
@@ -109,7 +117,22 @@ class LLM:
             )
         return params
 
-    def _prepare(self, prompt: PromptInput, params: SamplingParams) -> _Prepared:
+    @staticmethod
+    def _loras_per_prompt(
+        lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+    ) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            return [lora] * count
+        loras = list(lora)
+        if len(loras) != count:
+            raise ValueError(
+                f"got {len(loras)} lora_requests for {count} prompts; pass one or one each"
+            )
+        return loras
+
+    def _prepare(
+        self, prompt: PromptInput, params: SamplingParams, lora: LoRARequest | None = None
+    ) -> _Prepared:
         text: str | None
         if isinstance(prompt, str):
             text, token_ids, salt = prompt, None, None
@@ -127,7 +150,8 @@ class LLM:
             token_ids = self.engine.tokenizer.encode(text)
         token_ids = [int(t) for t in token_ids]
         max_tokens = self.engine.validate_request(token_ids, params)
-        return _Prepared(text, token_ids, params, salt, max_tokens)
+        self.engine.resolve_lora(lora)  # loads a new adapter now: a bad one queues nothing
+        return _Prepared(text, token_ids, params, salt, max_tokens, lora)
 
     def _run(
         self, prepared: list[_Prepared], priorities: list[int], use_tqdm: bool
@@ -156,7 +180,8 @@ class LLM:
         samples = []
         for request_id, params in fan_out(parent_id, item.params):
             request = self.engine.add_request(
-                request_id, item.token_ids, params, priority=priority, cache_salt=item.cache_salt
+                request_id, item.token_ids, params, priority=priority,
+                cache_salt=item.cache_salt, lora_request=item.lora_request,
             )
             samples.append(CompletionTracker(request, self.engine.tokenizer))
         return samples

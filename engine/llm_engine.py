@@ -32,6 +32,10 @@ from engine.gpu_memory import (
 )
 from engine.host_malloc import tune_for_reuse
 from engine.kv_offload import HostKVBuffer, plan_host_layout
+from engine.lora.admission import LoRAAdmission
+from engine.lora.config import LoRAConfig
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
 from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
@@ -105,6 +109,7 @@ class LLMEngine:
             ),
             self.kv,
             FairShare() if config.scheduling_policy == "fair" else None,
+            LoRAAdmission(config.max_loras) if config.enable_lora else None,
         )
         self.runner = self._make_runner()
         # Host memory of the KV tiers; None (the default) keeps the step free of tier work.
@@ -112,7 +117,17 @@ class LLMEngine:
             HostKVBuffer(self.runner.kv_caches, self.host_layout.num_blocks)
             if self.host_layout.num_blocks else None
         )
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # After the runner packed the projections: the wrappers reuse the packed Linear.
+        self.lora = (
+            LoRAManager(
+                LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras),
+                self.model, self.model_config, self.dtype,
+                use_triton=self.attention_backend == "triton",
+            ) if config.enable_lora else None
+        )
+        # The LoRA delta reads per-step row maps that a captured graph would freeze: with
+        # adapters on, decode steps run eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora:
             self.runner.enable_decode_graphs(
                 capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
                 -(-self.max_model_len // config.block_size),
@@ -281,8 +296,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         share: TenantShare | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> Request:
+        """Queue a request; `lora_request` is a LoRARequest (loaded on first use) or the
+        name of a loaded adapter; None runs the base model."""
         max_tokens = self.validate_request(prompt_token_ids, params)
+        lora_id = self.resolve_lora(lora_request)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -293,12 +312,36 @@ class LLMEngine:
             priority=priority,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
+            lora_id=lora_id,
             share=share,
         )
         self._arrival_seq += 1
         self.scheduler.add_request(request)
         self.runner.add_request(request_id, params.seed)
         return request
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def resolve_lora(self, lora_request: LoRARequest | str | None) -> str | None:
+        """The adapter's block-hash key (None: base model); ValueError if it cannot be served."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError(
+                "LoRA adapters are not enabled on this engine (start it with enable_lora=True, "
+                "--enable-lora)"
+            )
+        return self.lora.resolve(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and serve an adapter under its name (ValueError if bad)."""
+        self.resolve_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Stop serving an adapter; requests already using it run to completion."""
+        return self.lora is not None and self.lora.unload(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list_adapters()
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort a waiting or running request; returns it (for its usage), or None if unknown."""
@@ -335,7 +378,13 @@ class LLMEngine:
             return []
         block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
                      for s in out.scheduled}
-        sampled = self.runner.execute(out.scheduled, block_ids)
+        if self.lora is not None:
+            self.lora.begin_step(out.scheduled)
+        try:
+            sampled = self.runner.execute(out.scheduled, block_ids)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         updates = self.scheduler.update_from_output(
             out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs
         )

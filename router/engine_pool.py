@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -234,5 +235,6 @@ def _record_from_load(address: str, load: engine_pb2.LoadInfo) -> EngineRecord:
             "kv_cache_usage": repr(load.kv_cache_usage),
             "kv_blocks_free": str(load.kv_blocks_free),
             "kv_blocks_total": str(load.kv_blocks_total),
+            "lora_adapters": json.dumps(list(load.lora_adapters)),
         },
     )

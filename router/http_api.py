@@ -46,6 +46,7 @@ from router.auth import AuthenticationError
 from router.http_body import BodyReader, decode_json
 from router.http_errors import error_body, error_response, install_handlers, status_of
 from router.http_extras import ServingExtras, kvfleet_version
+from router.http_lora import LoRAEndpoints
 from router.merge import merge_tagged
 from router.metrics import RouterMetrics
 from router.openai_format import Choices, new_id
@@ -95,6 +96,7 @@ class OpenAIApi:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         ServingExtras(self._pipeline, self._policies, self._metrics).install(app)
+        LoRAEndpoints(self._pipeline, self._policies).install(app)
         install_openapi(app)
         return app
 
@@ -107,10 +109,15 @@ class OpenAIApi:
         except AuthenticationError as e:
             return error_response(401, str(e))
         names = await self._pipeline.selector.served_models()
+        adapters = await self._pipeline.selector.served_adapters()
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvfleet", "root": name,
              "parent": None}
             for name in names
+        ] + [  # LoRA adapters, as vLLM lists them: their base model is the parent
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvfleet", "root": name,
+             "parent": parent}
+            for name, parent in adapters.items() if name not in names
         ]})
 
     async def completions(self, request: Request) -> Response:

@@ -108,8 +108,20 @@ _HAND_SCHEMAS: dict[str, Any] = {
             "type": "object", "required": ["id", "object"],
             "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                            "created": {"type": "integer"}, "owned_by": {"type": "string"},
-                           "root": {"type": "string"}, "parent": {"type": "null"}},
+                           "root": {"type": "string"},
+                           # A LoRA adapter's base model; null for a base model.
+                           "parent": {"type": ["string", "null"]}},
         }}},
+    },
+    "LoadLoRAAdapterBody": {
+        "type": "object", "required": ["lora_name", "lora_path"],
+        "properties": {"lora_name": {"type": "string", "minLength": 1},
+                       "lora_path": {"type": "string", "minLength": 1,
+                                     "description": "PEFT directory on the engines' machines"}},
+    },
+    "UnloadLoRAAdapterBody": {
+        "type": "object", "required": ["lora_name"],
+        "properties": {"lora_name": {"type": "string", "minLength": 1}},
     },
 }
 
@@ -157,6 +169,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("/detokenize", "post"): Operation(
         "Token ids to text, special tokens kept (vLLM)", ("DetokenizeBody",),
         (("application/json", _ref("DetokenizeResponse")),), TOKENIZER_ERRORS, True),
+    ("/v1/load_lora_adapter", "post"): Operation(
+        "Load a LoRA adapter on every live engine (vLLM)", ("LoadLoRAAdapterBody",),
+        (("text/plain", {"type": "string"}),), (400, 401, 503), True),
+    ("/v1/unload_lora_adapter", "post"): Operation(
+        "Unload a LoRA adapter from every live engine; running requests finish (vLLM)",
+        ("UnloadLoRAAdapterBody",), (("text/plain", {"type": "string"}),), (400, 401, 503),
+        True),
     ("/version", "get"): Operation(
         "kvfleet's version", ok=(("application/json", _ref("VersionResponse")),)),
     ("/health", "get"): Operation("200 while the router serves"),

@@ -180,6 +180,8 @@ class GenerationPipeline:
         max_tokens = rules.max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
         samples = _samples(request, prompt_ids, params, engine_request_id, tenant.name,
                            _EngineFields(rules.priority, max_tokens, tenant.limits.weight))
+        for sample in samples:  # the model named a LoRA adapter (router.lora_routing)
+            sample.engine_request.lora_id = decision.lora_id
         streams: list[EngineStream] = []
         try:
             streams.append(
@@ -216,6 +218,11 @@ class GenerationPipeline:
         finally:
             for stream in streams:
                 stream.close()
+
+    @property
+    def pool(self) -> EnginePool:
+        """This replica's engine channels (fan-out calls such as LoRA loading use them)."""
+        return self._pool
 
     async def prompt_ids(self, request: router_pb2.RouterGenerateRequest) -> list[int]:
         if request.WhichOneof("input") == "prompt_token_ids":

@@ -8,7 +8,8 @@ policies (`router.policy`).
 Invariants:
 - Hashes cover the full blocks of all prompt tokens but the last (an engine always computes
   the last prompt token to get logits, so a block ending there is never a usable hit), salted
-  with the tenant, LoRA-free: exactly what the engine computes for the request we send.
+  with the tenant, and with the adapter when the model names a LoRA adapter this router has
+  seen published (`router.lora_routing`): exactly what the engine computes for the request.
 - One Redis round trip per decision; a second one only when the block size hint was wrong
   (the hint is then corrected from the registry, so it happens once per change).
 - Redis unreachable (or not configured): the engines are found at the last addresses Redis
@@ -23,6 +24,8 @@ Invariants:
   and this router's in-flight counts, without polling anyone.
 - The model filter applies whichever way the engines were found: an engine's `model` must
   equal the request's, when one is given. Suspect engines go last.
+  A model naming a LoRA adapter selects the engines serving it, and the decision carries it
+  as `lora_id` for the engine request.
 - No live engine -> UnavailableError; an unknown model -> NotFoundError naming the served ones.
 """
 
@@ -40,6 +43,7 @@ from engine.block_hash import hash_token_blocks
 from kvfleet.errors import NotFoundError, UnavailableError
 from router.engine_discovery import EngineDiscovery
 from router.engine_pool import EnginePool
+from router.lora_routing import adapter_for, holders, served_adapters
 from router.metrics import RouterMetrics
 from router.policy import EngineView, Policy, PrefixPolicyConfig, rank
 from router.prefix_index import (
@@ -74,6 +78,8 @@ class Decision:
     used_index: bool
     # The policy that actually ranked (prefix falls back to least_load without Redis).
     policy: Policy = Policy.PREFIX
+    # The LoRA adapter the model names ("" for a base model); engines get it as lora_id.
+    lora_id: str = ""
 
 
 class EngineSelector:
@@ -97,10 +103,18 @@ class EngineSelector:
         self._redis_down_until = 0.0
         self._redis_ok = True
         self._busy_logged_at = -BUSY_LOG_EVERY_S
+        # Adapter names seen in the last answers: their prompts are hashed with the adapter.
+        self._adapters: set[str] = set()
 
     async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
-        records, used_index = await self._records(prompt_ids, tenant)
-        views = self._to_views(_for_model(records, model))
+        lora_hint = model if model in self._adapters else ""
+        records, used_index = await self._records(prompt_ids, tenant, lora_hint)
+        lora_id = adapter_for(records, model)
+        if lora_id:
+            self._adapters.add(lora_id)
+            if lora_id != lora_hint:
+                used_index = False  # hashed without the adapter: its matches mean nothing
+        views = self._to_views(holders(records, lora_id) if lora_id else _for_model(records, model))
         self.metrics.observe_loads(views)
         if not views:
             raise UnavailableError("no live engine to serve the request")
@@ -116,12 +130,22 @@ class EngineSelector:
         )
         # Engines that just failed are tried last, not never (they may have recovered).
         ranking.sort(key=lambda v: self._pool.is_suspect(v.engine_id, v.address))
-        return Decision(ranking, self._block_size, used_index, policy)
+        return Decision(ranking, self._block_size, used_index, policy, lora_id)
 
     async def served_models(self) -> list[str]:
         """Model names of the live engines, however they were found (empty: none)."""
         records, _ = await self._records((), "")
         return sorted({r.model for r in records if r.model})
+
+    async def served_adapters(self) -> dict[str, str]:
+        """{LoRA adapter name: its base model} over the live engines."""
+        records, _ = await self._records((), "")
+        return served_adapters(records)
+
+    async def live_engines(self) -> list[EngineRecord]:
+        """Every live engine, however found (for fan-out calls such as adapter loading)."""
+        records, _ = await self._records((), "")
+        return [r for r in records if r.address]
 
     async def served_context_lens(self) -> dict[str, int]:
         """{model name: the largest max_model_len its live engines report (0: unknown)}."""
@@ -134,13 +158,13 @@ class EngineSelector:
         return dict(sorted(lens.items()))
 
     async def _records(
-        self, prompt_ids: Sequence[int], tenant: str
+        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = ""
     ) -> tuple[list[EngineRecord], bool]:
         """The live engines and whether they came from the prefix index (module docstring)."""
         if self._index is not None and time.monotonic() >= self._redis_down_until:
             started = time.perf_counter()
             try:
-                records = await self._lookup(prompt_ids, tenant)
+                records = await self._lookup(prompt_ids, tenant, lora_id)
             except PrefixIndexBusy as e:
                 self._on_busy(e)
                 if self._pool.known:
@@ -179,23 +203,29 @@ class EngineSelector:
             logger.warning("%s: routing such decisions by the last known load (raise "
                            "--redis-max-connections or --redis-pool-timeout?)", error)
 
-    async def _lookup(self, prompt_ids: Sequence[int], tenant: str) -> list[EngineRecord]:
+    async def _lookup(
+        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = ""
+    ) -> list[EngineRecord]:
         assert self._index is not None
-        records = await self._index.lookup(self._block_size, self._hashes(prompt_ids, tenant))
+        records = await self._index.lookup(
+            self._block_size, self._hashes(prompt_ids, tenant, lora_id)
+        )
         sizes = collections.Counter(r.block_size for r in records if r.block_size)
         if sizes and self._block_size not in sizes:
             # Engines advertise their block size; adopt the most common one and ask again.
             self._block_size = sizes.most_common(1)[0][0]
             logger.info("engines use block size %d; re-hashing", self._block_size)
             records = await self._index.lookup(
-                self._block_size, self._hashes(prompt_ids, tenant)
+                self._block_size, self._hashes(prompt_ids, tenant, lora_id)
             )
         return records
 
-    def _hashes(self, prompt_ids: Sequence[int], tenant: str) -> list[bytes]:
+    def _hashes(self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "") -> list[bytes]:
         if self.config.policy is not Policy.PREFIX:
             return []  # other policies only need the registry and load
-        return hash_token_blocks(prompt_ids[:-1], self._block_size, cache_salt=tenant)
+        return hash_token_blocks(
+            prompt_ids[:-1], self._block_size, cache_salt=tenant, lora_id=lora_id or None
+        )
 
     def _to_views(self, records: Sequence[EngineRecord]) -> list[EngineView]:
         return [

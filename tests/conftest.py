@@ -11,12 +11,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.lora_adapters import ADAPTERS, build_adapter_dir
 from tests.fixtures.tiny_model import build_tiny_model_dir
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_dirs(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """The three PEFT adapters of tests/fixtures/lora_adapters.py, by name."""
+    root = tmp_path_factory.mktemp("tiny_loras")
+    return {
+        spec.name: build_adapter_dir(tiny_model_dir, spec, root / spec.name) for spec in ADAPTERS
+    }
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,9 @@ has received more service than another tenant with prompt work gives way for the
 is skipped in the first pass and gets the budget left after admission (without preempting
 anyone), so the engine stays work-conserving.
 
+LoRA (when on): a step holds at most `max_loras` distinct adapters; a waiting or swapped
+request whose adapter would exceed that waits, in order (engine.lora.admission).
+
 Swap preemption (`preemption_mode` swap or auto, with swap space): the victim's blocks go to
 host memory instead (engine.core.kv_cache_manager.swap_out) and it joins `swapped`, keeping
 its computed tokens. Swapped requests resume (swap-in) before any waiting request is admitted,
@@ -54,6 +57,7 @@ from engine.block_hash import BlockHash
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import HostHit, KVCacheManager
 from engine.logprobs import TokenLogprobs
+from engine.lora.admission import LoRAAdmission, LoRAAdmissionPass
 from engine.request import Request, RequestStatus
 
 
@@ -109,10 +113,13 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 fair_share: FairShare | None = None) -> None:
+                 fair_share: FairShare | None = None,
+                 lora_admission: LoRAAdmission | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.fair_share = fair_share
+        # At most max_loras adapters per step (engine.lora.admission); None: LoRA is off.
+        self.lora_admission = lora_admission
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -180,18 +187,20 @@ class Scheduler:
         first_deferred = min((r for r in self.running if id(r) in deferred),
                              key=self.fair_share.key) if deferred and self.fair_share else None
         admits = not out.preempted
+        lora = None
         if admits:
+            lora = None if self.lora_admission is None else self.lora_admission.begin()
             if self.swapped:
-                budget = self._resume_swapped(out, budget, computing)
+                budget = self._resume_swapped(out, budget, computing, lora)
                 if not self.running and self.swapped:
                     self._recompute_swapped()
             admits = not self.swapped
             if admits:
-                budget = self._admit_waiting(out, budget, computing, before=first_deferred)
+                budget = self._admit_waiting(out, budget, computing, lora, first_deferred)
         if deferred:
             budget = self._schedule_deferred(out, budget, deferred, computing)
             if admits and first_deferred is not None:
-                budget = self._admit_waiting(out, budget, computing)
+                budget = self._admit_waiting(out, budget, computing, lora)
         if self.fair_share is not None:
             self.fair_share.charge((s.request, s.num_new_tokens) for s in out.scheduled)
         return out
@@ -212,10 +221,14 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _resume_swapped(self, out: SchedulerOutput, budget: int, computing: set[BlockHash]) -> int:
-        """Swap requests back in, in order, while blocks, budget and max_num_seqs allow."""
+    def _resume_swapped(self, out: SchedulerOutput, budget: int, computing: set[BlockHash],
+                        lora: LoRAAdmissionPass | None = None) -> int:
+        """Swap requests back in, in order, while blocks, budget, max_num_seqs (and the
+        LoRA slots) allow."""
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
+            if lora is not None and not lora.admits(request, self.running):
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.kv.swap_in(request, num_new) is None:
                 break
@@ -266,6 +279,7 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash],
+                       lora: LoRAAdmissionPass | None = None,
                        before: Request | None = None) -> int:
         """Admit waiting requests in order while budget and seats last (and, with `before`,
         while they sort before it in fair-share order); the budget left."""
@@ -277,6 +291,8 @@ class Scheduler:
             if (before is not None and self.fair_share is not None
                     and self.fair_share.key(request) > self.fair_share.key(before)):
                 break
+            if lora is not None and not lora.admits(request, self.running):
+                continue  # a step holds at most max_loras adapters; it keeps its place
             # Cached positions would have no logits, so a request owing prompt logprobs
             # computes its whole prompt (vLLM); it makes no lookup and counts as no query.
             looked_up = not request.needs_prompt_logprobs

@@ -188,6 +188,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         keepalive_s: float | None = None,
         share: TenantShare | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[GenerateOutput]:
         """Queue a request and yield its outputs; ValueError (nothing queued) if invalid.
 
@@ -197,6 +198,7 @@ class AsyncEngine:
         self._check_running()
         prompt = list(prompt_token_ids)
         self._engine.validate_request(prompt, params)
+        self._engine.resolve_lora(lora_name)  # a name lookup: refuses an unserved adapter now
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self._max_concurrent is not None and len(self._streams) >= self._max_concurrent:
@@ -208,7 +210,8 @@ class AsyncEngine:
         self._streams[request_id] = stream
         queued = self._submit(
             functools.partial(
-                self._add, request_id, stream.seq, prompt, params, priority, cache_salt, share
+                self._add, request_id, stream.seq, prompt, params, priority, cache_salt, share,
+                lora_name,
             )
         )
         if not queued:  # the loop stopped or died since the check above
@@ -386,11 +389,12 @@ class AsyncEngine:
         priority: int,
         cache_salt: str | None,
         share: TenantShare | None = None,
+        lora_name: str | None = None,
     ) -> None:
         try:
             self._engine.add_request(
                 request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                share=share,
+                share=share, lora_request=lora_name,
             )
         except Exception as exc:
             if not isinstance(exc, ValueError):

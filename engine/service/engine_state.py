@@ -74,6 +74,8 @@ class EngineLoad:
     kv_cache_usage: float
     kv_blocks_free: int
     kv_blocks_total: int
+    # Names of the LoRA adapters served, in load order (published with the load).
+    lora_adapters: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineLoad:
@@ -84,6 +86,7 @@ class EngineLoad:
             kv_cache_usage=float(stats["kv_cache_usage"]),
             kv_blocks_free=int(stats["kv_blocks_free"]),
             kv_blocks_total=int(stats["kv_blocks_total"]),
+            lora_adapters=tuple(lora.lora_name for lora in engine.list_loras()),
         )
 
 

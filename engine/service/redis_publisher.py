@@ -37,6 +37,7 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import re
 import threading
@@ -306,6 +307,7 @@ class RedisPublisher:
             "kv_cache_usage": repr(load.kv_cache_usage),
             "kv_blocks_free": str(load.kv_blocks_free),
             "kv_blocks_total": str(load.kv_blocks_total),
+            "lora_adapters": json.dumps(list(load.lora_adapters)),
             "updated_at": repr(time.time()),
         }
 

@@ -38,8 +38,10 @@ from redis.connection import parse_url
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
 from engine.service.kv_tier_flags import add_kv_tier_arguments, kv_tier_config
+from engine.service.lora_flags import add_lora_arguments, lora_config, lora_modules
 from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
 from engine.service.servicer import EngineIdentity, EngineServicer
@@ -77,6 +79,8 @@ class EngineServerOptions:
     # File of the secret routers must present (kvfleet.service_auth), read at start; None:
     # anyone may call.
     router_secret_file: Path | None = None
+    # Adapters served from the start (--lora-modules), loaded before registering.
+    lora_modules: tuple[LoRARequest, ...] = ()
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -131,6 +135,8 @@ class EngineServer:
         if llm_engine is None:
             llm_engine = await asyncio.to_thread(LLMEngine, options.engine)
             self._llm_engine = llm_engine
+        for lora in options.lora_modules:  # ValueError (bad adapter) stops the start
+            await asyncio.to_thread(llm_engine.add_lora, lora)
         self._async_engine = AsyncEngine(llm_engine, options.max_concurrent_requests)
         model_name = options.model_name or Path(options.engine.model).name
         self._metrics = EngineMetrics(model_name, llm_engine.max_model_len)
@@ -290,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true",
                         help="CUDA: run decode steps eagerly instead of through CUDA graphs")
     add_kv_tier_arguments(engine)
+    add_lora_arguments(parser.add_argument_group("LoRA adapters (vLLM names)"))
     parser.add_argument("--max-concurrent-requests", type=_positive_int,
                         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                         help="requests in flight beyond which new ones are refused with "
@@ -331,6 +338,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         **kv_tier_config(args),
+        **lora_config(args),
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded
     return EngineServerOptions(
@@ -343,6 +351,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         max_concurrent_requests=args.max_concurrent_requests,
         watchdog_timeout_s=args.watchdog_timeout,
         router_secret_file=args.router_secret_file,
+        lora_modules=lora_modules(args),
     )
 
 

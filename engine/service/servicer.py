@@ -9,7 +9,8 @@ Invariants:
   common.proto (which may differ from the engine's offline defaults, e.g. max_tokens unset
   means "up to the remaining context"), an explicit zero stays zero.
 - Fields the engine cannot honour are refused rather than silently ignored: n > 1 (the
-  router fans a request out into n engine requests) and LoRA. `stop` is ignored, as the
+  router fans a request out into n engine requests) and an adapter (`lora_id`) the engine
+  does not serve. `stop` is ignored, as the
   engine proto specifies: stop strings are the router's job (on this text);
   `include_stop_str_in_output` only decides whether the ending EOS / stop token adds text.
 - Cancelling a Generate call closes the `AsyncEngine.generate` iterator, which aborts the
@@ -26,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ import grpc.aio
 from opentelemetry import trace
 
 from engine.logprobs import Logprob, TokenLogprobs
+from engine.lora.request import LoRARequest
 from engine.request import TenantShare
 from engine.sampling_params import SamplingParams
 from engine.sampling_proto import to_sampling_params
@@ -88,8 +91,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         keepalive_s = keepalive.parse_interval(context.invocation_metadata())
         if (problem := self._health_problem()) is not None:
             raise UnavailableError(problem)
-        if request.lora_id:
-            raise ValueError("lora_id: LoRA adapters are not supported by this engine yet")
         params = to_sampling_params(request.sampling_params)
         if params.n != 1:
             raise ValueError(
@@ -103,6 +104,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             cache_salt=request.cache_salt or None,
             keepalive_s=keepalive_s,
             share=_share(request),
+            lora_name=_lora_name(request.lora_id),
         )
         span = trace.get_current_span()  # the RPC's server span (kvfleet.tracing)
         traced = span.is_recording()
@@ -134,6 +136,39 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         _check_request_id(request.request_id)
         return engine_pb2.AbortResponse(found=await self._engine.abort(request.request_id))
 
+    async def LoadLoRAAdapter(
+        self, request: engine_pb2.LoadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.LoRAAdapterResponse:
+        if not request.lora_name or not request.lora_path:
+            raise ValueError("lora_name and lora_path are required")
+        # Index 1: vLLM's integer id has no meaning here (adapters are keyed by name).
+        lora = LoRARequest(request.lora_name, 1, request.lora_path)
+        engine = self._engine
+        # On the engine thread, between steps: the step reads the registry and the slots.
+        await asyncio.wrap_future(
+            engine.call_in_engine_thread(lambda: engine.engine.add_lora(lora))
+        )
+        return await self._adapters()
+
+    async def UnloadLoRAAdapter(
+        self, request: engine_pb2.UnloadLoRAAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.LoRAAdapterResponse:
+        name = request.lora_name
+        engine = self._engine
+        found = await asyncio.wrap_future(
+            engine.call_in_engine_thread(lambda: engine.engine.remove_lora(name))
+        )
+        if not found:
+            raise ValueError(f"lora_name: LoRA adapter {name!r} is not loaded")
+        return await self._adapters()
+
+    async def _adapters(self) -> engine_pb2.LoRAAdapterResponse:
+        engine = self._engine
+        names = await asyncio.wrap_future(engine.call_in_engine_thread(
+            lambda: [lora.lora_name for lora in engine.engine.list_loras()]
+        ))
+        return engine_pb2.LoRAAdapterResponse(lora_adapters=names)
+
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.LoadInfo:
@@ -151,6 +186,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             epoch=identity.epoch,
             model_name=identity.model_name,
             max_model_len=identity.max_model_len,
+            lora_adapters=list(load.lora_adapters),
         )
 
     def _response(self, output: GenerateOutput, text_delta: str) -> engine_pb2.GenerateResponse:
@@ -230,6 +266,12 @@ def _check_request_id(request_id: str) -> None:
         raise ValueError("request_id must not be empty")
     if len(request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
+
+
+def _lora_name(lora_id: str) -> str | None:
+    if len(lora_id) > MAX_REQUEST_ID_LEN:
+        raise ValueError(f"lora_id must be at most {MAX_REQUEST_ID_LEN} characters")
+    return lora_id or None
 
 
 def _share(request: engine_pb2.GenerateRequest) -> TenantShare | None:

@@ -19,7 +19,9 @@ import threading
 from collections import Counter
 from types import ModuleType
 
-KERNEL_MODULES = ("kv_write", "unified_attention", "rms_norm", "rotary", "silu_and_mul")
+KERNEL_MODULES = (
+    "kv_write", "unified_attention", "rms_norm", "rotary", "silu_and_mul", "lora"
+)
 
 launch_counts: Counter[str] = Counter()
 _lock = threading.Lock()

@@ -49,6 +49,16 @@ class EngineStub:
                 request_serializer=kvfleet_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_engine__pb2.LoadInfo.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/kvfleet.v1.Engine/LoadLoRAAdapter',
+                request_serializer=kvfleet_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/kvfleet.v1.Engine/UnloadLoRAAdapter',
+                request_serializer=kvfleet_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -76,6 +86,23 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Loads a PEFT LoRA adapter directory and serves it under lora_name (vLLM's
+        /v1/load_lora_adapter). A bad adapter, LoRA disabled, or the name already served from
+        another path -> INVALID_ARGUMENT. Loading a served name from the same path is a no-op.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Stops serving an adapter: new requests for it -> INVALID_ARGUMENT; requests already
+        running with it finish normally. An unknown name -> INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +120,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=kvfleet_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_engine__pb2.LoadInfo.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=kvfleet_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=kvfleet_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +213,60 @@ class Engine:
             '/kvfleet.v1.Engine/GetLoad',
             kvfleet_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
             kvfleet_dot_v1_dot_engine__pb2.LoadInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Engine/LoadLoRAAdapter',
+            kvfleet_dot_v1_dot_engine__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvfleet.v1.Engine/UnloadLoRAAdapter',
+            kvfleet_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -109,5 +109,7 @@ def test_services_and_methods():
         "Generate": (False, True),
         "Abort": (False, False),
         "GetLoad": (False, False),
+        "LoadLoRAAdapter": (False, False),
+        "UnloadLoRAAdapter": (False, False),
     }
     assert methods(router_pb2, "Router") == {"Generate": (False, True)}

@@ -74,6 +74,7 @@ class Harness:
         eos_token_ids: Iterable[int] = (),
         cache_salt: str | None = None,
         share: TenantShare | None = None,
+        lora_id: str | None = None,
         **sampling_kwargs,
     ) -> Request:
         tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
@@ -88,6 +89,7 @@ class Harness:
             priority=priority,
             eos_token_ids=frozenset(eos_token_ids),
             cache_salt=cache_salt,
+            lora_id=lora_id,
             share=share,
         )
         self._next_seq += 1
