@@ -7,9 +7,11 @@ engine when it loads the model; see `engine.llm_engine`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.device import validate_device_spec
+from engine.spec_decode.spec_config import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # like vLLM's CPU default order of magnitude
 
@@ -52,8 +54,18 @@ class EngineConfig:
     # (GiB; None or 0 = off) and reloaded on a later hit. num_host_kv_blocks overrides it.
     kv_offloading_size: float | None = None
     num_host_kv_blocks: int | None = None
+    # Speculative decoding (engine.spec_decode): vLLM's speculative_config; a dict or a JSON
+    # string is parsed (and validated) into a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        raw: object = self.speculative_config
+        if isinstance(raw, (Mapping, str)):
+            object.__setattr__(self, "speculative_config", parse_speculative_config(raw))
+        elif raw is not None and not isinstance(raw, SpeculativeConfig):
+            raise ValueError(
+                f"speculative_config must be a dict or JSON object, got {type(raw).__name__}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
