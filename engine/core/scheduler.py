@@ -186,8 +186,8 @@ class Scheduler:
                 index += 1
                 continue
             drafts = drafts_to_verify(request, budget, len(self.running),
-                                      self.config.spec_disable_by_batch_size)
-            # Drafts only take free blocks: speculation never preempts anyone.
+                                      self.config.spec_disable_by_batch_size, self.kv,
+                                      len(self.running) - index - 1)
             if drafts and self.kv.allocate_slots(request, 1 + len(drafts)) is not None:
                 num_new = 1 + len(drafts)
             else:

@@ -23,8 +23,10 @@ class NgramProposer:
 
     def propose(self, token_ids: Sequence[int], max_drafts: int | None = None) -> list[int]:
         """Drafts to follow `token_ids`: at most min(k, max_drafts), possibly none."""
-        limit = self.num_speculative_tokens if max_drafts is None else min(
-            max_drafts, self.num_speculative_tokens
+        limit = (
+            self.num_speculative_tokens
+            if max_drafts is None
+            else min(max_drafts, self.num_speculative_tokens)
         )
         num_tokens = len(token_ids)
         if limit <= 0 or num_tokens < self.lookup_min + 1:

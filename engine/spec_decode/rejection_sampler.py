@@ -59,8 +59,9 @@ def rejection_sample(
         if u * q_token < float(p[token]):
             out.append(token)
             continue
-        out.append(_draw(_residual(p, token, None if draft_probs is None else draft_probs[j]),
-                         generator))
+        out.append(
+            _draw(_residual(p, token, None if draft_probs is None else draft_probs[j]), generator)
+        )
         return out
     out.append(_draw(target_probs[num_drafts], generator))
     return out

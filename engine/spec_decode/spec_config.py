@@ -78,9 +78,7 @@ def parse_speculative_config(
         except json.JSONDecodeError as exc:
             raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
     if not isinstance(value, Mapping):
-        raise ValueError(
-            f"speculative_config must be a JSON object, got {type(value).__name__}"
-        )
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
     unknown = sorted(set(value) - _KEYS)
     if unknown:
         raise ValueError(

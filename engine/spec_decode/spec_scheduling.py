@@ -36,18 +36,32 @@ class VerifiedTokens:
 
 
 def drafts_to_verify(
-    request: Request, budget: int, num_running: int, disable_by_batch_size: int | None
+    request: Request,
+    budget: int,
+    num_running: int,
+    disable_by_batch_size: int | None,
+    kv: KVCacheManager,
+    num_reserved_blocks: int,
 ) -> tuple[int, ...]:
-    """The drafts `request` verifies this step: () when it is not decoding or cannot."""
+    """The drafts `request` verifies this step: () when it is not decoding or cannot.
+
+    Drafts only use free blocks beyond `num_reserved_blocks` (one per running request still
+    to be scheduled in the step), so speculation never makes the scheduler preempt.
+    """
     drafts = request.spec_token_ids
     if not drafts or request.num_computed_tokens != request.num_tokens - 1:
         return ()
     if disable_by_batch_size is not None and num_running >= disable_by_batch_size:
         return ()
-    # The last known token takes one budget slot; every kept draft and the bonus token are
-    # outputs, which max_tokens bounds (and with it max_model_len: the engine resolves
-    # max_tokens within the context).
-    limit = min(len(drafts), budget - 1, request.max_tokens - request.num_output_tokens - 1)
+    num_blocks = len(kv.req_to_blocks.get(request.request_id, ()))
+    usable_blocks = num_blocks + max(0, kv.num_free_blocks - num_reserved_blocks)
+    room = usable_blocks * kv.block_size - request.num_computed_tokens
+    # The last known token takes one budget slot and one position; every kept draft and the
+    # bonus token are outputs, which max_tokens bounds (and with it max_model_len: the
+    # engine resolves max_tokens within the context).
+    limit = min(
+        len(drafts), budget - 1, room - 1, request.max_tokens - request.num_output_tokens - 1
+    )
     return tuple(drafts[:limit]) if limit > 0 else ()
 
 

@@ -27,8 +27,12 @@ from engine.spec_decode.speculator import max_drafts
 NEW_TOKENS = 32
 PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100]
 NUM_DRAFTS = 5
-NGRAM = {"method": "ngram", "num_speculative_tokens": NUM_DRAFTS, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": NUM_DRAFTS,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -49,30 +53,34 @@ def reference(tiny_model_dir, prompts) -> list[list[int]]:
     for ids in prompts:
         input_ids = torch.tensor([ids])
         generated = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
         )
         outputs.append(generated[0, len(ids) :].tolist())
     return outputs
 
 
 class OracleProposer:
-    """Drafts the reference continuation; at output index t, draft (t + request index) % 7 is
-    wrong when there is one (so 2 windows in 7 are all right, and a wrong first draft keeps
-    none); requests without a reference get no drafts."""
+    """Drafts the reference continuation of the request's prompt; at output index t, draft
+    (t + len(prompt)) % 7 is wrong when there is one (so 2 windows in 7 are all right, and a
+    wrong first draft keeps none); prompts without a reference get no drafts."""
 
-    def __init__(self, continuations: dict[str, list[int]], vocab: int) -> None:
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], vocab: int) -> None:
         self.continuations = continuations
         self.vocab = vocab
 
     def propose_for(self, requests: Sequence[Request]) -> None:
         for request in requests:
-            reference = self.continuations.get(request.request_id)
+            reference = self.continuations.get(tuple(request.prompt_token_ids))
             if reference is None:
                 request.spec_token_ids = []
                 continue
             t = request.num_output_tokens
-            salt = int(request.request_id[1:])
+            salt = request.num_prompt_tokens
             drafts = reference[t : t + min(NUM_DRAFTS, max_drafts(request))]
             request.spec_token_ids = [
                 (token + 1) % self.vocab if (t + salt) % 7 == j else token
@@ -92,12 +100,15 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
     return [r.output_token_ids for r in requests]
 
 
-def oracle_llm(tiny_model_dir, reference, speculating: Sequence[int], **engine_args) -> LLM:
+def oracle_llm(
+    tiny_model_dir, prompts, reference, speculating: Sequence[int], **engine_args
+) -> LLM:
     llm = LLM(tiny_model_dir, dtype="float32", speculative_config=NGRAM, **engine_args)
     speculator = llm.engine.speculator
     assert speculator is not None
     vocab = llm.engine.model_config.vocab_size
-    speculator.proposer = OracleProposer({f"r{i}": reference[i] for i in speculating}, vocab)
+    continuations = {tuple(prompts[i]): reference[i] for i in speculating}
+    speculator.proposer = OracleProposer(continuations, vocab)
     return llm
 
 
@@ -118,7 +129,7 @@ MODES = [
 @pytest.mark.parametrize("engine_args", MODES)
 def test_oracle_drafts_keep_greedy_exact(tiny_model_dir, prompts, reference, engine_args):
     # Even requests speculate, odd ones decode plainly in the same batches.
-    llm = oracle_llm(tiny_model_dir, reference, range(0, len(prompts), 2), **engine_args)
+    llm = oracle_llm(tiny_model_dir, prompts, reference, range(0, len(prompts), 2), **engine_args)
     got = run_checked(llm.engine, prompts, GREEDY)
     assert got == reference
     stats = spec_stats(llm)
@@ -139,9 +150,10 @@ def test_ngram_keeps_greedy_exact(tiny_model_dir, prompts, reference):
 def test_prefix_hits_after_speculation_are_exact(tiny_model_dir, prompts, reference):
     """Blocks cached while speculating hold only kept tokens: a second pass over prompt +
     output hits them and still decodes exactly."""
-    llm = oracle_llm(tiny_model_dir, reference, range(len(prompts)))
+    llm = oracle_llm(tiny_model_dir, prompts, reference, range(len(prompts)))
     first = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in first] == reference
+    assert spec_stats(llm)["spec_decode_num_accepted_tokens"] > 0
     # Continue each request from prompt + its first 20 output tokens: their full blocks were
     # cached while speculating; the oracle has no reference for the new ids.
     extended = [p + r[:20] for p, r in zip(prompts, reference, strict=True)]
@@ -150,3 +162,73 @@ def test_prefix_hits_after_speculation_are_exact(tiny_model_dir, prompts, refere
     assert [o.outputs[0].token_ids for o in second] == [r[20:] for r in reference]
     hits = [o.num_cached_tokens for o in second]
     assert hits == [((len(p) - 1) // 16) * 16 for p in extended]
+
+
+def _outputs(llm: LLM, prompts, params) -> list[tuple]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in (o.outputs[0] for o in outs)
+    ]
+
+
+def test_stops_inside_a_kept_run_end_where_plain_decoding_ends(tiny_model_dir, prompts, reference):
+    """Stop tokens, stop strings and max_tokens that land inside a run of kept drafts."""
+    plain = LLM(tiny_model_dir, dtype="float32")
+    spec = oracle_llm(tiny_model_dir, prompts, reference, range(len(prompts)))
+    tokenizer = plain.get_tokenizer()
+    for i, ref in enumerate(reference):
+        stop_token = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=[ref[9]])
+        text = tokenizer.decode(ref[:20])
+        stop_string = SamplingParams(
+            temperature=0.0,
+            max_tokens=NEW_TOKENS,
+            ignore_eos=True,
+            stop=[text[len(text) // 2 : len(text) // 2 + 2]],
+        )
+        length = SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True)
+        for params in (stop_token, stop_string, length):
+            expected = _outputs(plain, [prompts[i]], params)
+            assert _outputs(spec, [prompts[i]], params) == expected, (i, params)
+            spec.engine.scheduler.check_integrity()
+    assert spec_stats(spec)["spec_decode_num_accepted_tokens"] > 0
+    assert spec.engine.kv.num_free_blocks == spec.engine.kv.num_blocks
+
+
+def test_logprobs_of_verified_tokens_match_plain_decoding(tiny_model_dir, prompts, reference):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)
+    plain = LLM(tiny_model_dir, dtype="float32").generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    spec = oracle_llm(tiny_model_dir, prompts, reference, range(len(prompts))).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    for a, b in zip(plain, spec, strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        assert ca.logprobs is not None and cb.logprobs is not None
+        for da, db in zip(ca.logprobs, cb.logprobs, strict=True):
+            assert list(da) == list(db)
+            assert [x.logprob for x in da.values()] == pytest.approx(
+                [x.logprob for x in db.values()], abs=1e-4
+            )
+
+
+def test_penalties_and_min_tokens_see_the_drafts_before_them(tiny_model_dir, prompts):
+    """Row j of a verification is processed with drafts 1..j as outputs (penalties) and
+    with EOS banned while outputs would be under min_tokens, as plain decoding does."""
+    plain = LLM(tiny_model_dir, dtype="float32")
+    eos = sorted(plain.engine.eos_token_ids)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=NEW_TOKENS,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.4,
+        min_tokens=12,
+        stop_token_ids=[t for t in range(40)],
+    )
+    expected = _outputs(plain, prompts, params)
+    spec = oracle_llm(tiny_model_dir, prompts, [e[0] for e in expected], range(len(prompts)))
+    assert _outputs(spec, prompts, params) == expected
+    assert spec_stats(spec)["spec_decode_num_accepted_tokens"] > 0
+    assert eos  # the tiny model has an EOS id, banned before min_tokens

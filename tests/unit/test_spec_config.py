@@ -39,8 +39,12 @@ def test_none_and_parsed_pass_through():
         ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens must be"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "unknown key(s) 'k'"),
         (
-            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
-             "prompt_lookup_max": 2},
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
             "prompt_lookup_max (2) is smaller",
         ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a 'model'"),
