@@ -45,6 +45,7 @@ from engine.service.redis_publisher import EngineRegistration, RedisPublisher, v
 from engine.service.servicer import EngineIdentity, EngineServicer
 from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_TIMEOUT_S
 from engine.service.step_watchdog import StepWatchdog
+from engine.spec_decode.spec_config import speculative_config_arg
 from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
@@ -280,6 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["auto", "torch", "kernel", "triton"],
                         help="auto: Triton on CUDA, the C++ kernels (else PyTorch) on CPU; "
                              "triton on CPU runs interpreted (default: %(default)s)")
+    engine.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                        help="speculative decoding as a JSON object with vLLM's keys, e.g. "
+                             '\'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                             "(default: off)")
     engine.add_argument("--linear-backend", default="auto",
                         choices=["auto", "onednn", "mkl", "dense", "panel"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
@@ -323,6 +328,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         scheduling_policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         device=args.device,
+        speculative_config=args.speculative_config,
         **kv_tier_config(args),
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded

@@ -105,3 +105,13 @@ def parse_speculative_config(
         model=value.get("model"),
         disable_by_batch_size=value.get("disable_by_batch_size"),
     )
+
+
+def speculative_config_arg(text: str) -> SpeculativeConfig | None:
+    """argparse type of --speculative-config: a bad value is a usage error naming it."""
+    import argparse
+
+    try:
+        return parse_speculative_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

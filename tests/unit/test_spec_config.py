@@ -57,3 +57,56 @@ def test_none_and_parsed_pass_through():
 def test_bad_configs_name_the_problem(raw, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_speculative_config(raw)
+
+
+def test_engine_service_flag_reaches_the_config():
+    from engine.service.server import build_parser, options_from_args
+
+    args = build_parser().parse_args(
+        [
+            "--model",
+            "/m",
+            "--engine-id",
+            "e",
+            "--redis-url",
+            "redis://127.0.0.1:6379/0",
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}',
+        ]
+    )
+    config = options_from_args(args).engine.speculative_config
+    assert config == SpeculativeConfig("ngram", 4, 3, 3)
+
+
+def test_engine_service_flag_refuses_bad_json(capsys):
+    from engine.service.server import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(
+            [
+                "--model",
+                "/m",
+                "--engine-id",
+                "e",
+                "--redis-url",
+                "redis://x",
+                "--speculative-config",
+                '{"method": "ngram"}',
+            ]
+        )
+    assert "needs num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_engine_config_parses_a_dict():
+    from engine.config import EngineConfig
+
+    config = EngineConfig(
+        model="/m",
+        speculative_config={
+            "method": "ngram",  # type: ignore[arg-type]
+            "num_speculative_tokens": 2,
+        },
+    )
+    assert config.speculative_config == SpeculativeConfig("ngram", 2)
+    with pytest.raises(ValueError, match="speculative_config must be"):
+        EngineConfig(model="/m", speculative_config=3)  # type: ignore[arg-type]
