@@ -232,3 +232,27 @@ def test_penalties_and_min_tokens_see_the_drafts_before_them(tiny_model_dir, pro
     assert _outputs(spec, prompts, params) == expected
     assert spec_stats(spec)["spec_decode_num_accepted_tokens"] > 0
     assert eos  # the tiny model has an EOS id, banned before min_tokens
+
+
+def test_seeded_sampling_with_speculation_repeats(tiny_model_dir, prompts, reference):
+    """Rejection sampling draws only from the request's own generator: a seeded request gives
+    the same tokens run to run, alone or beside other requests."""
+    params = SamplingParams(
+        temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True
+    )
+    unseeded = SamplingParams(temperature=1.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def run(batch: bool) -> list[int]:
+        llm = oracle_llm(tiny_model_dir, prompts, reference, range(len(prompts)))
+        items = [{"prompt_token_ids": prompts[-1]}]
+        all_params = [params]
+        if batch:
+            items += [{"prompt_token_ids": p} for p in prompts[:4]]
+            all_params += [unseeded] * 4
+        outs = llm.generate(items, all_params, use_tqdm=False)
+        assert spec_stats(llm)["spec_decode_num_drafts"] > 0
+        return outs[0].outputs[0].token_ids
+
+    alone = run(batch=False)
+    assert run(batch=False) == alone
+    assert run(batch=True) == alone
