@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.spec_decode.draft_proposer import DraftModelProposer
 from engine.spec_decode.spec_config import SpeculativeConfig
 from engine.spec_decode.speculator import NgramRequestProposer, Proposer, Speculator
 
@@ -16,5 +18,14 @@ def build_speculator(config: SpeculativeConfig, engine: LLMEngine) -> Speculator
     if config.method == "ngram":
         proposer = NgramRequestProposer(config)
     else:
-        raise ValueError(f"speculative_config method {config.method!r} is not supported yet")
+        assert config.model is not None  # SpeculativeConfig checks it
+        proposer = DraftModelProposer(
+            Path(config.model),
+            engine.model_config,
+            config.num_speculative_tokens,
+            engine.kv_layout.num_blocks,
+            engine.config.block_size,
+            engine.dtype,
+            engine.runner.linear_backend,
+        )
     return Speculator(config, proposer)
