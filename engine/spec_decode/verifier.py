@@ -51,7 +51,8 @@ def verify_drafts(
 ) -> dict[str, VerifiedTokens]:
     """Each verifying request's kept drafts plus one token, by request id."""
     index = torch.cat([torch.arange(v.offset, v.offset + v.num_rows) for v in verify_rows])
-    logits = model.compute_logits(hidden[index]).float()
+    # On the host, like the generators the rejection sampler draws from: (1 + k) rows only.
+    logits = model.compute_logits(hidden[index.to(hidden.device)]).float().cpu()
     out: dict[str, VerifiedTokens] = {}
     start = 0
     for rows in verify_rows:
