@@ -190,6 +190,10 @@ def report(results: dict[str, Any]) -> list[str]:
         row = systems.get(system, {}).get(workload)
         return None if not isinstance(row, dict) else row["tok_s"]
 
+    for name, rows in systems.items():  # greedy speculation must not change a token
+        if name.startswith("kvfleet ") and "error" not in rows:
+            same = all(rows[w]["outputs"] == systems["kvfleet"][w]["outputs"] for w in rows)
+            lines.append(f"{name}: tokens {'equal' if same else 'DIFFER from'} plain decoding's")
     plain, ngram = rate("kvfleet", "grounded"), rate("kvfleet ngram", "grounded")
     if plain and ngram:
         r = ngram / plain

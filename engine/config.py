@@ -7,10 +7,12 @@ engine when it loads the model; see `engine.llm_engine`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.device import validate_device_spec
 from engine.lora.config import validate_lora_args
+from engine.spec_decode.spec_config import SpeculativeConfig, parse_speculative_config
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # like vLLM's CPU default order of magnitude
 
@@ -68,8 +70,18 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (engine.spec_decode): vLLM's speculative_config; a dict or a JSON
+    # string is parsed (and validated) into a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        raw: object = self.speculative_config
+        if isinstance(raw, (Mapping, str)):
+            object.__setattr__(self, "speculative_config", parse_speculative_config(raw))
+        elif raw is not None and not isinstance(raw, SpeculativeConfig):
+            raise ValueError(
+                f"speculative_config must be a dict or JSON object, got {type(raw).__name__}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -11,6 +11,10 @@ each request that reaches the end of its known tokens this step.
 A request still owing prompt logprobs (`Request.needs_prompt_logprobs`) also gets a
 `PromptLogprobRows`: its positions p in this chunk with p + 1 < num_prompt_tokens, which are
 contiguous flat rows, and the prompt tokens p + 1 they predict. Other requests add nothing.
+
+A request verifying drafts (speculative decoding) computes its last known token and then its
+drafts; all of its 1 + k rows need logits, so it gets a `VerifyRows` (engine.spec_decode.verifier)
+instead of a sample index.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillSegment
 from engine.core.scheduler import ScheduledRequest
+from engine.spec_decode.verifier import VerifyRows
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class ModelInput:
     sample_indices: torch.Tensor
     sampled_requests: list[ScheduledRequest]
     prompt_logprob_rows: list[PromptLogprobRows]
+    verify_rows: list[VerifyRows]
 
 
 def _context_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
@@ -67,11 +73,14 @@ def build_model_input(
     sample_indices: list[int] = []
     sampled: list[ScheduledRequest] = []
     prompt_rows: list[PromptLogprobRows] = []
+    verify_rows: list[VerifyRows] = []
     offset = 0
     for item in scheduled:
         request, n = item.request, item.num_new_tokens
         start = request.num_computed_tokens
-        ids.extend(request.all_token_ids[start : start + n])
+        num_known = n - len(item.spec_token_ids)
+        ids.extend(request.all_token_ids[start : start + num_known])
+        ids.extend(item.spec_token_ids)
         positions.append(torch.arange(start, start + n))
         table = block_ids[request.request_id]
         if n == 1:
@@ -86,8 +95,10 @@ def build_model_input(
             prefill_tables.append(table[: -(-(start + n) // block_size)])
         if request.needs_prompt_logprobs:
             prompt_rows.extend(_prompt_logprob_rows(item, offset))
+        if item.spec_token_ids:
+            verify_rows.append(VerifyRows(item, offset))
         offset += n
-        if item.samples:
+        if item.samples and not item.spec_token_ids:
             sample_indices.append(offset - 1)
             sampled.append(item)
     meta = AttentionMetadata(
@@ -105,6 +116,7 @@ def build_model_input(
         sample_indices=torch.tensor(sample_indices, dtype=torch.int64),
         sampled_requests=sampled,
         prompt_logprob_rows=prompt_rows,
+        verify_rows=verify_rows,
     )
 
 

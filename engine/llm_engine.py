@@ -42,6 +42,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
 from engine.request import Request, TenantShare
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.build import build_speculator
 from engine.tokenizer import Tokenizer, load_generation_eos_ids
 
 logger = logging.getLogger("kvfleet.engine")
@@ -106,6 +107,10 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 swap_min_computed_tokens=config.swap_min_computed_tokens,
+                spec_disable_by_batch_size=(
+                    config.speculative_config.disable_by_batch_size
+                    if config.speculative_config is not None else None
+                ),
             ),
             self.kv,
             FairShare() if config.scheduling_policy == "fair" else None,
@@ -132,6 +137,10 @@ class LLMEngine:
                 capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
                 -(-self.max_model_len // config.block_size),
             )
+        self.speculator = (
+            build_speculator(config.speculative_config, self)
+            if config.speculative_config is not None else None
+        )
         self.kv_event_hook = kv_event_hook
         self._arrival_seq = 0
         self.last_step_num_tokens = 0
@@ -386,8 +395,12 @@ class LLMEngine:
             if self.lora is not None:
                 self.lora.end_step()
         updates = self.scheduler.update_from_output(
-            out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs
+            out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs, sampled.verified
         )
+        if self.speculator is not None:
+            self.speculator.after_step(
+                out.scheduled, sampled.verified, updates, self.scheduler.num_running
+            )
         for update in updates:
             request = update.request
             if request.num_output_tokens == 1:
@@ -422,6 +435,7 @@ class LLMEngine:
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             **self._kv_tier_stats(),
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
 
     def _kv_tier_stats(self) -> dict[str, int | float]:

@@ -33,6 +33,8 @@ from engine.models.layer_ops import FUSED_DTYPES
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
 from engine.sampler import Sampler, SamplingRow, gather_logprobs
+from engine.spec_decode.spec_scheduling import VerifiedTokens
+from engine.spec_decode.verifier import verify_drafts
 
 # Rows of prompt-logprob logits per piece: 256 x 49,152 (SmolLM2's vocab) float32 is 48 MiB,
 # against 384 MiB for a whole 2,048-token chunk.
@@ -54,6 +56,8 @@ class RunnerOutput:
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests that verified drafts (engine.spec_decode): their tokens of this step.
+    verified: dict[str, VerifiedTokens] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -157,19 +161,23 @@ class ModelRunner:
             rows.request_id: self._prompt_logprobs(hidden, rows)
             for rows in batch.prompt_logprob_rows
         }
+        verified = (
+            verify_drafts(self.model, hidden, batch.verify_rows, self._sampling_row, self.sampler)
+            if batch.verify_rows else {}
+        )
         if not batch.sampled_requests:
-            return RunnerOutput(prompt_logprobs=prompt_logprobs)
+            return RunnerOutput(prompt_logprobs=prompt_logprobs, verified=verified)
         logits = self.model.compute_logits(hidden[batch.sample_indices])
         rows = [self._sampling_row(item.request) for item in batch.sampled_requests]
         sampled = self.sampler(logits, rows)
         ids = [item.request.request_id for item in batch.sampled_requests]
         token_ids = dict(zip(ids, sampled.token_ids, strict=True))
         if sampled.logprobs is None:
-            return RunnerOutput(token_ids, prompt_logprobs=prompt_logprobs)
+            return RunnerOutput(token_ids, prompt_logprobs=prompt_logprobs, verified=verified)
         logprobs = {
             rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None
         }
-        return RunnerOutput(token_ids, logprobs, prompt_logprobs)
+        return RunnerOutput(token_ids, logprobs, prompt_logprobs, verified)
 
     def _graph_forward(self, batch: ModelInput, unified: UnifiedBatch) -> torch.Tensor | None:
         """Hidden states from the decode graphs when the step is decode-only and fits one."""

@@ -47,6 +47,9 @@ class CompletionTracker:
             self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self._text: list[str] = []
         self.stop_string: str | None = None
+        # Output tokens when a stop string matched (tokens after it in the same update are
+        # not part of the output).
+        self._num_output_at_stop: int | None = None
         self.finished = False
         self._token_texts: dict[int, str] = {}
 
@@ -60,18 +63,32 @@ class CompletionTracker:
             self._prompt_logprobs = update.prompt_logprobs
         self.finished = update.finished
         if self._matcher is not None:
-            self.stop_string = self._match(update)
+            self.stop_string = self._match_each(update)
             self.finished = self.finished or self.stop_string is not None
         return self.stop_string
 
-    def _match(self, update: RequestUpdate) -> str | None:
+    def _match_each(self, update: RequestUpdate) -> str | None:
+        """Match token by token, so a stop string completed by a token inside a several-token
+        update (speculative decoding) ends the output at that token, as one-token updates
+        would have; the later tokens are dropped from the output."""
+        ids = update.new_token_ids
+        num_before = self.request.num_output_tokens - len(ids)
+        for index, token in enumerate(ids):
+            last = index == len(ids) - 1
+            matched = self._match([token], update.finished and last, num_before + index + 1)
+            if matched is not None:
+                self._num_output_at_stop = num_before + index + 1
+                return matched
+        return None
+
+    def _match(self, token_ids: list[int], finished: bool, num_output: int) -> str | None:
         assert self._matcher is not None and self._detokenizer is not None
-        text = self._detokenizer.add_tokens(self._text_ids(update.new_token_ids, update.finished))
-        if update.finished:
+        text = self._detokenizer.add_tokens(self._text_ids(token_ids, finished))
+        if finished:
             text += self._detokenizer.flush()
-        check = self.request.num_output_tokens >= self.request.sampling_params.min_tokens
+        check = num_output >= self.request.sampling_params.min_tokens
         self._text.append(self._matcher.add(text, check))
-        if self._matcher.matched is None and update.finished:
+        if self._matcher.matched is None and finished:
             self._text.append(self._matcher.flush())
         return self._matcher.matched
 
@@ -86,7 +103,7 @@ class CompletionTracker:
 
     def to_output(self, index: int) -> CompletionOutput:
         request = self.request
-        token_ids = list(request.output_token_ids)
+        token_ids = list(request.output_token_ids[: self._num_output_at_stop])
         if self._matcher is None:
             text = self._tokenizer.decode(
                 self._text_ids(token_ids, True),
@@ -118,8 +135,9 @@ class CompletionTracker:
     def _logprob_dicts(self) -> tuple[list[dict[int, Logprob]] | None, float | None]:
         if self._logprobs is None:
             return None, None
-        dicts = [self._dict(token) for token in self._logprobs]
-        return dicts, sum(token.sampled.logprob for token in self._logprobs)
+        kept = self._logprobs[: self._num_output_at_stop]
+        dicts = [self._dict(token) for token in kept]
+        return dicts, sum(token.sampled.logprob for token in kept)
 
     def _dict(self, token: TokenLogprobs) -> dict[int, Logprob]:
         # The scored token first (with its own rank), then the top-k not already in it (vLLM).

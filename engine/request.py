@@ -108,6 +108,9 @@ class Request:
     # Entry i is prompt token i's logprobs (entry 0 is None: nothing precedes it); filled chunk
     # by chunk while `needs_prompt_logprobs`, emptied when handed over with the first token.
     pending_prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # Speculative decoding: tokens a proposer drafted to follow `all_token_ids`, verified in
+    # the request's next decode step (engine.spec_decode). Never part of all_token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -62,12 +62,7 @@ class Sampler:
         logprob_idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Indexing copies, so the in-place edits below leave the raw logprobs untouched.
         raw = logits[logprob_idx].log_softmax(dim=-1) if logprob_idx else None
-        penalty_idx = [i for i, row in enumerate(rows) if row.params.has_penalties]
-        if penalty_idx:
-            logits[penalty_idx] = self._penalised(logits[penalty_idx], rows, penalty_idx)
-        for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = float("-inf")
+        logits = self.processed_logits(logits, rows)
         greedy = torch.tensor([row.params.greedy for row in rows])
         # max(dim).indices is argmax (first maximum on ties) and about 3x faster on CPU.
         tokens = logits.max(dim=-1).indices
@@ -79,6 +74,24 @@ class Sampler:
         if raw is None:
             return SamplerOutput(token_ids)
         return SamplerOutput(token_ids, self._logprobs(raw, tokens, rows, logprob_idx))
+
+    def processed_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """float32 logits after penalties and banned tokens: greedy rows take their argmax
+        (steps 2-3 above). Edits float32 input in place."""
+        logits = logits.float()
+        penalty_idx = [i for i, row in enumerate(rows) if row.params.has_penalties]
+        if penalty_idx:
+            logits[penalty_idx] = self._penalised(logits[penalty_idx], rows, penalty_idx)
+        for i, row in enumerate(rows):
+            if row.banned_token_ids:
+                logits[i, list(row.banned_token_ids)] = float("-inf")
+        return logits
+
+    def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution non-greedy rows sample from: processed logits tempered, filtered
+        (top-k, top-p, min-p) and normalised (step 4; speculative decoding verifies with it)."""
+        temperature = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
+        return self._filter(logits / temperature, rows).softmax(dim=-1)
 
     @staticmethod
     def _penalised(
@@ -104,10 +117,7 @@ class Sampler:
         return out
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        temperature = torch.tensor([row.params.temperature for row in rows]).unsqueeze(1)
-        logits = logits / temperature
-        logits = self._filter(logits, rows)
-        probs = logits.softmax(dim=-1)
+        probs = self.target_probs(logits, rows)
         q = self._exponential_noise(probs.shape, rows)
         return (probs / q).argmax(dim=-1)
 

@@ -219,6 +219,18 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(start, end)
 
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first `num_tokens` positions (speculative
+        decoding's rollback: they hold only rejected drafts' KV and were never cached)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self._blocks_for(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert self._num_cached_blocks.get(request.request_id, 0) <= keep
+        extra = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(reversed(extra))
+
     def free(self, request: Request) -> None:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)

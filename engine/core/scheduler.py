@@ -40,6 +40,11 @@ computed tokens; smaller ones are cheaper to recompute. Either mode recomputes w
 space has no room. If nothing runs and no swapped request fits back (shared blocks kept by
 other swapped requests), the swapped ones fall back to recompute, so the engine cannot stall.
 
+Speculative decoding (engine.spec_decode.spec_scheduling): a decoding running request with
+drafts verifies them as 1 + k query tokens in the same budget (no preemption for drafts);
+its update appends the kept drafts and one more token, stopping at a stop as plain decoding
+would, and rolls its KV back past them.
+
 Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`), `running` or
 `swapped` (sorted by `sort_key`); no waiting or swapped request is admitted in a step that
 preempted (so no swap-in reads a host block that a swap-out of the same step writes); a
@@ -59,6 +64,12 @@ from engine.core.kv_cache_manager import HostHit, KVCacheManager
 from engine.logprobs import TokenLogprobs
 from engine.lora.admission import LoRAAdmission, LoRAAdmissionPass
 from engine.request import Request, RequestStatus
+from engine.spec_decode.spec_scheduling import (
+    VerifiedTokens,
+    drafts_to_verify,
+    roll_back,
+    step_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -71,17 +82,23 @@ class SchedulerConfig:
     # swap space.
     preemption_mode: str = "recompute"
     swap_min_computed_tokens: int = 256
+    # Speculative decoding (engine.spec_decode): no drafts are verified in a step that starts
+    # with at least this many running requests (vLLM's disable_by_batch_size).
+    spec_disable_by_batch_size: int | None = None
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
+    # Including the drafts: a request verifying k drafts computes 1 + k query tokens.
     num_new_tokens: int
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the request's known tokens (so it samples)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        num_known = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.num_computed_tokens + num_known == self.request.num_tokens
 
 
 @dataclass
@@ -175,10 +192,17 @@ class Scheduler:
             if id(request) in deferred:
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
-                break
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            drafts = drafts_to_verify(request, budget, len(self.running),
+                                      self.config.spec_disable_by_batch_size, self.kv,
+                                      len(self.running) - index - 1)
+            if drafts and self.kv.allocate_slots(request, 1 + len(drafts)) is not None:
+                num_new = 1 + len(drafts)
+            else:
+                drafts = ()
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self._allocate_or_preempt(request, num_new, out):
+                    break
+            out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             self._note_computing(request, num_new, computing)
             budget -= num_new
             index += 1
@@ -362,42 +386,61 @@ class Scheduler:
         sampled: dict[str, int],
         logprobs: dict[str, TokenLogprobs] | None = None,
         prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None,
+        verified: dict[str, VerifiedTokens] | None = None,
     ) -> list[RequestUpdate]:
         """Advance computed counts, append sampled tokens, finish and free stopped requests.
 
         `logprobs` holds the sampled tokens' logprobs of the requests that asked for them;
         `prompt_logprobs` this step's prompt entries of requests owing them, one per scheduled
-        position p with p + 1 < num_prompt_tokens (the entry of prompt token p + 1).
+        position p with p + 1 < num_prompt_tokens (the entry of prompt token p + 1);
+        `verified` the tokens of requests that verified drafts (kept drafts, then one more).
+        Tokens are appended one by one and a stop among them ends the request there, as if
+        it had decoded them one step at a time; the drafts' KV past the kept ones is rolled
+        back (engine.spec_decode.spec_scheduling.roll_back).
         """
         logprobs = logprobs or {}
         prompt_logprobs = prompt_logprobs or {}
+        verified = verified or {}
         updates = []
         for item in out.scheduled:
             request = item.request
             if request.status.finished:
                 continue  # aborted while the step ran
             start = request.num_computed_tokens
-            request.num_computed_tokens += item.num_new_tokens
-            # Only now is this step's KV written: its full blocks may become cache hits.
-            self.kv.cache_computed_blocks(request)
+            request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
             entries = prompt_logprobs.get(request.request_id)
             if entries is not None:
                 _store_prompt_logprobs(request, start, entries)
-            token = sampled.get(request.request_id)
-            if token is None:
+            result = step_tokens(item, sampled, logprobs, verified)
+            if result is None:
+                # Only now is this step's KV written: its full blocks may become cache hits.
+                self.kv.cache_computed_blocks(request)
                 continue
             owes_prompt_logprobs = request.needs_prompt_logprobs
+            tokens, status = self._append_tokens(request, result.token_ids)
+            if item.spec_token_ids:
+                roll_back(self.kv, request, len(result.token_ids) - 1, len(tokens))
+            self.kv.cache_computed_blocks(request)
+            token_logprobs = result.logprobs
+            if status is not None:
+                self._finish(request, status)
+            new_logprobs = None if token_logprobs is None else token_logprobs[: len(tokens)]
+            prompt = _take_prompt_logprobs(request) if owes_prompt_logprobs else None
+            updates.append(
+                RequestUpdate(request, tokens, status is not None, new_logprobs, prompt)
+            )
+        return updates
+
+    def _append_tokens(
+        self, request: Request, tokens: list[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append one by one; a stop ends the request there (later tokens are dropped)."""
+        for index, token in enumerate(tokens):
             request.append_output_token(token)
             status = self._check_stop(request, token)
             if status is not None:
-                self._finish(request, status)
-            token_logprobs = logprobs.get(request.request_id)
-            new_logprobs = None if token_logprobs is None else [token_logprobs]
-            prompt = _take_prompt_logprobs(request) if owes_prompt_logprobs else None
-            updates.append(
-                RequestUpdate(request, [token], status is not None, new_logprobs, prompt)
-            )
-        return updates
+                return tokens[: index + 1], status
+        return tokens, None
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         # vLLM's order: running out of room wins over a stop token on the same step.

@@ -15,7 +15,10 @@ Names (all with a `model_name` label; counters get `_total` in the exposition):
   kvfleet:request_success{finished_reason}; KV tiers: kvfleet:kv_swapped_out_blocks,
   kvfleet:kv_swapped_in_blocks, kvfleet:host_cache_hits / _misses / _evictions (blocks; a
   miss is a lookup the tier could not extend), kvfleet:host_cache_stored_blocks,
-  kvfleet:prefix_cache_host_hits (tokens), kvfleet:kv_transfer_bytes{direction}
+  kvfleet:prefix_cache_host_hits (tokens), kvfleet:kv_transfer_bytes{direction};
+  speculative decoding (when on): kvfleet:spec_decode_num_drafts,
+  kvfleet:spec_decode_num_draft_tokens, kvfleet:spec_decode_num_accepted_tokens,
+  kvfleet:spec_decode_num_accepted_tokens_per_pos{position}
 - histograms: kvfleet:time_to_first_token_seconds, kvfleet:inter_token_latency_seconds,
   kvfleet:e2e_request_latency_seconds, kvfleet:request_queue_time_seconds,
   kvfleet:request_prompt_tokens, kvfleet:request_generation_tokens,
@@ -67,6 +70,13 @@ TIER_COUNTERS = {
         "prefix_cache_host_hits", "Prompt tokens found in the host tier"
     ),
 }
+# Speculative decoding (vLLM's names); get_stats() key = metric name without the prefix.
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": "Speculative decoding: verifying steps of requests",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens verified",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens kept",
+}
+SPEC_PER_POS_PREFIX = "spec_decode_num_accepted_tokens_per_pos_"
 TRANSFER_DIRECTIONS = {"kv_transfer_bytes_to_host": "to_host",
                        "kv_transfer_bytes_to_device": "to_device"}
 
@@ -148,6 +158,12 @@ class EngineMetrics:
             "iteration_tokens_total", "Tokens scheduled per engine step",
             token_buckets(max(max_model_len, 16384)),
         )
+        self.spec_counters = {key: counter(key, doc) for key, doc in SPEC_DECODE_COUNTERS.items()}
+        self.spec_per_pos = Counter(
+            "kvfleet:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: drafts kept, by draft position (0 = first)",
+            ["model_name", "position"], registry=r,
+        )
         self._last_counts: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
         self._engine: AsyncEngine | None = None
@@ -180,6 +196,22 @@ class EngineMetrics:
             delta = self._delta(name, stats)
             if delta > 0:
                 self.transfer_bytes.labels(model, direction).inc(delta)
+        self._spec_decode(stats)
+
+    def _spec_decode(self, stats: dict[str, int | float]) -> None:
+        """Speculative decoding counters; get_stats() has them only when it is on."""
+        if "spec_decode_num_drafts" not in stats:
+            return
+        for name, counter in self.spec_counters.items():
+            delta = self._delta(name, stats)
+            if delta > 0:
+                counter.labels(self._model).inc(delta)
+        for name in stats:
+            if name.startswith(SPEC_PER_POS_PREFIX):
+                delta = self._delta(name, stats)
+                if delta > 0:
+                    position = name.removeprefix(SPEC_PER_POS_PREFIX)
+                    self.spec_per_pos.labels(self._model, position).inc(delta)
 
     def _delta(self, name: str, stats: dict[str, int | float]) -> int:
         value = int(stats[name])

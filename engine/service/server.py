@@ -47,6 +47,7 @@ from engine.service.redis_publisher import EngineRegistration, RedisPublisher, v
 from engine.service.servicer import EngineIdentity, EngineServicer
 from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_TIMEOUT_S
 from engine.service.step_watchdog import StepWatchdog
+from engine.spec_decode.spec_config import speculative_config_arg
 from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
@@ -286,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["auto", "torch", "cpu_kernel", "kernel", "triton"],
                         help="auto: Triton on CUDA, the C++ kernels (else PyTorch) on CPU; "
                              "triton on CPU runs interpreted (default: %(default)s)")
+    engine.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                        help="speculative decoding as a JSON object with vLLM's keys, e.g. "
+                             '\'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                             "(default: off)")
     engine.add_argument("--linear-backend", default="auto",
                         choices=["auto", "onednn", "mkl", "dense", "panel"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
@@ -337,6 +342,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        speculative_config=args.speculative_config,
         **kv_tier_config(args),
         **lora_config(args),
     )

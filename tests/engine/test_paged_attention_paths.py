@@ -29,7 +29,7 @@ def scheduled(request_id: str, computed: int, new: int) -> SimpleNamespace:
         all_token_ids=list(range(computed + new)),
         needs_prompt_logprobs=False,
     )
-    return SimpleNamespace(request=request, num_new_tokens=new, samples=True)
+    return SimpleNamespace(request=request, num_new_tokens=new, samples=True, spec_token_ids=())
 
 
 # (request, tokens already cached, tokens this step): decodes sit between prefill segments.
