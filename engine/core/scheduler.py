@@ -56,11 +56,16 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import HostHit, KVCacheManager
+from engine.core.scheduler_output import (
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from engine.logprobs import TokenLogprobs
 from engine.lora.admission import LoRAAdmission, LoRAAdmissionPass
 from engine.request import Request, RequestStatus
@@ -70,62 +75,6 @@ from engine.spec_decode.spec_scheduling import (
     roll_back,
     step_tokens,
 )
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool
-    # "recompute", "swap" or "auto" (vLLM's preemption_mode); swap needs the KV manager's
-    # swap space.
-    preemption_mode: str = "recompute"
-    swap_min_computed_tokens: int = 256
-    # Speculative decoding (engine.spec_decode): no drafts are verified in a step that starts
-    # with at least this many running requests (vLLM's disable_by_batch_size).
-    spec_disable_by_batch_size: int | None = None
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    request: Request
-    # Including the drafts: a request verifying k drafts computes 1 + k query tokens.
-    num_new_tokens: int
-    spec_token_ids: tuple[int, ...] = ()
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's known tokens (so it samples)."""
-        num_known = self.num_new_tokens - len(self.spec_token_ids)
-        return self.request.num_computed_tokens + num_known == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Every preemption victim; those preempted by swap are also in `swapped_out`.
-    preempted: list[Request] = field(default_factory=list)
-    swapped_out: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
-@dataclass(frozen=True)
-class RequestUpdate:
-    """What one step did to one request: tokens it produced and whether it finished."""
-
-    request: Request
-    new_token_ids: list[int]
-    finished: bool
-    # Parallel to new_token_ids when the request asked for logprobs; None otherwise.
-    new_logprobs: list[TokenLogprobs] | None = None
-    # On the request's first update only, when it asked for prompt_logprobs: one entry per
-    # prompt token, None for the first (nothing precedes it).
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Scheduler:
