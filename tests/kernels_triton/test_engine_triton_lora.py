@@ -41,7 +41,9 @@ def reference(tiny_model_dir) -> dict[str, list[list[int]]]:
 
 def test_two_adapters_and_base_through_triton(tiny_model_dir, tiny_lora_dirs, reference):
     llm = LLM(
-        str(tiny_model_dir), dtype="float32", attention_backend="triton", device="cpu",
+        # Compiled on a GPU (make gpu-check), interpreted on CPU.
+        str(tiny_model_dir), dtype="float32", attention_backend="triton",
+        device="cuda" if torch.cuda.is_available() else "cpu",
         linear_backend="dense", num_kv_blocks=32, enable_lora=True, max_loras=2,
     )  # fmt: skip
     assert llm.engine.lora is not None and llm.engine.lora.context.use_triton
