@@ -1,5 +1,7 @@
 """Slow tier: greedy output on SmolLM2-135M equals transformers' `generate`, token for token,
-for 8 prompts of 32 new tokens in one batch (float32), and again with chunked prefill."""
+for 8 prompts of 32 new tokens in one batch (float32), again with chunked prefill, and with
+n-gram speculative decoding (a trained model repeats itself, so drafts are verified and some
+kept: the test checks that they were)."""
 
 from __future__ import annotations
 
@@ -39,11 +41,21 @@ def reference(smollm2_dir) -> list[list[int]]:
     return outputs
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
 @pytest.mark.parametrize(
-    "engine_args", [{}, {"max_num_batched_tokens": 16}], ids=["batch", "chunked"]
+    "engine_args",
+    [{}, {"max_num_batched_tokens": 16}, {"speculative_config": NGRAM}],
+    ids=["batch", "chunked", "ngram"],
 )
 def test_smollm2_greedy_matches_transformers(smollm2_dir, reference, engine_args):
     llm = LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=256, **engine_args)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
+    if "speculative_config" in engine_args:
+        stats = llm.get_stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        assert stats["spec_decode_num_accepted_tokens"] > 0
