@@ -77,9 +77,8 @@ def write_adapters(model_dir: Path, dest: Path) -> list[Adapter]:
 
 
 def kvfleet_system(model_dir: Path, dtype: str) -> Generate:
-    from engine.lora.request import LoRARequest
-
     from engine import LLM, SamplingParams
+    from engine.lora.request import LoRARequest
 
     llm = LLM(str(model_dir), dtype=dtype, seed=0, enable_lora=True, max_loras=NUM_ADAPTERS,
               max_lora_rank=RANK)
