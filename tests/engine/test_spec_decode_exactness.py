@@ -16,13 +16,14 @@ import random
 from collections.abc import Sequence
 
 import pytest
-import torch
 import transformers
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.spec_decode.speculator import max_drafts
+from tests.fixtures.greedy import run_checked as run_to_completion
+from tests.fixtures.greedy import transformers_greedy
 
 NEW_TOKENS = 32
 PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100]
@@ -47,21 +48,7 @@ def prompts(tiny_model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, prompts) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    model.generation_config.eos_token_id = None
-    outputs = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        generated = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outputs.append(generated[0, len(ids) :].tolist())
-    return outputs
+    return transformers_greedy(tiny_model_dir, prompts, NEW_TOKENS)
 
 
 class OracleProposer:
@@ -89,15 +76,7 @@ class OracleProposer:
 
 
 def run_checked(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
-    requests = [engine.add_request(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        engine.scheduler.check_integrity()
-        steps += 1
-        assert steps < 10_000, "engine made no progress"
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
-    return [r.output_token_ids for r in requests]
+    return run_to_completion(engine, prompts, params)[0]
 
 
 def oracle_llm(
