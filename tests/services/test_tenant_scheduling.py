@@ -43,7 +43,10 @@ POLICY = {
            for n in range(ATTEMPTS)},
     }
 }
-OUTPUT_TOKENS = 16
+# The order is read on the client, as each request's thread sees its completion. With one
+# seat, consecutive completions are a whole request's decoding apart: 64 tokens keep that gap
+# far above a thread's wake-up delay on a loaded machine (at 16 a busy CI run swapped two).
+OUTPUT_TOKENS = 64
 
 
 @dataclass(frozen=True)
