@@ -1,8 +1,10 @@
 """N-gram (prompt lookup) proposer: drafts the tokens that followed the last n-gram before.
 
 For n from prompt_lookup_max down to prompt_lookup_min, the request's last n tokens are looked
-for earlier in its tokens (prompt and output); at the latest earlier occurrence, the up to k
-tokens that followed it are the drafts. No match for any n: no drafts (the request decodes
+for earlier in its tokens (prompt and output); at the earliest occurrence, the up to k tokens
+that followed it are the drafts (vLLM's choice: the longest n-gram, then its first position;
+for input-grounded output the first occurrence is the prompt's, whose continuation is the one
+the output copies). No match for any n: no drafts (the request decodes
 one token as usual). Deterministic: the same tokens give the same drafts, so the rejection
 sampler treats them as one-hot proposals.
 """
@@ -39,6 +41,6 @@ class NgramProposer:
             suffix = tokens[num_tokens - n :]
             matches = np.flatnonzero((sliding_window_view(head, n) == suffix).all(axis=1))
             if matches.size:
-                start = int(matches[-1]) + n
+                start = int(matches[0]) + n
                 return tokens[start : start + limit].tolist()
         return []

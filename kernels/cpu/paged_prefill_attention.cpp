@@ -304,8 +304,18 @@ std::vector<Item> make_items(int64_t num_segs, const int32_t* lens, const int32_
   std::vector<Item> items;
   for (int32_t s = 0; s < num_segs; ++s) {
     const int32_t pos0 = ctx[s] - lens[s];
+    // A short segment (a verify step's 1 + k rows, a small chunk) is cut into tiles of at
+    // most 16 rows with an even share of its tokens, ignoring the aligned boundaries: each
+    // tile reads the whole context, so the fewest one-vector tiles give the two threads the
+    // most balanced items for the least work.
+    const int32_t short_tokens =
+        lens[s] * heads <= kMaxRows && lens[s] <= kChunk
+            ? (lens[s] + (lens[s] * heads + 15) / 16 - 1) / ((lens[s] * heads + 15) / 16)
+            : 0;
     for (int32_t t0 = 0; t0 < lens[s];) {
-      const int32_t t1 = std::min(lens[s], (pos0 + t0) / tile * tile + tile - pos0);
+      const int32_t t1 = short_tokens
+                             ? std::min(lens[s], t0 + short_tokens)
+                             : std::min(lens[s], (pos0 + t0) / tile * tile + tile - pos0);
       const int64_t keys = ctx[s] - lens[s] + t1;
       for (int32_t h = 0; h < kv_heads; ++h)
         for (int32_t g = 0; g < group; g += heads) {

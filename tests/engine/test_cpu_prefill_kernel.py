@@ -128,6 +128,15 @@ def test_prefill_kernel_long_segments_and_single_tokens():
         check(make_case(segs, 9, 3, 64, dtype, 16, seed=5, gap=2), dtype, tol, 2)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (16, 1), (4, 4)])
+def test_prefill_kernel_short_segments_across_tile_boundaries(heads, kv_heads):
+    # Verify steps' 1 + k rows and small chunks take the short-segment tiling (tiles of at
+    # most 16 rows, not aligned to positions); these straddle 16-aligned boundaries.
+    segs = [(9, 450), (5, 301), (16, 200), (7, 7), (3, 18), (13, 13)]
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
+        check(make_case(segs, heads, kv_heads, 64, dtype, 16, seed=3, gap=1), dtype, tol, 1)
+
+
 def test_prefill_kernel_with_no_segments_is_a_no_op():
     q, k_cache, v_cache, tables, starts, lens, ctx = make_case(
         [(4, 4)], 4, 2, 64, torch.float32, 16, seed=0

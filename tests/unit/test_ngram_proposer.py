@@ -1,4 +1,4 @@
-"""N-gram proposer: the longest suffix n-gram's latest earlier occurrence gives the drafts."""
+"""N-gram proposer: the longest suffix n-gram's earliest occurrence gives the drafts (as vLLM)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ def test_longest_n_wins_over_a_later_shorter_match():
     assert proposer.propose([2, 3, 4, 5, 3, 9, 2, 3]) == [4, 5]
 
 
-def test_latest_occurrence_of_the_same_n():
+def test_earliest_occurrence_of_the_same_n():
     proposer = NgramProposer(1, 2, 2)
-    assert proposer.propose([7, 8, 1, 7, 8, 2, 7, 8]) == [2]
+    assert proposer.propose([7, 8, 1, 7, 8, 2, 7, 8]) == [1]
 
 
 def test_drafts_stop_at_the_known_tokens_and_the_limit():
