@@ -8,6 +8,7 @@ the delta only while the shared `LoRAContext` holds a batch, i.e. in steps with 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,12 @@ class LoRAContext:
 
 class LoRALinear(nn.Module):
     def __init__(
-        self, base: Linear, a: torch.Tensor, b: torch.Tensor, context: LoRAContext
+        self,
+        base: Linear,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        context: LoRAContext,
+        slice_sizes: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         self.base = base
@@ -37,6 +43,9 @@ class LoRALinear(nn.Module):
         self.lora_a = a
         self.lora_b = b
         self.context = context
+        sizes = slice_sizes or (b.shape[1],)
+        self.rank = a.shape[1] // len(sizes)
+        self.slice_offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -46,7 +55,16 @@ class LoRALinear(nn.Module):
         out = self.base(x)
         batch = self.context.batch
         if batch is not None:
-            add_lora_delta(out, x, self.lora_a, self.lora_b, batch, self.context.use_triton)
+            add_lora_delta(
+                out,
+                x,
+                self.lora_a,
+                self.lora_b,
+                batch,
+                self.context.use_triton,
+                self.slice_offsets,
+                self.rank,
+            )
         return out
 
 
@@ -65,5 +83,11 @@ def attach_lora(model: nn.Module, slots: LoRASlots, context: LoRAContext) -> Non
             base = getattr(owner, name)
             if isinstance(base, LoRALinear):
                 raise RuntimeError("LoRA is already attached to this model")
-            wrapped = LoRALinear(base, slots.a[name][index], slots.b[name][index], context)
+            wrapped = LoRALinear(
+                base,
+                slots.a[name][index],
+                slots.b[name][index],
+                context,
+                slots.shapes[name].slice_sizes,
+            )
             setattr(owner, name, wrapped)

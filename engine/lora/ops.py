@@ -2,10 +2,11 @@
 
 `a` is one projection's shrink stack [max_loras, S * R, in] and `b` its expand stack
 [max_loras, out, S * R] (S slices of rank R, scaling folded into B; see engine.lora.slots).
-`add_lora_delta_torch` is the reference and the CPU path: one shrink and one expand matmul per
-segment (adapter), views where a segment is contiguous, else a gather and an index_add.
-`add_lora_delta` picks the Triton kernels (kernels/triton/lora.py) when asked — on CUDA, or
-interpreted on CPU in tests — else the reference.
+`add_lora_delta_torch` is the reference: one shrink and one expand matmul per segment (adapter),
+views where a segment is contiguous, else a gather and an index_add. `add_lora_delta` picks the
+Triton kernels (kernels/triton/lora.py) when asked — on CUDA, or interpreted on CPU in tests —
+else, for float32 on CPU, the C++ kernel (kernels/cpu/lora_delta.cpp: every segment in one
+call, reading only each slice's own rank block of B), else the reference.
 
 Invariant: rows in no segment (base-model requests) are never written.
 """
@@ -15,6 +16,12 @@ from __future__ import annotations
 import torch
 
 from engine.lora.batch import LoRABatch
+
+
+def cpu_kernel_available() -> bool:
+    from kernels.cpu import load as load_cpu_kernels
+
+    return load_cpu_kernels() and hasattr(torch.ops.kvfleet_cpu, "lora_delta")
 
 
 def add_lora_delta_torch(
@@ -37,12 +44,25 @@ def add_lora_delta(
     b: torch.Tensor,
     batch: LoRABatch,
     use_triton: bool,
+    slice_offsets: torch.Tensor | None = None,
+    rank: int = 0,
 ) -> None:
+    """`slice_offsets` (int64 [S + 1], the fused slices' output columns) and `rank` (R) let
+    the CPU kernel skip B's zero blocks; without them the reference runs."""
     if use_triton:
         from kernels.triton.lora import sgmv_lora
 
         sgmv_lora(
             out, x, a, b, batch.rows, batch.seg_starts, batch.seg_slots, batch.max_segment_len
+        )
+    elif (
+        slice_offsets is not None
+        and out.dtype == torch.float32
+        and out.device.type == "cpu"
+        and cpu_kernel_available()
+    ):
+        torch.ops.kvfleet_cpu.lora_delta(
+            out, x, a, b, batch.rows, batch.seg_starts, batch.seg_slots, slice_offsets, rank
         )
     else:
         add_lora_delta_torch(out, x, a, b, batch)
