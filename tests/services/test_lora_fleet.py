@@ -136,9 +136,10 @@ def unload_on_engine(fleet: Fleet, redis_client: redis.Redis, engine_id: str, na
     wait_until(lambda: name not in adapters_of(redis_client)[engine_id])
 
 
-def lora_request(model: str, max_tokens: int = NEW_TOKENS,
-                 prompt: list[int] = PROMPT) -> router_pb2.RouterGenerateRequest:  # fmt: skip
-    request = build_request(prompt_token_ids=prompt, params=greedy(max_tokens, ignore_eos=True))
+def lora_request(model: str, max_tokens: int = NEW_TOKENS, prompt: list[int] = PROMPT,
+                 n: int = 1) -> router_pb2.RouterGenerateRequest:  # fmt: skip
+    params = greedy(max_tokens, ignore_eos=True, n=n)
+    request = build_request(prompt_token_ids=prompt, params=params)
     request.model = model
     return request
 
@@ -240,9 +241,11 @@ def test_adapter_is_loaded_on_another_engine_when_its_holder_is_saturated(
     unload_on_engine(fleet, redis_client, other, "all-r8")
     loads = "kvfleet:router_lora_adapter_loads_total"
     assert router_counter(fleet, loads) == 0
-    # A long request for the adapter takes the holder's only sequence slot (it is running
-    # once its first tokens arrive, and 500 tokens outlast the next request's routing).
-    long_stream = client.stream(lora_request("all-r8", 500, prompt=PROMPT[:8]), KEY)
+    # A long request for the adapter takes the holder's only sequence slot: it runs once its
+    # first tokens arrive, and its 4 samples of 500 tokens, one after the other, keep the
+    # holder saturated far longer than the next request takes to be routed (a few seconds
+    # against tens of milliseconds here).
+    long_stream = client.stream(lora_request("all-r8", 500, prompt=PROMPT[:8], n=4), KEY)
     try:
         assert len(next(long_stream).token_ids) > 0
         ids, engine_id = generate(client, "all-r8")
