@@ -66,7 +66,3 @@ def adapter_for(records: Sequence[EngineRecord], model: str) -> str:
     if not model or any(r.model == model for r in records):
         return ""
     return model if any(model in adapters_of(r) for r in records) else ""
-
-
-def holders(records: Sequence[EngineRecord], adapter: str) -> list[EngineRecord]:
-    return [r for r in records if adapter in adapters_of(r)]
