@@ -77,9 +77,7 @@ def choose_load_target(
     if not free:
         return None
     key = adapter.encode()
-    return min(
-        free, key=lambda c: (c.load, c.kv_cache_usage, -rendezvous_weight(key, c.engine_id))
-    )
+    return min(free, key=lambda c: (c.load, c.kv_cache_usage, -rendezvous_weight(key, c.engine_id)))
 
 
 LoadAdapter = Callable[[EngineView, str, str], Awaitable[object]]
@@ -135,8 +133,9 @@ class LoRAPlacer:
         pending = self._pending.get(adapter)
         if pending is None:
             now = self._clock()
-            allowed = [c for c in candidates
-                       if self._failed_until.get((c.engine_id, adapter), 0.0) <= now]
+            allowed = [
+                c for c in candidates if self._failed_until.get((c.engine_id, adapter), 0.0) <= now
+            ]
             choice = choose_load_target(adapter, holders, allowed)
             if choice is None:
                 return None
@@ -149,8 +148,11 @@ class LoRAPlacer:
     def _start(
         self, adapter: str, path: str, engine: EngineView
     ) -> asyncio.Future[EngineView | None]:
-        logger.info("every engine serving LoRA adapter %r is saturated: loading it on %s",
-                    adapter, engine.engine_id)
+        logger.info(
+            "every engine serving LoRA adapter %r is saturated: loading it on %s",
+            adapter,
+            engine.engine_id,
+        )
         task = asyncio.ensure_future(self._run(adapter, path, engine))
         self._pending[adapter] = task
         task.add_done_callback(lambda _: self._pending.pop(adapter, None))
@@ -163,13 +165,18 @@ class LoRAPlacer:
         except Exception as exc:  # any failure: the holders serve the request
             self._failed_until[key] = self._clock() + self.config.retry_after_failure_s
             self._count(engine.engine_id, "failed")
-            logger.warning("could not load LoRA adapter %r on %s (%s); not retried there for "
-                           "%.0fs", adapter, engine.engine_id, _describe(exc),
-                           self.config.retry_after_failure_s)
+            logger.warning(
+                "could not load LoRA adapter %r on %s (%s); not retried there for %.0fs",
+                adapter,
+                engine.engine_id,
+                _describe(exc),
+                self.config.retry_after_failure_s,
+            )
             return None
         now = self._clock()
-        for stale in [k for k, at in self._loaded.items()
-                      if now - at > self.config.publish_grace_s]:
+        for stale in [
+            k for k, at in self._loaded.items() if now - at > self.config.publish_grace_s
+        ]:
             del self._loaded[stale]
         self._loaded[key] = now
         self._count(engine.engine_id, "loaded")
