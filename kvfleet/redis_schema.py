@@ -11,7 +11,9 @@ Redis holds only rebuildable state; everything expires unless an engine keeps it
 - `kvfleet:engine:{engine_id}` — HASH, TTL `REGISTRY_TTL_S`, refreshed by the engine's heartbeat
   and on every load update. Fields: address (host:port), epoch, block_size, model,
   max_model_len, num_running, num_waiting, kv_cache_usage, kv_blocks_free, kv_blocks_total,
+  max_num_seqs, max_loras (0: LoRA disabled),
   lora_adapters (JSON list of the LoRA adapter names it serves; their parent is `model`),
+  lora_paths (JSON object: each of those names -> the adapter directory it was loaded from),
   updated_at (unix seconds, float: the engine's clock at its last write).
 - `kvfleet:blocks:{engine_id}:{epoch}` — SET of block hashes (raw 16-byte digests from
   `engine.block_hash`) that the engine holds in its prefix cache in that epoch. TTL

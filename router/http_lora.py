@@ -7,6 +7,9 @@
 body. The first engine refusal (a bad adapter, an unknown name) is answered as 400 with the
 engine's message; engines that could not be reached make it 503 naming them.
 
+The router itself loads an adapter on one more engine when every engine serving it is
+saturated (router.lora_placement); unloading here also makes it forget those loads.
+
 Invariants: a caller needs a valid API key (as for every API route); the path must be
 readable by the engines (it is their file system the adapter is read from).
 """
@@ -44,31 +47,37 @@ class LoRAEndpoints:
         app.add_api_route("/v1/unload_lora_adapter", self.unload, methods=["POST"])
 
     async def load(self, request: Request) -> Response:
-        try:
-            self._policies.current.identify(list(request.headers.items()))
-            body = _body(decode_json(await request.body()), ("lora_name", "lora_path"))
+        def call(body: dict[str, str]) -> EngineCall:
             message = engine_pb2.LoadLoRAAdapterRequest(**body)
-            await self._fan_out(lambda stub, md: stub.LoadLoRAAdapter(
-                message, metadata=md, timeout=CALL_TIMEOUT_S))
-        except Exception as exc:
-            status, text, param = status_of(exc)
-            return error_response(status, text, param)
-        return PlainTextResponse(
-            f"Success: LoRA adapter '{body['lora_name']}' added successfully."
-        )
+            return lambda stub, md: stub.LoadLoRAAdapter(
+                message, metadata=md, timeout=CALL_TIMEOUT_S)
+
+        return await self._serve(request, ("lora_name", "lora_path"), call, "added")
 
     async def unload(self, request: Request) -> Response:
+        def call(body: dict[str, str]) -> EngineCall:
+            placer = self._pipeline.selector.placer
+            if placer is not None:  # its own loads no longer count as serving the adapter
+                placer.forget(body["lora_name"])
+            message = engine_pb2.UnloadLoRAAdapterRequest(**body)
+            return lambda stub, md: stub.UnloadLoRAAdapter(
+                message, metadata=md, timeout=CALL_TIMEOUT_S)
+
+        return await self._serve(request, ("lora_name",), call, "removed")
+
+    async def _serve(
+        self, request: Request, fields: tuple[str, ...],
+        call: Callable[[dict[str, str]], EngineCall], done: str,
+    ) -> Response:  # fmt: skip
         try:
             self._policies.current.identify(list(request.headers.items()))
-            body = _body(decode_json(await request.body()), ("lora_name",))
-            message = engine_pb2.UnloadLoRAAdapterRequest(**body)
-            await self._fan_out(lambda stub, md: stub.UnloadLoRAAdapter(
-                message, metadata=md, timeout=CALL_TIMEOUT_S))
+            body = _body(decode_json(await request.body()), fields)
+            await self._fan_out(call(body))
         except Exception as exc:
             status, text, param = status_of(exc)
             return error_response(status, text, param)
         return PlainTextResponse(
-            f"Success: LoRA adapter '{body['lora_name']}' removed successfully."
+            f"Success: LoRA adapter '{body['lora_name']}' {done} successfully."
         )
 
     async def _fan_out(self, call: EngineCall) -> None:

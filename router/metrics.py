@@ -22,6 +22,9 @@ Names (counters get `_total` in the exposition, histograms `_bucket/_sum/_count`
   replicas) because Redis was unreachable.
 - kvfleet:router_policy_reloads{outcome}: tenant policy file reloads, ok or error (the
   previous policy stays in force).
+- kvfleet:router_lora_adapter_loads{engine_id,outcome}: LoRA adapters this router loaded on
+  an engine because every engine serving them was saturated (router.lora_placement), by
+  outcome: loaded or failed.
 
 Tenant names appear only in the `tenant` labels, and only on the metrics port
 (--metrics-port, for scrapers); the HTTP API's /metrics leaves every tenant-labelled
@@ -125,6 +128,11 @@ class RouterMetrics:
         self.policy_reloads = Counter(
             f"{PREFIX}_policy_reloads", "Tenant policy file reloads by outcome",
             ["outcome"], registry=r,
+        )
+        self.lora_adapter_loads = Counter(
+            f"{PREFIX}_lora_adapter_loads",
+            "LoRA adapters loaded on an engine because every engine serving them was saturated",
+            ["engine_id", "outcome"], registry=r,
         )
 
     def observe_loads(self, views: Sequence[EngineView]) -> None:

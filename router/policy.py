@@ -61,6 +61,8 @@ class EngineView:
     in_flight: int = 0
     # Blocks continuing that run which the engine holds in its host tier.
     matched_host_blocks: int = 0
+    # Sequences the engine runs at once at most (0: not published); see router.lora_placement.
+    max_num_seqs: int = 0
 
     @property
     def load(self) -> int:

@@ -25,7 +25,9 @@ Invariants:
 - The model filter applies whichever way the engines were found: an engine's `model` must
   equal the request's, when one is given. Suspect engines go last.
   A model naming a LoRA adapter selects the engines serving it, and the decision carries it
-  as `lora_id` for the engine request.
+  as `lora_id` for the engine request. When every one of them is saturated, the adapter is
+  loaded on another engine first and the request goes there (`router.lora_placement`; the
+  decision then waits for that load, without blocking other requests).
 - No live engine -> UnavailableError; an unknown model -> NotFoundError naming the served ones.
 """
 
@@ -43,7 +45,14 @@ from engine.block_hash import hash_token_blocks
 from kvfleet.errors import NotFoundError, UnavailableError
 from router.engine_discovery import EngineDiscovery
 from router.engine_pool import EnginePool
-from router.lora_routing import adapter_for, holders, served_adapters
+from router.lora_placement import LoRAPlacer, is_saturated
+from router.lora_routing import (
+    adapter_for,
+    adapter_path,
+    adapters_of,
+    served_adapters,
+    takes_adapters,
+)
 from router.metrics import RouterMetrics
 from router.policy import EngineView, Policy, PrefixPolicyConfig, rank
 from router.prefix_index import (
@@ -92,8 +101,10 @@ class EngineSelector:
         pool: EnginePool,
         metrics: RouterMetrics | None = None,
         discovery: EngineDiscovery | None = None,
+        placer: LoRAPlacer | None = None,
     ) -> None:
         self.config = config
+        self.placer = placer
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self._index = index
         self._pool = pool
@@ -114,7 +125,8 @@ class EngineSelector:
             self._adapters.add(lora_id)
             if lora_id != lora_hint:
                 used_index = False  # hashed without the adapter: its matches mean nothing
-        views = self._to_views(holders(records, lora_id) if lora_id else _for_model(records, model))
+        serving = self._serving(records, lora_id) if lora_id else _for_model(records, model)
+        views = self._to_views(serving)
         self.metrics.observe_loads(views)
         if not views:
             raise UnavailableError("no live engine to serve the request")
@@ -130,7 +142,32 @@ class EngineSelector:
         )
         # Engines that just failed are tried last, not never (they may have recovered).
         ranking.sort(key=lambda v: self._pool.is_suspect(v.engine_id, v.address))
+        if lora_id and self.placer is not None and all(is_saturated(v) for v in views):
+            target = await self._load_target(records, serving, lora_id, views)
+            if target is not None:
+                ranking = [target, *(v for v in ranking if v.engine_id != target.engine_id)]
         return Decision(ranking, self._block_size, used_index, policy, lora_id)
+
+    def _serving(self, records: Sequence[EngineRecord], adapter: str) -> list[EngineRecord]:
+        """Engines serving the adapter, by their registry entry or a load of ours just done."""
+        placer = self.placer
+        return [r for r in records if adapter in adapters_of(r)
+                or (placer is not None and placer.holds(r.engine_id, adapter))]
+
+    async def _load_target(
+        self, records: Sequence[EngineRecord], serving: Sequence[EngineRecord], adapter: str,
+        holder_views: Sequence[EngineView],
+    ) -> EngineView | None:  # fmt: skip
+        """An engine the adapter was just loaded on because its holders are saturated."""
+        assert self.placer is not None
+        held_by = {r.engine_id for r in serving}
+        bases = {r.model for r in serving}
+        others = [r for r in records
+                  if r.engine_id not in held_by and r.model in bases and takes_adapters(r)]
+        candidates = [v for v in self._to_views(others)
+                      if not self._pool.is_suspect(v.engine_id, v.address)]
+        path = adapter_path(serving, adapter)
+        return await self.placer.target(adapter, path, holder_views, candidates)
 
     async def served_models(self) -> list[str]:
         """Model names of the live engines, however they were found (empty: none)."""
@@ -238,6 +275,7 @@ class EngineSelector:
                 num_waiting=r.int_field("num_waiting"),
                 kv_cache_usage=r.float_field("kv_cache_usage"),
                 in_flight=self._pool.in_flight(r.engine_id),
+                max_num_seqs=r.int_field("max_num_seqs"),
             )
             for r in records
             if r.address

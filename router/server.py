@@ -35,6 +35,7 @@ from router.forward import StreamDeadlines
 from router.http_api import OpenAIApi
 from router.http_server import HttpServer
 from router.limits import RequestLimits, add_limit_arguments
+from router.lora_placement import LoRAPlacementConfig, LoRAPlacer, engine_loader
 from router.metrics import RouterMetrics
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.policy import Policy, PrefixPolicyConfig
@@ -69,6 +70,7 @@ class RouterConfig:
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)
     # The shared secret engines require of routers (kvfleet.service_auth); None: none sent.
     router_secret_file: Path | None = None
+    lora: LoRAPlacementConfig = field(default_factory=LoRAPlacementConfig)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -96,6 +98,7 @@ class RouterConfig:
             policy_reload_s=args.policy_reload_interval,
             rate_limits=RateLimitConfig(redis_url=args.redis_url, replicas=args.router_replicas),
             router_secret_file=args.router_secret_file,
+            lora=LoRAPlacementConfig(enabled=args.lora_autoload),
         )
 
 
@@ -161,7 +164,8 @@ def build_router(
     secret = read_secret(config.router_secret_file) if config.router_secret_file else None
     pool = EnginePool(metrics=metrics, router_secret=secret)
     discovery = EngineDiscovery(config.discovery) if config.discovery.enabled else None
-    selector = EngineSelector(config.routing, index, pool, metrics, discovery)
+    placer = LoRAPlacer(config.lora, engine_loader(pool, config.lora.load_timeout_s), metrics)
+    selector = EngineSelector(config.routing, index, pool, metrics, discovery, placer)
     pipeline = GenerationPipeline(
         tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines,
         config.limits, rate_limiter,
@@ -283,6 +287,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port-file", type=Path, default=None,
                         help="write the bound HTTP port here once it serves")
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    parser.add_argument("--lora-autoload", action=argparse.BooleanOptionalAction, default=True,
+                        help="when every engine serving a request's LoRA adapter is saturated, "
+                             "load it on another engine and send the request there "
+                             "(docs/lora.md; default: on)")
     add_engine_source_arguments(parser)
     add_limit_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)

@@ -76,17 +76,21 @@ class EngineLoad:
     kv_blocks_total: int
     # Names of the LoRA adapters served, in load order (published with the load).
     lora_adapters: tuple[str, ...] = ()
+    # Their directories, in the same order (routers load an adapter on another engine from it).
+    lora_paths: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineLoad:
         stats = engine.get_stats()
+        loras = engine.list_loras()
         return cls(
             num_running=int(stats["num_requests_running"]),
             num_waiting=int(stats["num_requests_waiting"]),
             kv_cache_usage=float(stats["kv_cache_usage"]),
             kv_blocks_free=int(stats["kv_blocks_free"]),
             kv_blocks_total=int(stats["kv_blocks_total"]),
-            lora_adapters=tuple(lora.lora_name for lora in engine.list_loras()),
+            lora_adapters=tuple(lora.lora_name for lora in loras),
+            lora_paths=tuple(lora.lora_path for lora in loras),
         )
 
 

@@ -88,6 +88,10 @@ class EngineRegistration:
     model: str
     block_size: int
     max_model_len: int
+    # Sequences one step runs at most, and adapters it mixes (0: LoRA disabled): routers
+    # judge from them whether the engine is saturated and may be given an adapter.
+    max_num_seqs: int = 0
+    max_loras: int = 0
 
 
 class EngineView(Protocol):
@@ -302,12 +306,15 @@ class RedisPublisher:
             "block_size": str(reg.block_size),
             "model": reg.model,
             "max_model_len": str(reg.max_model_len),
+            "max_num_seqs": str(reg.max_num_seqs),
+            "max_loras": str(reg.max_loras),
             "num_running": str(load.num_running),
             "num_waiting": str(load.num_waiting),
             "kv_cache_usage": repr(load.kv_cache_usage),
             "kv_blocks_free": str(load.kv_blocks_free),
             "kv_blocks_total": str(load.kv_blocks_total),
             "lora_adapters": json.dumps(list(load.lora_adapters)),
+            "lora_paths": json.dumps(dict(zip(load.lora_adapters, load.lora_paths, strict=True))),
             "updated_at": repr(time.time()),
         }
 

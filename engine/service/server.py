@@ -170,6 +170,8 @@ class EngineServer:
             model=model_name,
             block_size=identity.block_size,
             max_model_len=identity.max_model_len,
+            max_num_seqs=llm_engine.config.max_num_seqs,
+            max_loras=llm_engine.config.max_loras if llm_engine.config.enable_lora else 0,
         )
         self._publisher = RedisPublisher(
             options.redis_url, registration, self._async_engine, epoch=self.epoch

@@ -36,7 +36,11 @@ BLOCK_K = 32
 
 
 @triton.jit
-def _segment_rows(rows_ptr, seg_starts_ptr, BLOCK_M: tl.constexpr):
+def _program_tile(
+    rows_ptr, seg_starts_ptr, seg_slots_ptr, n_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    # This program's segment rows (positions in `rows` and the flat rows they name), its
+    # adapter slot and its output columns; has_rows is False past a shorter segment's end.
     seg = tl.program_id(0)
     start = tl.load(seg_starts_ptr + seg)
     end = tl.load(seg_starts_ptr + seg + 1)
@@ -44,7 +48,9 @@ def _segment_rows(rows_ptr, seg_starts_ptr, BLOCK_M: tl.constexpr):
     offs_m = block_start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
     rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    return block_start < end, offs_m, mask_m, rows
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return block_start < end, offs_m, mask_m, rows, slot, offs_n, offs_n < n_size
 
 
 @triton.jit
@@ -56,32 +62,46 @@ def _dot(acc, lhs, rhs_t):
 
 
 @triton.jit
+def _segment_tile_dot(
+    lhs_ptr, lhs_rows, lhs_stride, w_ptr, w_stride_row, k_size,
+    offs_n, mask_m, mask_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # float32 [BLOCK_M, BLOCK_N] = lhs[lhs_rows, :k_size] @ w[offs_n, :k_size]^T, the body
+    # both kernels share: shrink reads x at the gathered flat rows, expand reads h at its
+    # compact rows; w_ptr already points at the segment's adapter slot.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_size, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_size
+        lhs = tl.load(
+            lhs_ptr + lhs_rows[:, None] * lhs_stride + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + offs_n[:, None] * w_stride_row + offs_k[None, :],
+            mask=mask_n[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        acc = _dot(acc, lhs, w)
+    return acc
+
+
+@triton.jit
 def lora_shrink_kernel(
     h_ptr, x_ptr, a_ptr, rows_ptr, seg_starts_ptr, seg_slots_ptr,
     in_features, rank_width, x_stride, h_stride, a_stride_slot, a_stride_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    has_rows, offs_m, mask_m, rows = _segment_rows(rows_ptr, seg_starts_ptr, BLOCK_M)
+    has_rows, offs_m, mask_m, rows, slot, offs_n, mask_n = _program_tile(
+        rows_ptr, seg_starts_ptr, seg_slots_ptr, rank_width, BLOCK_M, BLOCK_N
+    )
     if not has_rows:  # a shorter segment than the grid's longest
         return
-    slot = tl.load(seg_slots_ptr + tl.program_id(0)).to(tl.int64)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < rank_width
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < in_features
-        x = tl.load(
-            x_ptr + rows[:, None] * x_stride + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        a = tl.load(
-            a_ptr + slot * a_stride_slot + offs_n[:, None] * a_stride_row + offs_k[None, :],
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        acc = _dot(acc, x, a)
+    acc = _segment_tile_dot(
+        x_ptr, rows, x_stride, a_ptr + slot * a_stride_slot, a_stride_row, in_features,
+        offs_n, mask_m, mask_n, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     tl.store(
         h_ptr + offs_m[:, None].to(tl.int64) * h_stride + offs_n[None, :],
         acc.to(h_ptr.dtype.element_ty),
@@ -95,27 +115,15 @@ def lora_expand_kernel(
     out_features, rank_width, out_stride, h_stride, b_stride_slot, b_stride_row,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    has_rows, offs_m, mask_m, rows = _segment_rows(rows_ptr, seg_starts_ptr, BLOCK_M)
+    has_rows, offs_m, mask_m, rows, slot, offs_n, mask_n = _program_tile(
+        rows_ptr, seg_starts_ptr, seg_slots_ptr, out_features, BLOCK_M, BLOCK_N
+    )
     if not has_rows:  # a shorter segment than the grid's longest
         return
-    slot = tl.load(seg_slots_ptr + tl.program_id(0)).to(tl.int64)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < out_features
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, rank_width, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < rank_width
-        h = tl.load(
-            h_ptr + offs_m[:, None].to(tl.int64) * h_stride + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + slot * b_stride_slot + offs_n[:, None] * b_stride_row + offs_k[None, :],
-            mask=mask_n[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        acc = _dot(acc, h, b)
+    acc = _segment_tile_dot(
+        h_ptr, offs_m.to(tl.int64), h_stride, b_ptr + slot * b_stride_slot, b_stride_row,
+        rank_width, offs_n, mask_m, mask_n, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     mask = mask_m[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
     current = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
