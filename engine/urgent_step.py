@@ -8,12 +8,14 @@ engine looks for new requests between the layers of a step's forward pass; a qua
 added and runs a complete step of its own right there (schedule, forward pass, sampling, first
 token delivered), then the paused step resumes at its next layer.
 
-The rule (`admits`): a new request qualifies when its tenant has no request in the engine
-(waiting, running or swapped) and its priority is no worse than that of every request in the
-paused step. Such a tenant is the one fair share would rank first anyway: VTC's lift makes its
-counter tie with the least served tenant present and the tie goes to the tenant active most
-recently. A tenant already present waits for the next step as before (its earlier requests are
-being served; and this keeps it off blocks the paused step has not finished computing).
+The rule (`qualifying`): a new request is served in an urgent step when fair share ranks it
+ahead of every prompt chunk of the paused step and of every other waiting request, i.e. when
+the next ordinary step would have served it first anyway. That is a tenant with less weighted
+service than the flood's (VTC's lift makes an idle tenant tie with the least served one, and
+the tie goes to the tenant active most recently), at a priority no worse; a tenant's own
+requests stay in their order (a later one never overtakes an earlier one's prompt). Requests
+that do not qualify are added too and wait for the next step, as before. Pausing only pays
+off in a long step, so a step without prompt chunks is never paused for.
 
 Why nesting is sound (on the configurations `unsupported_reason` lets through):
 - The paused forward pass keeps all of its state in its own locals: the step's inputs and
@@ -42,7 +44,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig
-from engine.core.fair_share import tenant_of
 from engine.core.scheduler_output import RequestUpdate, SchedulerOutput
 from engine.core.urgent_schedule import schedule_urgent
 
@@ -116,14 +117,24 @@ class UrgentSteps:
         """The step paused between layers right now (inside `poll` only)."""
         return self._paused
 
-    def admits(self, tenant: str, priority: int) -> bool:
-        """Whether a new request of `tenant` at `priority` would run in an urgent step now."""
-        paused = self._paused
-        if paused is None:
-            return False
-        if any(tenant_of(r) == tenant for r in self._engine.scheduler.requests.values()):
-            return False
-        return all(priority <= s.request.priority for s in paused.scheduled)
+    def qualifying(self, request_ids: Sequence[str]) -> list[str]:
+        """Those of these just-added requests that an urgent step serves now: the ones fair
+        share ranks ahead of every prompt chunk of the paused step and of every other waiting
+        request. None while the paused step computes no prompt chunk (it is short anyway)."""
+        paused, scheduler = self._paused, self._engine.scheduler
+        fair = scheduler.fair_share
+        chunks = (
+            [] if paused is None else [s.request for s in paused.scheduled if s.num_new_tokens > 1]
+        )
+        if fair is None or not chunks:
+            return []
+        new = set(request_ids)
+        bar = min(fair.key(r) for r in [*chunks, *scheduler.waiting] if r.request_id not in new)
+        return [
+            rid
+            for rid in request_ids
+            if rid in scheduler.requests and fair.key(scheduler.requests[rid]) < bar
+        ]
 
     def run(self, request_ids: Sequence[str]) -> list[RequestUpdate]:
         """One complete step of only these just-added (waiting) requests, inside the paused

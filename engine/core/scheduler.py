@@ -28,6 +28,10 @@ has received more service than another tenant with prompt work gives way for the
 is skipped in the first pass and gets the budget left after admission (without preempting
 anyone), so the engine stays work-conserving.
 
+Urgent steps (engine.core.urgent_schedule, engine.urgent_step): while a step is paused between
+layers, a step of only some just-added waiting requests is scheduled with `admit_one`, the
+same admission as here, touching nothing of the paused step.
+
 LoRA (when on): a step holds at most `max_loras` distinct adapters; a waiting or swapped
 request whose adapter would exceed that waits, in order (engine.lora.admission).
 

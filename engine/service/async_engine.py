@@ -26,9 +26,9 @@ Invariants:
 - `progress` (a `StepProgress` snapshot, replaced at the start of every iteration and before
   idling) is what `step_watchdog` judges; `generate(keepalive_s=...)` yields empty outputs
   while the loop advances without tokens for the request (`engine.service.keepalive`).
-- Urgent steps (engine.urgent_step): between the layers of a step the engine thread takes
-  the queued adds that qualify out of the command queue and serves them at once; the other
-  commands keep their order and wait for the step's end.
+- Urgent steps (engine.urgent_step, when on): between the layers of a step the engine thread
+  takes the queued adds out of the command queue, adds them, and serves those that qualify
+  at once; the other commands keep their order and wait for the step's end.
 - If the engine thread dies (an exception escapes the loop), every stream ends with
   UnavailableError, new requests are refused, and `progress.failure` says why, for good.
 """
@@ -49,7 +49,6 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 from engine.block_hash import BlockHash
-from engine.core.fair_share import tenant_name
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.scheduler import RequestUpdate
 from engine.llm_engine import LLMEngine
@@ -95,8 +94,6 @@ class _Add:
     layers can pick out the adds that qualify for an urgent step (engine.urgent_step)."""
 
     request_id: str
-    tenant: str
-    priority: int
     add: Callable[[], bool]  # True: the request is in the engine
 
     def __call__(self) -> bool:
@@ -147,7 +144,7 @@ class AsyncEngine:
         self._stored_host: list[BlockHash] = []
         self._removed_host: list[BlockHash] = []
         self._load = EngineLoad.of(engine)
-        engine.urgent.poll = self._poll_new_tenants
+        engine.urgent.poll = self._poll_new_requests
         self._progress = StepProgress(iterations=0, at=time.monotonic(), idle=True)
         self._failure: str | None = None  # why the engine thread died
         engine.kv_event_hook = self._collect_kv_events
@@ -228,7 +225,7 @@ class AsyncEngine:
         stream = _Stream(next(self._seq))
         self._streams[request_id] = stream
         queued = self._submit(
-            _Add(request_id, tenant_name(share, cache_salt), priority, functools.partial(
+            _Add(request_id, functools.partial(
                 self._add, request_id, stream.seq, prompt, params, priority, cache_salt, share,
                 lora_name,
             ))
@@ -390,25 +387,24 @@ class AsyncEngine:
             deliveries.append((request_id, seq, output))
         self._deliver(deliveries)
 
-    def _poll_new_tenants(self, layer: int) -> None:
-        """Between two layers of a step (engine.urgent_step): the queued adds of tenants that
-        qualify leave the command queue and are served in an urgent step now."""
+    def _poll_new_requests(self, layer: int) -> None:
+        """Between two layers of a step (engine.urgent_step): queued adds leave the command
+        queue and are added now; those that qualify are served in an urgent step at once."""
         if not self._commands:  # the common case, without taking the lock
             return
-        urgent = self._engine.urgent
         with self._cond:
-            adds = [c for c in self._commands
-                    if isinstance(c, _Add) and urgent.admits(c.tenant, c.priority)]
+            adds = [c for c in self._commands if isinstance(c, _Add)]
             for add in adds:
                 self._commands.remove(add)
-        added = [add.request_id for add in adds if add()]
-        if not added:
+        urgent = self._engine.urgent
+        served = urgent.qualifying([add.request_id for add in adds if add()])
+        if not served:
             return
         try:
-            updates = urgent.run(added)
+            updates = urgent.run(served)
         except Exception as exc:  # only the urgent step's requests are lost; the paused
             logger.exception("urgent step failed")  # step goes on
-            self._fail_requests(added, exc)
+            self._fail_requests(served, exc)
             return
         self._publish(updates)
 

@@ -7,18 +7,28 @@ urgent step for them inside the paused step. No timing: the steps and the layer 
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.request import TenantShare
+from engine.service.async_engine import AsyncEngine
 from tests.fixtures.greedy import random_prompts, transformers_greedy
 
 NEW_TOKENS = 8
 A_LENGTHS = [100, 150, 64]
-# Step -> the requests (id, tenant) added while that step is paused after layer 0. b1's
-# prompt does not fit in what b0 leaves of the urgent step's budget: it gets a chunk there
-# and finishes in ordinary steps.
-PLAN = {2: [("b0", "B", 7), ("b1", "B", 40)], 5: [("c0", "C", 17)]}
+# Step -> the requests (id, tenant, prompt length, priority) added while that step is paused
+# after layer 0. b0 and b1 are served in an urgent step; b1's prompt does not fit in what b0
+# leaves of its budget: it gets a chunk there and finishes in ordinary steps. a9 (A's own,
+# behind A's running prompts) and d0 (a worse priority) do not qualify and wait for the next
+# ordinary step. c0 arrives while B still runs.
+PLAN = {
+    2: [("b0", "B", 7, 0), ("a9", "A", 20, 0), ("b1", "B", 40, 0), ("d0", "D", 5, 1)],
+    5: [("c0", "C", 17, 0)],
+}
+SERVED = {2: ["b0", "b1"], 5: ["c0"]}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -27,8 +37,8 @@ def prompts(tiny_model_dir) -> dict[str, list[int]]:
     ids = [f"a{i}" for i in range(len(A_LENGTHS))]
     lengths = list(A_LENGTHS)
     for added in PLAN.values():
-        ids += [rid for rid, _, _ in added]
-        lengths += [n for _, _, n in added]
+        ids += [rid for rid, _, _, _ in added]
+        lengths += [n for _, _, n, _ in added]
     return dict(zip(ids, random_prompts(tiny_model_dir, lengths, seed=77), strict=True))
 
 
@@ -51,9 +61,8 @@ def test_urgent_steps_keep_greedy_outputs_exact(tiny_model_dir, prompts, referen
     urgent = engine.urgent
     assert urgent.enabled
     requests = {
-        rid: engine.add_request(rid, prompts[rid], GREEDY, share=TenantShare("A"))
-        for rid in prompts
-        if rid.startswith("a")
+        f"a{i}": engine.add_request(f"a{i}", prompts[f"a{i}"], GREEDY, share=TenantShare("A"))
+        for i in range(len(A_LENGTHS))
     }
     step = 0
     in_urgent: dict[str, list[list[int]]] = {}
@@ -66,13 +75,13 @@ def test_urgent_steps_keep_greedy_outputs_exact(tiny_model_dir, prompts, referen
             return
         paused = urgent.paused
         assert paused is not None and any(s.num_new_tokens > 1 for s in paused.scheduled)
-        assert not urgent.admits("A", 0)  # A has requests in the engine
-        assert not urgent.admits("D", 1)  # a worse priority than the paused step's
-        assert all(urgent.admits(tenant, 0) for _, tenant, _ in added)
-        for rid, tenant, _ in added:
-            requests[rid] = engine.add_request(rid, prompts[rid], GREEDY, share=TenantShare(tenant))
-        assert not urgent.admits(added[0][1], 0)  # present now
-        for update in urgent.run([rid for rid, _, _ in added]):
+        for rid, tenant, _, priority in added:
+            requests[rid] = engine.add_request(
+                rid, prompts[rid], GREEDY, priority=priority, share=TenantShare(tenant)
+            )
+        served = urgent.qualifying([rid for rid, _, _, _ in added])
+        assert served == SERVED[step]
+        for update in urgent.run(served):
             in_urgent.setdefault(update.request.request_id, []).append(update.new_token_ids)
         engine.scheduler.check_integrity()
 
@@ -99,3 +108,66 @@ def test_off_by_default_and_off_where_unsupported(tiny_model_dir):
         preempt_steps_for_new_tenants=True,
     )
     assert not fcfs.engine.urgent.enabled
+
+
+def test_engine_service_serves_a_new_tenant_inside_the_paused_step(
+    tiny_model_dir, prompts, reference
+):
+    """The service path (AsyncEngine): B's request, queued while A's first step is paused
+    between layers, is taken from the command queue there and its first token published
+    before that step resumes; every stream's tokens equal transformers'."""
+    llm = LLM(
+        tiny_model_dir,
+        dtype="float32",
+        max_num_batched_tokens=32,
+        preempt_steps_for_new_tenants=True,
+    )
+    engine = llm.engine
+    async_engine = AsyncEngine(engine)
+    service_poll = engine.urgent.poll
+    assert service_poll is not None
+    paused, b_queued = threading.Event(), threading.Event()
+    published: list[tuple[str, bool]] = []
+
+    def gated_poll(layer: int) -> None:
+        if not paused.is_set():  # the first pause: A's first step; wait until B is queued
+            paused.set()
+            assert b_queued.wait(60)
+        service_poll(layer)
+
+    def on_updates(updates, stepped) -> None:
+        published.extend(
+            (u.request.request_id, engine.urgent.paused is not None)
+            for u in updates
+            if u.new_token_ids
+        )
+
+    engine.urgent.poll = gated_poll
+    async_engine.add_update_listener(on_updates)
+
+    async def collect(request_id: str, tenant: str) -> list[int]:
+        tokens: list[int] = []
+        async for out in async_engine.generate(
+            request_id, prompts[request_id], GREEDY, share=TenantShare(tenant)
+        ):
+            tokens.extend(out.token_ids)
+        return tokens
+
+    async def scenario() -> dict[str, list[int]]:
+        async_engine.start()
+        try:
+            a = asyncio.create_task(collect("a1", "A"))
+            await asyncio.to_thread(paused.wait, 60)
+            b = asyncio.create_task(collect("b0", "B"))
+            while not async_engine._commands:  # B's add is queued (not a timing assert)
+                await asyncio.sleep(0.005)
+            b_queued.set()
+            return {"a1": await a, "b0": await b}
+        finally:
+            b_queued.set()
+            await async_engine.shutdown()
+
+    assert asyncio.run(scenario()) == {"a1": reference["a1"], "b0": reference["b0"]}
+    assert published[0] == ("b0", True)  # B's first token, from inside A's paused step
+    assert engine.urgent.num_urgent_steps == 1
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
