@@ -19,7 +19,7 @@ from engine.core.fair_share import FairShare
 from engine.core.host_kv_tier import HostKVTier
 from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
 from engine.core.kv_transfer import HostLayout
-from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.swap_space import SwapSpace
 from engine.cuda_graphs import capture_sizes
 from engine.device import resolve_attention_backend, resolve_device
@@ -36,7 +36,7 @@ from engine.lora.admission import LoRAAdmission
 from engine.lora.config import LoRAConfig
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
-from engine.model_runner import ModelRunner, kv_cache_bytes_per_block
+from engine.model_runner import ModelRunner, RunnerOutput, kv_cache_bytes_per_block
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
@@ -44,6 +44,7 @@ from engine.request import Request, TenantShare
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.build import build_speculator
 from engine.tokenizer import Tokenizer, load_generation_eos_ids
+from engine.urgent_step import UrgentSteps
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -142,6 +143,8 @@ class LLMEngine:
             if config.speculative_config is not None else None
         )
         self.kv_event_hook = kv_event_hook
+        # Steps paused between layers for a newly arrived tenant (engine.urgent_step).
+        self.urgent = UrgentSteps.for_engine(self, config)
         self._arrival_seq = 0
         self.last_step_num_tokens = 0
         self.last_step_preempted: list[str] = []
@@ -385,15 +388,24 @@ class LLMEngine:
             if self.scheduler.has_unfinished_requests() and not out.preempted:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
+        with self.urgent.pausable(out):
+            sampled = self.execute_scheduled(out)
+        return self.apply_step_output(out, sampled)
+
+    def execute_scheduled(self, out: SchedulerOutput) -> RunnerOutput:
+        """The forward pass and sampling of a scheduled step."""
         block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
                      for s in out.scheduled}
         if self.lora is not None:
             self.lora.begin_step(out.scheduled)
         try:
-            sampled = self.runner.execute(out.scheduled, block_ids)
+            return self.runner.execute(out.scheduled, block_ids)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+
+    def apply_step_output(self, out: SchedulerOutput, sampled: RunnerOutput) -> list[RequestUpdate]:
+        """The requests' side of a computed step: tokens appended, finished ones freed."""
         updates = self.scheduler.update_from_output(
             out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs, sampled.verified
         )

@@ -30,12 +30,18 @@ from collections.abc import Iterable, Sequence
 
 from engine.request import Request, TenantShare
 
-__all__ = ["FairShare", "TenantShare", "tenant_of", "weight_of"]
+__all__ = ["FairShare", "TenantShare", "tenant_name", "tenant_of", "weight_of"]
+
+
+def tenant_name(share: TenantShare | None, cache_salt: str | None) -> str:
+    """The tenant of a request with this share and salt (before it is a `Request`)."""
+    if share is not None:
+        return share.name
+    return cache_salt or ""  # the router's salt is the tenant
+
 
 def tenant_of(request: Request) -> str:
-    if request.share is not None:
-        return request.share.name
-    return request.cache_salt or ""  # the router's salt is the tenant
+    return tenant_name(request.share, request.cache_salt)
 
 
 def weight_of(request: Request) -> float:

@@ -28,6 +28,10 @@ has received more service than another tenant with prompt work gives way for the
 is skipped in the first pass and gets the budget left after admission (without preempting
 anyone), so the engine stays work-conserving.
 
+Urgent steps (engine.core.urgent_schedule, engine.urgent_step): while a step is paused between
+layers, a step of only some just-added waiting requests is scheduled with `admit_one`, the
+same admission as here, touching nothing of the paused step.
+
 LoRA (when on): a step holds at most `max_loras` distinct adapters; a waiting or swapped
 request whose adapter would exceed that waits, in order (engine.lora.admission).
 
@@ -152,7 +156,7 @@ class Scheduler:
                 if not self._allocate_or_preempt(request, num_new, out):
                     break
             out.scheduled.append(ScheduledRequest(request, num_new, drafts))
-            self._note_computing(request, num_new, computing)
+            self.note_computing(request, num_new, computing)
             budget -= num_new
             index += 1
         # Waiting requests that sort after a deferred prompt (its own tenant's later ones) are
@@ -190,7 +194,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new) is None:
                 break
             out.scheduled.append(ScheduledRequest(request, num_new))
-            self._note_computing(request, num_new, computing)
+            self.note_computing(request, num_new, computing)
             budget -= num_new
         return budget
 
@@ -210,7 +214,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             out.swapped_in.append(request)
-            self._note_computing(request, num_new, computing)
+            self.note_computing(request, num_new, computing)
             budget -= num_new
         return budget
 
@@ -223,7 +227,7 @@ class Scheduler:
             self._enqueue_waiting(request)
         self.swapped.clear()
 
-    def _note_computing(self, request: Request, num_new: int, computing: set[BlockHash]) -> None:
+    def note_computing(self, request: Request, num_new: int, computing: set[BlockHash]) -> None:
         if not self.kv.enable_caching:
             return
         block_size = self.kv.block_size
@@ -266,35 +270,46 @@ class Scheduler:
                 break
             if lora is not None and not lora.admits(request, self.running):
                 continue  # a step holds at most max_loras adapters; it keeps its place
-            # Cached positions would have no logits, so a request owing prompt logprobs
-            # computes its whole prompt (vLLM); it makes no lookup and counts as no query.
-            looked_up = not request.needs_prompt_logprobs
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request) if looked_up else ([], 0)
-            if looked_up and self._waits_for_computing_block(request, len(hits), computing):
-                continue  # keeps its place; the ones behind it may go
-            num_new = request.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            admitted = self.admit_one(request, budget, computing, out)
+            if admitted is None:
                 break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
-                break
-            self.waiting.remove(request)
-            if looked_up:
-                self.kv.record_prefix_lookup(request.num_tokens, hits)
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_hit_tokens
-                request.num_host_cached_tokens = self.kv.block_size * sum(
-                    1 for hit in hits if isinstance(hit, HostHit)
-                )
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            self._note_computing(request, num_new, computing)
-            budget -= num_new
+            budget -= admitted
         return budget
+
+    def admit_one(self, request: Request, budget: int, computing: set[BlockHash],
+                  out: SchedulerOutput) -> int | None:
+        """Admit one waiting request with at most `budget` tokens: its token count; 0 when it
+        must wait for a block this step computes (it keeps its place); None when it does not
+        fit (budget without chunked prefill, or blocks). Also used by
+        engine.core.urgent_schedule."""
+        # Cached positions would have no logits, so a request owing prompt logprobs
+        # computes its whole prompt (vLLM); it makes no lookup and counts as no query.
+        looked_up = not request.needs_prompt_logprobs
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request) if looked_up else ([], 0)
+        if looked_up and self._waits_for_computing_block(request, len(hits), computing):
+            return 0  # keeps its place; the ones behind it may go
+        num_new = request.num_tokens - num_hit_tokens
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            return None
+        num_new = min(num_new, budget)
+        if self.kv.allocate_slots(request, num_new, hits) is None:
+            return None
+        self.waiting.remove(request)
+        if looked_up:
+            self.kv.record_prefix_lookup(request.num_tokens, hits)
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit_tokens
+            request.num_host_cached_tokens = self.kv.block_size * sum(
+                1 for hit in hits if isinstance(hit, HostHit)
+            )
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new))
+        self.note_computing(request, num_new, computing)
+        return num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         request.num_preemptions += 1

@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -138,6 +138,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        # Called with the layer's index after every layer but the last (engine.urgent_step
+        # pauses a step there); the forward pass's state is all in its own locals, so the hook
+        # may run other forward passes on this model. None: no call.
+        self.layer_hook: Callable[[int], None] | None = None
 
     def forward(
         self,
@@ -150,8 +154,11 @@ class LlamaForCausalLM(nn.Module):
         residual = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, residual.dtype)
         x: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        hook, last = self.layer_hook, len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, residual, cos, sin, kv_cache, meta)
+            if hook is not None and index < last:
+                hook(index)
         assert x is not None
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
 

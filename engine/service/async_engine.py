@@ -26,6 +26,9 @@ Invariants:
 - `progress` (a `StepProgress` snapshot, replaced at the start of every iteration and before
   idling) is what `step_watchdog` judges; `generate(keepalive_s=...)` yields empty outputs
   while the loop advances without tokens for the request (`engine.service.keepalive`).
+- Urgent steps (engine.urgent_step, when on): between the layers of a step the engine thread
+  takes the queued adds out of the command queue, adds them, and serves those that qualify
+  at once; the other commands keep their order and wait for the step's end.
 - If the engine thread dies (an exception escapes the loop), every stream ends with
   UnavailableError, new requests are refused, and `progress.failure` says why, for good.
 """
@@ -85,6 +88,18 @@ class _Call(Generic[T]):
                 self.future.set_exception(exc)
 
 
+@dataclass(frozen=True)
+class _Add:
+    """The command adding one request: a type of its own, so that a step paused between
+    layers can pick out the adds that qualify for an urgent step (engine.urgent_step)."""
+
+    request_id: str
+    add: Callable[[], bool]  # True: the request is in the engine
+
+    def __call__(self) -> bool:
+        return self.add()
+
+
 @dataclass
 class _Stream:
     seq: int
@@ -129,6 +144,7 @@ class AsyncEngine:
         self._stored_host: list[BlockHash] = []
         self._removed_host: list[BlockHash] = []
         self._load = EngineLoad.of(engine)
+        engine.urgent.poll = self._poll_new_requests
         self._progress = StepProgress(iterations=0, at=time.monotonic(), idle=True)
         self._failure: str | None = None  # why the engine thread died
         engine.kv_event_hook = self._collect_kv_events
@@ -209,10 +225,10 @@ class AsyncEngine:
         stream = _Stream(next(self._seq))
         self._streams[request_id] = stream
         queued = self._submit(
-            functools.partial(
+            _Add(request_id, functools.partial(
                 self._add, request_id, stream.seq, prompt, params, priority, cache_salt, share,
                 lora_name,
-            )
+            ))
         )
         if not queued:  # the loop stopped or died since the check above
             del self._streams[request_id]
@@ -351,6 +367,10 @@ class AsyncEngine:
                              len(self._live))
             self._fail_all(exc)
             return
+        self._publish(updates)
+
+    def _publish(self, updates: Sequence[RequestUpdate]) -> None:
+        """A step's updates to the listeners and the requests' streams."""
         self._notify_updates(updates, stepped=True)
         deliveries: list[_Delivery] = []
         for update in updates:
@@ -367,9 +387,37 @@ class AsyncEngine:
             deliveries.append((request_id, seq, output))
         self._deliver(deliveries)
 
+    def _poll_new_requests(self, layer: int) -> None:
+        """Between two layers of a step (engine.urgent_step): queued adds leave the command
+        queue and are added now; those that qualify are served in an urgent step at once."""
+        if not self._commands:  # the common case, without taking the lock
+            return
+        with self._cond:
+            adds = [c for c in self._commands if isinstance(c, _Add)]
+            for add in adds:
+                self._commands.remove(add)
+        urgent = self._engine.urgent
+        served = urgent.qualifying([add.request_id for add in adds if add()])
+        if not served:
+            return
+        try:
+            updates = urgent.run(served)
+        except Exception as exc:  # only the urgent step's requests are lost; the paused
+            logger.exception("urgent step failed")  # step goes on
+            self._fail_requests(served, exc)
+            return
+        self._publish(updates)
+
     def _fail_all(self, exc: Exception) -> None:
+        self._fail_requests(list(self._live), exc)
+
+    def _fail_requests(self, request_ids: Sequence[str], exc: Exception) -> None:
+        """Abort these live requests (their streams end with the step's error)."""
         deliveries: list[_Delivery] = []
-        for request_id, seq in list(self._live.items()):
+        for request_id in request_ids:
+            seq = self._live.pop(request_id, None)
+            if seq is None:
+                continue
             try:
                 request = self._engine.abort_request(request_id)
                 if request is not None:
@@ -377,7 +425,6 @@ class AsyncEngine:
             except Exception:
                 logger.exception("could not abort %s after a failed step", request_id)
             deliveries.append((request_id, seq, RuntimeError(f"engine step failed: {exc}")))
-        self._live.clear()
         self._deliver(deliveries)
 
     def _add(
@@ -390,7 +437,7 @@ class AsyncEngine:
         cache_salt: str | None,
         share: TenantShare | None = None,
         lora_name: str | None = None,
-    ) -> None:
+    ) -> bool:
         try:
             self._engine.add_request(
                 request_id, prompt, params, priority=priority, cache_salt=cache_salt,
@@ -400,8 +447,9 @@ class AsyncEngine:
             if not isinstance(exc, ValueError):
                 logger.exception("could not add request %s", request_id)
             self._deliver([(request_id, seq, exc)])
-            return
+            return False
         self._live[request_id] = seq
+        return True
 
     def _abort(self, request_id: str, seq: int | None) -> bool:
         live_seq = self._live.get(request_id)

@@ -320,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="order among tenants: fair (weighted fair share of tokens, "
                              "docs/tenants.md) or fcfs (priority, then arrival) "
                              "(default: %(default)s)")
+    parser.add_argument("--preempt-steps-for-new-tenants",
+                        action=argparse.BooleanOptionalAction, default=False,
+                        help="pause a step between layers to serve a newly arrived tenant's "
+                             "request in a step of its own (CPU, fair share; docs/tenants.md) "
+                             "(default: %(default)s)")
     return parser
 
 
@@ -340,6 +345,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         enable_chunked_prefill=args.enable_chunked_prefill,
         linear_backend=args.linear_backend,
         scheduling_policy=args.scheduling_policy,
+        preempt_steps_for_new_tenants=args.preempt_steps_for_new_tenants,
         attention_backend=args.attention_backend,
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
