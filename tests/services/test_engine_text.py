@@ -5,8 +5,9 @@ message per step, every delta whole characters); the EOS / stop token that ends 
 adds no text unless include_stop_str_in_output; skip_special_tokens is honoured and no
 character is split, and with stop strings a several-token output (speculative decoding) has
 the text and per-token ends of one-token outputs (`StreamText` fed crafted outputs, since a
-random model's tokens are not chosen); logprob entries (generated and prompt) carry decode([id]) with special tokens kept, and the first
-prompt token's text comes with the prompt logprobs.
+random model's tokens are not chosen); logprob entries (generated and prompt) carry
+decode([id]) with special tokens kept, and the first prompt token's text comes with the
+prompt logprobs.
 """
 
 from __future__ import annotations

@@ -31,8 +31,12 @@ from tokenizer_svc.incremental import IncrementalDetokenizer
 pytestmark = pytest.mark.timeout(240)
 
 SPECULATING, PLAIN = "engine-0", "engine-1"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 # Prompts whose greedy output on the tiny model accepts an n-gram draft early (found by
 # search); the first one with a usable stop string is used.
 PROMPTS = [
@@ -48,10 +52,14 @@ MAX_STOP_CHARS = 6
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("spec-stop")
     config = FleetConfig(
-        model_dir=tiny_model_dir, num_engines=2, policy="round_robin",
+        model_dir=tiny_model_dir,
+        num_engines=2,
+        policy="round_robin",
         engine_args=("--num-kv-blocks", "128", "--dtype", "float32"),
         engine_args_by_index=(("--speculative-config", json.dumps(NGRAM)),),
-        engine_threads=1, log_dir=work / "logs", start_timeout_s=120,
+        engine_threads=1,
+        log_dir=work / "logs",
+        start_timeout_s=120,
     )
     with Fleet(config) as started:
         yield started
@@ -73,11 +81,13 @@ def on_engine(
 ) -> list[router_pb2.RouterGenerateResponse]:
     """The stream of the request as served by `engine_id` (round robin: within two tries)."""
     sampling = common_pb2.SamplingParams(
-        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **params  # type: ignore[arg-type]
+        temperature=0.0,
+        max_tokens=MAX_TOKENS,
+        ignore_eos=True,
+        **params,  # type: ignore[arg-type]
     )
     for _ in range(3):
-        responses = list(client.stream(build_request(prompt_token_ids=prompt_ids,
-                                                     params=sampling)))
+        responses = list(client.stream(build_request(prompt_token_ids=prompt_ids, params=sampling)))
         if responses[-1].engine_id == engine_id:
             return responses
     raise AssertionError(f"round robin never reached {engine_id}")
@@ -131,9 +141,7 @@ def case(client: RouterClient, tokenizer: Tokenizer) -> StopCase:
     raise AssertionError(f"no message of several tokens with a usable stop string: {sizes}")
 
 
-def test_the_plain_engine_sends_one_token_per_message(
-    client: RouterClient, case: StopCase
-) -> None:
+def test_the_plain_engine_sends_one_token_per_message(client: RouterClient, case: StopCase) -> None:
     responses = on_engine(client, PLAIN, case.prompt_ids)
     assert {len(r.token_ids) for r in responses[:-1]} == {1}
 
@@ -147,8 +155,11 @@ def summary(responses: list[router_pb2.RouterGenerateResponse]) -> dict[str, obj
         "top_ids": [[t.token_id for t in lp.top] for r in responses for lp in r.logprobs],
         "finish_reason": final.finish_reason,
         "stop_string": final.stop_reason.stop_string,
-        "usage": (final.usage.prompt_tokens, final.usage.completion_tokens,
-                  final.usage.total_tokens),
+        "usage": (
+            final.usage.prompt_tokens,
+            final.usage.completion_tokens,
+            final.usage.total_tokens,
+        ),
     }
 
 
