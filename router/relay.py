@@ -90,7 +90,8 @@ class ResponseRelay:
         is completed, then those up to the one that completed it."""
         ids, ends = message.token_ids, message.token_text_ends
         if not self._matcher.active or len(ends) != len(ids) or len(ids) <= 1:
-            # One token (or none), or no stop strings: the message is one piece.
+            # One token (or none), no stop strings, or an engine that sends no ends: the
+            # message is one piece.
             self._num_completion_tokens += len(ids)
             check = self._num_completion_tokens >= self._min_tokens
             return self._matcher.add(message.text_delta, check), len(ids)
