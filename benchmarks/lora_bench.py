@@ -185,7 +185,7 @@ def print_report(res: Row) -> list[str]:
                       *(report.times(report.ratio(kv[m]["gen_tok_s"], peer[m]["gen_tok_s"]))
                         for m in (BASE, MIXED)), ""])
     lines += report.table(["gen tok/s", BASE, MIXED, f"{MIXED} / base"], table, first=18,
-                          width=16)
+                          width=20)
     for name, error in res["errors"].items():
         lines.append(f"{name}: refused: {error.splitlines()[0][:160]}")
     lines += ["\ntargets:", *(f"  {report.target_line(t['label'], t['ratio'], t['target'])}"

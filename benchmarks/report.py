@@ -39,7 +39,7 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], first: int = 26,
           width: int = 11) -> list[str]:
     """A side-by-side table: the first column left-aligned, the others right-aligned."""
     def line(cells: Sequence[str]) -> str:
-        return f"{cells[0]:<{first}}" + "".join(f"{c:>{width}}" for c in cells[1:])
+        return (f"{cells[0]:<{first}}" + "".join(f"{c:>{width}}" for c in cells[1:])).rstrip()
 
     return [line(header), *(line(r) for r in rows)]
 
