@@ -33,6 +33,7 @@ from benchmarks.kvfleet_runner import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SE
 from benchmarks.vllm_runner import PeerConfig
 from benchmarks.vllm_serving import VllmServer, bench_serve, wait_http_ok
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.service_auth import credential_metadata, read_secret
 
 SYSTEMS = ("kvfleet", "vllm")
 POISSON_CASE = "random_poisson"
@@ -282,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                         handle.engines[0].address, handle.router_address,
                         vocab=vocab_size(model_dir), num_prompts=args.num_prompts,
                         input_len=args.input_len, output_len=args.output_len,
-                        rounds=args.router_rounds, seed=args.seed)
+                        rounds=args.router_rounds, seed=args.seed,
+                        engine_metadata=credential_metadata(
+                            read_secret(handle.router_secret_file)))
             else:
                 results[system] = measure(system, handle, model_dir, args, cfg, work)
     cpu = machine.cpu_info()

@@ -76,6 +76,7 @@ def truncated_draft(model_dir: Path, dest: Path, layers: int) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(model_dir / name, dest / name)
     config = json.loads((model_dir / "config.json").read_text())
+    layers = min(layers, config["num_hidden_layers"])
     config["num_hidden_layers"] = layers
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     tensors = load_file(str(model_dir / "model.safetensors"))
