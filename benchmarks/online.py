@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         vocab=vocab_size(model_dir), num_prompts=args.num_prompts,
                         input_len=args.input_len, output_len=args.output_len,
                         rounds=args.router_rounds, seed=args.seed,
-                        engine_credential=credential_metadata(
+                        engine_metadata=credential_metadata(
                             read_secret(handle.router_secret_file)))
             else:
                 results[system] = measure(system, handle, model_dir, args, cfg, work)

@@ -1,4 +1,6 @@
-"""The offline benchmark's printed report, from the result dict written to JSON.
+"""The benchmarks' printed reports: the offline one (A, B, C) from the result dict written to
+JSON, and the pieces every scenario's report shares (PASS/MISS, ratios, side-by-side tables,
+target lines, the CPU line).
 
 Pure formatting: every figure printed is in the JSON, so a report can be re-printed from a saved
 run (`python -m benchmarks.report bench_results/offline_throughput.json`).
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,29 @@ Row = dict[str, Any]
 
 def pf(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing (a system that did not run) or b is zero."""
+    return a / b if a is not None and b else None
+
+
+def times(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def target_line(label: str, r: float, target: float) -> str:
+    """One target's verdict, as every scenario prints it."""
+    return f"{label} {r:.2f}x (>= {target}x): {pf(r >= target)}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], first: int = 26,
+          width: int = 11) -> list[str]:
+    """A side-by-side table: the first column left-aligned, the others right-aligned."""
+    def line(cells: Sequence[str]) -> str:
+        return (f"{cells[0]:<{first}}" + "".join(f"{c:>{width}}" for c in cells[1:])).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
 
 
 def cpu_line(cpu: Row) -> str:

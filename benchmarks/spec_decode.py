@@ -12,7 +12,11 @@ its n-gram drafting, in its own worker process. Reported per system and workload
 one stream (median over prompts x rounds), and for speculative systems the acceptance rate
 (accepted / drafted tokens) and mean accepted length per draft. Targets: kvfleet n-gram
 >= 1.8x kvfleet plain on the grounded workload, >= 1.1x vLLM's n-gram there, and >= 0.95x
-plain on the random workload.
+plain on the random workload (vLLM's plain decoding stands in for its n-gram if it refuses
+speculation). The report sets the systems side by side per workload, with each one's ratio to
+its own plain decoding and kvfleet's to vLLM with the same method; results go to
+bench_results/spec_decode.json. A smoke run: `--num-prompts 1 --rounds 1 --grounded-out 16
+--random-out 16 --vllm-eager`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.vllm_runner import PeerConfig, PeerError, VllmWorker
-from benchmarks.workload import random_prompts
+from benchmarks import peer_bench, report
+from benchmarks.peer_bench import BenchRun, Row
+from benchmarks.vllm_runner import PeerError, VllmWorker
+from benchmarks.workload import agreement, random_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
@@ -38,6 +44,11 @@ TARGET_GROUNDED = 1.8
 TARGET_VLLM = 1.1
 TARGET_RANDOM = 0.95
 Generate = Callable[[list[int], int], tuple[float, list[int]]]
+KV_PLAIN, KV_NGRAM, KV_DRAFT = "kvfleet", "kvfleet ngram", f"kvfleet draft ({DRAFT_LAYERS} layers)"
+VLLM_PLAIN, VLLM_NGRAM = "vLLM", "vLLM ngram"
+# Each speculative system's plain decoding, and each kvfleet system's vLLM counterpart.
+PLAIN_OF = {KV_NGRAM: KV_PLAIN, KV_DRAFT: KV_PLAIN, VLLM_NGRAM: VLLM_PLAIN}
+PEER_OF = {KV_PLAIN: VLLM_PLAIN, KV_NGRAM: VLLM_NGRAM}
 
 
 def grounded_prompts(tokenizer: Any, count: int) -> list[list[int]]:
@@ -65,6 +76,7 @@ def truncated_draft(model_dir: Path, dest: Path, layers: int) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(model_dir / name, dest / name)
     config = json.loads((model_dir / "config.json").read_text())
+    layers = min(layers, config["num_hidden_layers"])
     config["num_hidden_layers"] = layers
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     tensors = load_file(str(model_dir / "model.safetensors"))
@@ -133,102 +145,137 @@ def vllm_system(worker: VllmWorker) -> tuple[Generate, Callable[[], dict[str, fl
     return generate, lambda: dict(getattr(worker, "last_spec_counters", {}))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from engine.default_model import prepare_default_model
+def run(bench: BenchRun) -> Row:
     from engine.tokenizer import Tokenizer
 
-    model_dir = Path(args.model) if args.model else prepare_default_model()
+    args, model_dir = bench.args, bench.model_dir
     tokenizer = Tokenizer.from_dir(model_dir)
     workloads = {
-        "grounded": (grounded_prompts(tokenizer, args.num_prompts), GROUNDED_OUT),
+        "grounded": (grounded_prompts(tokenizer, args.num_prompts), args.grounded_out),
         "random": (random_prompts(random.Random(0), args.num_prompts, 16, 256,
-                                  tokenizer.vocab_size, {0, 1, 2}), RANDOM_OUT),
+                                  tokenizer.vocab_size, {0, 1, 2}), args.random_out),
     }
-    draft = truncated_draft(model_dir, Path(args.work_dir) / "draft", DRAFT_LAYERS)
+    draft = truncated_draft(model_dir, bench.work_dir / "draft", DRAFT_LAYERS)
     systems: dict[str, Any] = {
-        "kvfleet": None,
-        "kvfleet ngram": NGRAM,
-        f"kvfleet draft ({DRAFT_LAYERS} layers)": {
-            "method": "draft_model", "model": str(draft), "num_speculative_tokens": 4},
+        KV_PLAIN: None,
+        KV_NGRAM: NGRAM,
+        KV_DRAFT: {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4},
     }
-    results: dict[str, Any] = {"model": str(model_dir), "dtype": args.dtype, "systems": {}}
+    results: Row = {"workloads": {w: {"num_prompts": len(p), "max_tokens": n}
+                                  for w, (p, n) in workloads.items()},
+                    "rounds": args.rounds, "systems": {}}
     for name, spec in systems.items():
         gen, counters = kvfleet_system(model_dir, args.dtype, spec)
         results["systems"][name] = {w: measure(gen, counters, p, n, args.rounds)
                                     for w, (p, n) in workloads.items()}
-    if "vllm" in args.peers:
-        cfg = PeerConfig(cache_dir=Path(args.work_dir) / "peer-cache")
-        for name, extra in (("vLLM", ()), ("vLLM ngram",
-                                            ("--speculative-config", json.dumps(NGRAM)))):
+    if bench.wants_vllm:
+        for name, extra in ((VLLM_PLAIN, ()),
+                            (VLLM_NGRAM, ("--speculative-config", json.dumps(NGRAM)))):
             try:
-                with VllmWorker(model_dir, args.dtype, cfg, Path(args.work_dir) / f"{name}.log",
-                                seed=0, max_num_seqs=256, max_num_batched_tokens=2048,
-                                extra_args=extra) as worker:
+                worker = bench.vllm_worker(name, extra)
+                try:
                     gen, counters = vllm_system(worker)
                     results["systems"][name] = {w: measure(gen, counters, p, n, args.rounds)
                                                 for w, (p, n) in workloads.items()}
-            except PeerError as exc:
+                finally:
+                    worker.close()
+            except PeerError as exc:  # shown as its refusal; its plain decoding stands in
                 results["systems"][name] = {"error": str(exc)[:2000]}
+    results["targets"] = check_targets(results["systems"])
     return results
 
 
-def report(results: dict[str, Any]) -> list[str]:
-    systems = results["systems"]
-    lines = [f"== E. speculative decoding, one stream ({results['dtype']})"]
-    for name, rows in systems.items():
-        if "error" in rows:
-            lines.append(f"{name:<28} refused: {rows['error'].splitlines()[0][:120]}")
+def _rate(systems: Row, system: str, workload: str) -> float | None:
+    row = systems.get(system, {}).get(workload)
+    return row["tok_s"] if isinstance(row, dict) else None
+
+
+def check_targets(systems: Row) -> list[Row]:
+    """The issue's targets that this run's systems can be judged on."""
+    peer = VLLM_NGRAM if _rate(systems, VLLM_NGRAM, "grounded") else VLLM_PLAIN
+    checks = [
+        ("E grounded: kvfleet ngram / kvfleet plain", KV_NGRAM, KV_PLAIN, "grounded",
+         TARGET_GROUNDED),
+        (f"E grounded: kvfleet ngram / {peer}", KV_NGRAM, peer, "grounded", TARGET_VLLM),
+        ("E random: kvfleet ngram / kvfleet plain", KV_NGRAM, KV_PLAIN, "random", TARGET_RANDOM),
+    ]
+    out = []
+    for label, mine, theirs, workload, target in checks:
+        r = report.ratio(_rate(systems, mine, workload), _rate(systems, theirs, workload))
+        if r is not None:
+            out.append({"label": label, "ratio": r, "target": target, "pass": r >= target})
+    return out
+
+
+def workload_table(res: Row, workload: str) -> list[str]:
+    systems = res["systems"]
+    rows = []
+    for name, per in systems.items():
+        if "error" in per:
             continue
-        for workload, row in rows.items():
-            extra = ""
-            if "acceptance_rate" in row:
-                extra = (f"  acceptance {row['acceptance_rate']:.2f}, mean accepted/draft "
-                         f"{row['mean_accepted_per_draft'] or 0:.2f}")
-            lines.append(f"{name:<28} {workload:<9} {row['tok_s']:7.1f} tok/s{extra}")
+        row = per[workload]
+        own = report.ratio(row["tok_s"], _rate(systems, PLAIN_OF.get(name, name), workload))
+        vs_peer = report.ratio(row["tok_s"], _rate(systems, PEER_OF.get(name, ""), workload))
+        accept, kept = row.get("acceptance_rate"), row.get("mean_accepted_per_draft")
+        rows.append([name, f"{row['tok_s']:.1f}", report.times(own), report.times(vs_peer),
+                     "-" if accept is None else f"{accept:.2f}",
+                     "-" if kept is None else f"{kept:.2f}"])
+    shape = res["workloads"][workload]
+    return [f"\n{workload}: {shape['num_prompts']} prompt(s), {shape['max_tokens']} tokens out",
+            *report.table(["system", "tok/s", "x own plain", "x vLLM same", "acceptance",
+                           "kept/draft"], rows, width=12)]
 
-    def rate(system: str, workload: str) -> float | None:
-        row = systems.get(system, {}).get(workload)
-        return None if not isinstance(row, dict) else row["tok_s"]
 
-    for name, rows in systems.items():  # greedy speculation must not change a token
-        if name.startswith("kvfleet ") and "error" not in rows:
-            same = all(rows[w]["outputs"] == systems["kvfleet"][w]["outputs"] for w in rows)
-            lines.append(f"{name}: tokens {'equal' if same else 'DIFFER from'} plain decoding's")
-    plain, ngram = rate("kvfleet", "grounded"), rate("kvfleet ngram", "grounded")
-    if plain and ngram:
-        r = ngram / plain
-        lines.append(f"E grounded: kvfleet ngram / plain {r:.2f}x (>= {TARGET_GROUNDED}x): "
-                     f"{'PASS' if r >= TARGET_GROUNDED else 'MISS'}")
-    peer_name = "vLLM ngram" if rate("vLLM ngram", "grounded") else "vLLM"
-    peer = rate(peer_name, "grounded")
-    if ngram and peer:
-        r = ngram / peer
-        lines.append(f"E grounded: kvfleet ngram / {peer_name} {r:.2f}x (>= {TARGET_VLLM}x): "
-                     f"{'PASS' if r >= TARGET_VLLM else 'MISS'}")
-    plain_r, ngram_r = rate("kvfleet", "random"), rate("kvfleet ngram", "random")
-    if plain_r and ngram_r:
-        r = ngram_r / plain_r
-        lines.append(f"E random: kvfleet ngram / plain {r:.2f}x (>= {TARGET_RANDOM}x): "
-                     f"{'PASS' if r >= TARGET_RANDOM else 'MISS'}")
+def agreement_lines(systems: Row) -> list[str]:
+    """Greedy speculation must not change a token; and kvfleet's tokens beside vLLM's."""
+    pairs = [(n, p) for n, p in PLAIN_OF.items() if not n.startswith("vLLM")]
+    pairs.append((KV_PLAIN, VLLM_PLAIN))
+    lines = []
+    for mine, theirs in pairs:
+        a, b = systems.get(mine, {}), systems.get(theirs, {})
+        if "error" in a or "error" in b or not a or not b:
+            continue
+        checks = [agreement(a[w]["outputs"], b[w]["outputs"]) for w in a]
+        equal, checked = sum(c["equal"] for c in checks), sum(c["checked"] for c in checks)
+        lines.append(f"greedy tokens: {mine} == {theirs} for {equal}/{checked} prompts")
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
+def print_report(res: Row) -> list[str]:
+    lines = [f"\n== E. speculative decoding, one stream ({res['config']['dtype']}), median "
+             f"tokens/s over prompts x {res['rounds']} round(s) ==", *peer_bench.system_lines(res)]
+    for workload in res["workloads"]:
+        lines += workload_table(res, workload)
+    for name, per in res["systems"].items():
+        if "error" in per:
+            lines.append(f"{name}: refused: {per['error'].splitlines()[0][:160]}")
+    lines.append("(x own plain: against the same system's plain decoding; x vLLM same: kvfleet "
+                 "against vLLM with the same method)")
+    lines += agreement_lines(res["systems"])
+    lines += ["\ntargets:", *(f"  {report.target_line(t['label'], t['ratio'], t['target'])}"
+                              for t in res["targets"])]
+    lines.append(peer_bench.footer(res))
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--num-prompts", type=int, default=4)
+    peer_bench.add_args(p, "bench_results/spec_decode.json")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts of each workload")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--peers", default="vllm", help="vllm, or none")
-    p.add_argument("--work-dir", default="bench_results/spec_decode")
-    p.add_argument("--out", default="bench_results/spec_decode.json")
+    p.add_argument("--grounded-out", type=int, default=GROUNDED_OUT,
+                   help="tokens out, grounded workload")
+    p.add_argument("--random-out", type=int, default=RANDOM_OUT,
+                   help="tokens out, random workload")
     args = p.parse_args(argv)
-    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
-    results = run(args)
-    lines = report(results)
-    results["report"] = lines
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print("\n".join(lines))
+    if min(args.num_prompts, args.rounds, args.grounded_out, args.random_out) < 1:
+        p.error("--num-prompts, --rounds, --grounded-out and --random-out must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    bench = BenchRun.start(parse_args(argv))
+    bench.finish(run(bench), print_report)
     return 0
 
 

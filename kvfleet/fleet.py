@@ -79,6 +79,9 @@ class FleetConfig:
     api_keys: Path | None = None
     # Extra engine flags, e.g. ("--num-kv-blocks", "256").
     engine_args: tuple[str, ...] = ()
+    # Extra flags of engine i only, after engine_args (e.g. one engine speculating, one not);
+    # engines past the end of the tuple get none.
+    engine_args_by_index: tuple[tuple[str, ...], ...] = ()
     router_args: tuple[str, ...] = ()
     # Torch threads per engine (OMP_NUM_THREADS); None: torch's default (every core).
     engine_threads: int | None = None
@@ -239,6 +242,8 @@ class Fleet:
     def start_engine_process(self, index: int) -> ServiceProcess:
         """Launch engine `index` (not awaited; see `wait_ready`). Tests restart engines so."""
         command = engine_command(self.config, engine_id(index), self.redis_url)
+        if index < len(self.config.engine_args_by_index):
+            command += self.config.engine_args_by_index[index]
         command += ["--router-secret-file", str(self.router_secret_file)]
         env = None
         if self.config.engine_threads is not None:

@@ -8,9 +8,13 @@ the router per token: a tokenizer service outage never disturbs a stream in flig
 Invariants:
 - The first response carries the request id; the last one carries finish_reason.
 - A stop string ends the stream at once: the engine request is aborted (its blocks freed)
-  and the client gets finish_reason "stop" with `stop_reason.stop_string`; usage then counts
-  the tokens received so far. Text after the stop string never reaches the client.
-- Stop strings are only checked once `min_tokens` tokens exist (vLLM's semantics).
+  and the client gets finish_reason "stop" with `stop_reason.stop_string`. Text after the
+  stop string never reaches the client, and neither do tokens after the one that completed
+  it: token_ids, logprobs and usage end at that token (vLLM), even when an engine message
+  carries several tokens (speculative decoding; its `token_text_ends` split the text by
+  token, so matching goes token by token as with one-token messages).
+- Stop strings are only checked once `min_tokens` tokens exist (vLLM's semantics), counted
+  token by token.
 - The EOS or stop token that ends generation is in token_ids but not in the text, unless
   include_stop_str_in_output (vLLM; the engine leaves it out of its text_delta).
 - An engine stream that ends without a final message is an error (UNAVAILABLE), never a
@@ -63,12 +67,10 @@ class ResponseRelay:
     async def _convert(
         self, message: engine_pb2.GenerateResponse
     ) -> router_pb2.RouterGenerateResponse:
-        self._num_completion_tokens += len(message.token_ids)
         final = message.HasField("finish_reason")
-        check = self._num_completion_tokens >= self._min_tokens
-        emitted = self._matcher.add(message.text_delta, check)
+        emitted, num_kept = self._match(message)
         response = router_pb2.RouterGenerateResponse(
-            token_ids=message.token_ids, logprobs=message.logprobs
+            token_ids=message.token_ids[:num_kept], logprobs=message.logprobs[:num_kept]
         )
         if message.prompt_logprobs:
             response.prompt_token_ids.extend(self._prompt_ids)
@@ -82,6 +84,26 @@ class ResponseRelay:
             _copy_final(response, message, self._stream.engine.engine_id)
         response.text_delta = emitted
         return response
+
+    def _match(self, message: engine_pb2.GenerateResponse) -> tuple[str, int]:
+        """(text to emit, tokens of the message to keep): all of them unless a stop string
+        is completed, then those up to the one that completed it."""
+        ids, ends = message.token_ids, message.token_text_ends
+        if not self._matcher.active or len(ends) != len(ids) or len(ids) <= 1:
+            # One token (or none), no stop strings, or an engine that sends no ends: the
+            # message is one piece.
+            self._num_completion_tokens += len(ids)
+            check = self._num_completion_tokens >= self._min_tokens
+            return self._matcher.add(message.text_delta, check), len(ids)
+        text, emitted, start = message.text_delta, [], 0
+        for index, end in enumerate(ends):
+            self._num_completion_tokens += 1
+            check = self._num_completion_tokens >= self._min_tokens
+            emitted.append(self._matcher.add(text[start:end], check))
+            start = end
+            if self._matcher.matched is not None:
+                return "".join(emitted), index + 1
+        return "".join(emitted), len(ids)
 
     def _finish_on_stop_string(
         self,

@@ -13,6 +13,10 @@ Invariants:
   the last output).
 - The EOS or stop token that ends generation (finish_reason "stop") adds no text unless
   include_stop_str_in_output (vLLM); it stays in token_ids either way.
+- With stop strings, an output of several tokens (speculative decoding) is detokenized one
+  token at a time, exactly as one-token outputs would be, and `TextDelta.token_ends` says
+  where each token's text ends, so the router can end the output at the token that
+  completes a stop string. Without stop strings it is one call, and no ends.
 - A token's logprob string is decode([id]) with special tokens kept (vLLM's decoded_token).
   It depends on the id alone, so `TokenTexts` caches it for the process (at most one entry
   per vocabulary id).
@@ -22,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from engine.service.engine_state import GenerateOutput
@@ -44,6 +49,14 @@ class TokenTexts:
         return text
 
 
+@dataclass(frozen=True)
+class TextDelta:
+    """The text one output adds, and (several tokens, stop strings) where each token's ends."""
+
+    text: str
+    token_ends: list[int] = field(default_factory=list)
+
+
 class StreamText:
     """One Generate stream: `delta(output)` is the text that output's tokens add."""
 
@@ -54,12 +67,29 @@ class StreamText:
             tokenizer, params.skip_special_tokens, prompt_token_ids
         )
         self._keep_stop_token = params.include_stop_str_in_output
+        self._per_token = bool(params.stop)
 
-    def delta(self, output: GenerateOutput) -> str:
+    def delta(self, output: GenerateOutput) -> TextDelta:
         ids = output.token_ids
         if output.finished and output.finish_reason == "stop" and not self._keep_stop_token:
-            ids = ids[:-1]
+            text_ids = ids[:-1]
+        else:
+            text_ids = ids
+        if not self._per_token or len(ids) <= 1:
+            return TextDelta(self._add(text_ids, output.finished))
+        pieces: list[str] = []
+        ends: list[int] = []
+        end = 0
+        for index in range(len(ids)):
+            last = index == len(ids) - 1
+            piece = self._add(text_ids[index : index + 1], output.finished and last)
+            pieces.append(piece)
+            end += len(piece)
+            ends.append(end)
+        return TextDelta("".join(pieces), ends)
+
+    def _add(self, ids: Sequence[int], finished: bool) -> str:
         text = self._detokenizer.add_tokens(ids)
-        if output.finished:
+        if finished:
             text += self._detokenizer.flush()
         return text

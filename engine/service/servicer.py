@@ -10,8 +10,8 @@ Invariants:
   means "up to the remaining context"), an explicit zero stays zero.
 - Fields the engine cannot honour are refused rather than silently ignored: n > 1 (the
   router fans a request out into n engine requests) and an adapter (`lora_id`) the engine
-  does not serve. `stop` is ignored, as the
-  engine proto specifies: stop strings are the router's job (on this text);
+  does not serve. Stop strings are the router's job (on this text), as the engine proto
+  specifies: `stop` only turns on token_text_ends for several-token messages, and
   `include_stop_str_in_output` only decides whether the ending EOS / stop token adds text.
 - Cancelling a Generate call closes the `AsyncEngine.generate` iterator, which aborts the
   request and frees its KV blocks (the interceptor closes handler generators promptly).
@@ -43,7 +43,7 @@ from engine.sampling_proto import to_sampling_params
 from engine.service import keepalive
 from engine.service.async_engine import AsyncEngine
 from engine.service.engine_state import GenerateOutput
-from engine.service.output_text import StreamText, TokenTexts
+from engine.service.output_text import StreamText, TextDelta, TokenTexts
 from kvfleet.errors import UnavailableError
 from kvfleet.grpc_server import Service
 from kvfleet.logs import request_context
@@ -189,9 +189,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             lora_adapters=list(load.lora_adapters),
         )
 
-    def _response(self, output: GenerateOutput, text_delta: str) -> engine_pb2.GenerateResponse:
+    def _response(self, output: GenerateOutput, text: TextDelta) -> engine_pb2.GenerateResponse:
         response = engine_pb2.GenerateResponse(
-            token_ids=output.token_ids, engine_id=self._identity.engine_id, text_delta=text_delta
+            token_ids=output.token_ids, engine_id=self._identity.engine_id,
+            text_delta=text.text, token_text_ends=text.token_ends,
         )
         texts = self._token_texts
         if output.logprobs:

@@ -3,10 +3,11 @@
 Covers: text deltas concatenate to the text the generated ids add after the prompt (one
 message per step, every delta whole characters); the EOS / stop token that ends generation
 adds no text unless include_stop_str_in_output; skip_special_tokens is honoured and no
-character is split (`StreamText` fed crafted outputs, since a random model's tokens are not
-chosen); logprob
-entries (generated and prompt) carry decode([id]) with special tokens kept, and the first
-prompt token's text comes with the prompt logprobs.
+character is split, and with stop strings a several-token output (speculative decoding) has
+the text and per-token ends of one-token outputs (`StreamText` fed crafted outputs, since a
+random model's tokens are not chosen); logprob entries (generated and prompt) carry
+decode([id]) with special tokens kept, and the first prompt token's text comes with the
+prompt logprobs.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def test_skip_special_tokens_decides_whether_special_tokens_show(tokenizer, skip
     ids = [*tokenizer.encode("Hello"), 0, *tokenizer.encode(" world")]  # 0: <|endoftext|>
     text = StreamText(tokenizer, tokenizer.encode(PROMPT), SamplingParams(
         skip_special_tokens=skip))
-    deltas = [text.delta(output) for output in outputs(ids)]
+    deltas = [text.delta(output).text for output in outputs(ids)]
     assert "".join(deltas) == ("Hello world" if skip else "Hello<|endoftext|> world")
 
 
@@ -108,9 +109,49 @@ def test_multibyte_characters_are_never_split(tokenizer):
     # Some characters span tokens: such a token decodes to U+FFFD on its own.
     assert any(REPLACEMENT_CHAR in tokenizer.decode([token_id]) for token_id in ids)
     text = StreamText(tokenizer, tokenizer.encode(PROMPT), SamplingParams())
-    deltas = [text.delta(output) for output in outputs(ids)]
+    deltas = [text.delta(output).text for output in outputs(ids)]
     assert "".join(deltas) == "café 東京 🙂 naïve"
     assert not any(REPLACEMENT_CHAR in delta for delta in deltas)
+
+
+def grouped(ids: list[int], sizes: list[int], finish_reason: str) -> list[GenerateOutput]:
+    """Outputs of `sizes` tokens each (as speculation sends them), the last one finished."""
+    out, start = [], 0
+    for n, size in enumerate(sizes):
+        last = n == len(sizes) - 1
+        out.append(GenerateOutput("r", ids[start : start + size], last,
+                                  finish_reason if last else None))
+        start += size
+    assert start == len(ids)
+    return out
+
+
+@pytest.mark.parametrize("finish_reason", ["length", "stop"])
+def test_several_token_outputs_end_each_token_text_where_one_token_outputs_do(
+    tokenizer, finish_reason
+):
+    # Multi-byte characters span tokens, so some tokens add no text on their own; with
+    # finish_reason "stop" the last id is the EOS, which adds none either.
+    ids = [*tokenizer.encode("café 東京 🙂 naïve, the end"), 0]
+    params = SamplingParams(stop=["zzz"])
+    one = StreamText(tokenizer, tokenizer.encode(PROMPT), params)
+    singles = [one.delta(output).text for output in outputs(ids, finish_reason)]
+    assert any(single == "" for single in singles[:-1])
+    sizes = [3, 1, 4, 2, len(ids) - 10]
+    several = StreamText(tokenizer, tokenizer.encode(PROMPT), params)
+    start = 0
+    for output in grouped(ids, sizes, finish_reason):
+        delta = several.delta(output)
+        pieces = singles[start : start + len(output.token_ids)]
+        start += len(output.token_ids)
+        assert delta.text == "".join(pieces)
+        expected_ends = [len("".join(pieces[: i + 1])) for i in range(len(pieces))]
+        assert delta.token_ends == (expected_ends if len(pieces) > 1 else [])
+    # Without stop strings a several-token output is one decode, and carries no ends.
+    plain = StreamText(tokenizer, tokenizer.encode(PROMPT), SamplingParams())
+    deltas = [plain.delta(output) for output in grouped(ids, sizes, finish_reason)]
+    assert "".join(d.text for d in deltas) == "".join(singles)
+    assert all(d.token_ends == [] for d in deltas)
 
 
 def test_logprobs_carry_decoded_tokens(stub, tokenizer):
