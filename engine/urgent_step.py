@@ -6,7 +6,9 @@ on one thread), and fair share (engine.core.fair_share) can only put a new tenan
 work conservation fills with the flood's chunks. With `preempt_steps_for_new_tenants`, the
 engine looks for new requests between the layers of a step's forward pass; a qualifying one is
 added and runs a complete step of its own right there (schedule, forward pass, sampling, first
-token delivered), then the paused step resumes at its next layer.
+token delivered), then the paused step resumes at its next layer. A qualifying request that
+arrives between two steps gets its step of its own the same way, before the next ordinary step
+(which would otherwise fill its budget with the chunks it is ranked ahead of).
 
 The rule (`qualifying`): a new request is served in an urgent step when fair share ranks it
 ahead of every prompt chunk of the paused step and of every other waiting request, i.e. when
@@ -93,7 +95,7 @@ class UrgentSteps:
         if enabled:
             reason = unsupported_reason(config, engine.device)
             if reason is not None:
-                logger.warning("preempt_steps_for_new_tenants is off: %s", reason)
+                logger.info("preempt_steps_for_new_tenants is off: %s", reason)
                 enabled = False
         return cls(engine, enabled)
 
@@ -119,13 +121,15 @@ class UrgentSteps:
 
     def qualifying(self, request_ids: Sequence[str]) -> list[str]:
         """Those of these just-added requests that an urgent step serves now: the ones fair
-        share ranks ahead of every prompt chunk of the paused step and of every other waiting
-        request. None while the paused step computes no prompt chunk (it is short anyway)."""
+        share ranks ahead of every prompt chunk of the paused step (between steps: of the running
+        requests still in their prompt) and of every other waiting request. None when there
+        is no such chunk (a decode-only step is short anyway)."""
         paused, scheduler = self._paused, self._engine.scheduler
         fair = scheduler.fair_share
-        chunks = (
-            [] if paused is None else [s.request for s in paused.scheduled if s.num_new_tokens > 1]
-        )
+        if paused is not None:
+            chunks = [s.request for s in paused.scheduled if s.num_new_tokens > 1]
+        else:  # between steps: the prompt chunks the next ordinary step would compute
+            chunks = [r for r in scheduler.running if r.num_computed_tokens < r.num_prompt_tokens]
         if fair is None or not chunks:
             return []
         new = set(request_ids)
@@ -138,10 +142,9 @@ class UrgentSteps:
 
     def run(self, request_ids: Sequence[str]) -> list[RequestUpdate]:
         """One complete step of only these just-added (waiting) requests, inside the paused
-        step; their updates (the first token of those whose prompt fits the budget)."""
+        step or between two steps; their updates (the first token of those whose prompt fits
+        the budget)."""
         paused = self._paused
-        if paused is None:
-            raise RuntimeError("an urgent step runs only while a step is paused")
         engine = self._engine
         requests = [engine.scheduler.requests[rid] for rid in request_ids]
         out = schedule_urgent(engine.scheduler, requests, paused)

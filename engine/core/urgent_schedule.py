@@ -25,10 +25,10 @@ from engine.request import Request
 
 
 def schedule_urgent(
-    scheduler: Scheduler, requests: Sequence[Request], paused: SchedulerOutput
+    scheduler: Scheduler, requests: Sequence[Request], paused: SchedulerOutput | None
 ) -> SchedulerOutput:
     """Admit `requests` (all waiting) in fair-share order (FCFS without fair share) with a
-    token budget of their own; the paused step is `paused`."""
+    token budget of their own; the paused step is `paused` (None: between two steps)."""
     out = SchedulerOutput()
     waiting = {id(r) for r in scheduler.waiting}
     for request in requests:
@@ -37,7 +37,7 @@ def schedule_urgent(
     if scheduler.swapped:
         return out  # waiting requests wait while any is swapped (vLLM's rule)
     computing: set[BlockHash] = set()
-    for item in paused.scheduled:
+    for item in [] if paused is None else paused.scheduled:
         scheduler.note_computing(item.request, item.num_new_tokens, computing)
     fair_share = scheduler.fair_share
     order = (

@@ -323,11 +323,15 @@ class AsyncEngine:
                 commands = list(self._commands)
                 self._commands.clear()
             self._mark_progress(idle=False)
+            added: list[str] = []
             for command in commands:
                 try:
-                    command()
+                    if command() and isinstance(command, _Add):
+                        added.append(command.request_id)
                 except Exception:  # a command's failure is its own; the loop carries on
                     logger.exception("engine command failed")
+            if added:
+                self._serve_urgent(added)
             if self._has_work():
                 self._step()
             self._after_iteration()
@@ -396,8 +400,16 @@ class AsyncEngine:
             adds = [c for c in self._commands if isinstance(c, _Add)]
             for add in adds:
                 self._commands.remove(add)
+        self._serve_urgent([add.request_id for add in adds if add()])
+
+    def _serve_urgent(self, added: Sequence[str]) -> None:
+        """Serve those of these just-added requests that qualify (engine.urgent_step) in an
+        urgent step of their own: inside a paused step, or before the next ordinary step,
+        which would otherwise fill its budget with the prompt chunks they are ranked ahead of."""
         urgent = self._engine.urgent
-        served = urgent.qualifying([add.request_id for add in adds if add()])
+        if not urgent.enabled:
+            return
+        served = urgent.qualifying(added)
         if not served:
             return
         try:

@@ -321,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "docs/tenants.md) or fcfs (priority, then arrival) "
                              "(default: %(default)s)")
     parser.add_argument("--preempt-steps-for-new-tenants",
-                        action=argparse.BooleanOptionalAction, default=False,
+                        action=argparse.BooleanOptionalAction, default=True,
                         help="pause a step between layers to serve a newly arrived tenant's "
                              "request in a step of its own (CPU, fair share; docs/tenants.md) "
                              "(default: %(default)s)")

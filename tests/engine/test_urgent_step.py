@@ -99,8 +99,10 @@ def test_urgent_steps_keep_greedy_outputs_exact(tiny_model_dir, prompts, referen
     assert (2, 0) in polls and all(layer == 0 for _, layer in polls)  # 2 layers: one boundary
 
 
-def test_off_by_default_and_off_where_unsupported(tiny_model_dir):
-    assert not LLM(tiny_model_dir, dtype="float32").engine.urgent.enabled
+def test_on_by_default_and_off_where_unsupported_or_asked(tiny_model_dir):
+    assert LLM(tiny_model_dir, dtype="float32").engine.urgent.enabled
+    off = LLM(tiny_model_dir, dtype="float32", preempt_steps_for_new_tenants=False)
+    assert not off.engine.urgent.enabled
     fcfs = LLM(
         tiny_model_dir,
         dtype="float32",
@@ -108,6 +110,38 @@ def test_off_by_default_and_off_where_unsupported(tiny_model_dir):
         preempt_steps_for_new_tenants=True,
     )
     assert not fcfs.engine.urgent.enabled
+
+
+def test_urgent_step_between_two_steps(tiny_model_dir, prompts, reference):
+    """A request added between steps, ranked ahead of A's prompt chunks, gets a step of its
+    own before the next ordinary step (which would fill its budget with those chunks); once A
+    only decodes, nothing qualifies. Greedy tokens stay exact."""
+    llm = LLM(tiny_model_dir, dtype="float32", max_num_batched_tokens=32)
+    engine, urgent = llm.engine, llm.engine.urgent
+    requests = {
+        rid: engine.add_request(rid, prompts[rid], GREEDY, share=TenantShare("A"))
+        for rid in ("a0", "a1")
+    }
+    engine.step()  # A's prompts are mid-prefill (32-token budget)
+    requests["b0"] = engine.add_request("b0", prompts["b0"], GREEDY, share=TenantShare("B"))
+    assert urgent.paused is None and urgent.qualifying(["b0"]) == ["b0"]
+    updates = urgent.run(["b0"])
+    assert [(u.request.request_id, u.new_token_ids) for u in updates] == [
+        ("b0", reference["b0"][:1])
+    ]
+    engine.scheduler.check_integrity()
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    requests["c0"] = engine.add_request("c0", prompts["c0"], GREEDY, share=TenantShare("C"))
+    assert urgent.qualifying(["c0"]) == []  # only decodes ahead: the next step is short
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.scheduler.check_integrity()
+    assert {rid: r.output_token_ids for rid, r in requests.items()} == {
+        rid: reference[rid] for rid in requests
+    }
+    assert urgent.num_urgent_steps == 1
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_engine_service_serves_a_new_tenant_inside_the_paused_step(
