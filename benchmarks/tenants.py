@@ -141,7 +141,7 @@ async def run_phase(fleet: Fleet, args: argparse.Namespace, flood: bool, vocab: 
                 if not worker.cancelled() and worker.exception() is not None:
                     raise RuntimeError("a flood request failed") from worker.exception()
     return {"chats": len(ttfts), "ttft_p50_s": statistics.median(ttfts),
-            "ttft_p99_s": percentile(ttfts, 99), "ttft_max_s": max(ttfts),
+            "ttft_p99_s": percentile(ttfts, 99), "ttft_max_s": max(ttfts), "ttfts_s": sorted(ttfts),
             "throughput_tok_s": tokens / elapsed, "flood_completed": len(completed),
             "window_s": elapsed}
 
