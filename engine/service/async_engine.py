@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheEvents
@@ -54,6 +54,9 @@ from engine.core.scheduler import RequestUpdate
 from engine.llm_engine import LLMEngine
 from engine.request import TenantShare
 from engine.sampling_params import SamplingParams
+from engine.service.engine_commands import Add as _Add
+from engine.service.engine_commands import Call as _Call
+from engine.service.engine_commands import Command as _Command
 from engine.service.engine_state import EngineLoad, GenerateOutput, StepProgress
 from kvfleet.errors import OverloadedError, UnavailableError
 
@@ -66,38 +69,10 @@ StepListener = Callable[[KVCacheEvents], None]
 # Called on the engine thread with the request updates of a step (stepped=True) or of an
 # abort (a finished update with no tokens, stepped=False). Must not block.
 UpdateListener = Callable[[Sequence[RequestUpdate], bool], None]
-_Command = Callable[[], object]
 # (request id, stream sequence number, output or the exception that ends the stream)
 _Delivery = tuple[str, int, "GenerateOutput | BaseException"]
 # A wedged step must not hang shutdown (the thread is a daemon: the process still ends).
 SHUTDOWN_JOIN_S = 10.0
-
-
-class _Call(Generic[T]):
-    """A command whose result (or exception) goes to a concurrent Future."""
-
-    def __init__(self, fn: Callable[[], T]) -> None:
-        self.fn = fn
-        self.future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def __call__(self) -> None:
-        if self.future.set_running_or_notify_cancel():
-            try:
-                self.future.set_result(self.fn())
-            except BaseException as exc:  # delivered to the caller, never kills the loop
-                self.future.set_exception(exc)
-
-
-@dataclass(frozen=True)
-class _Add:
-    """The command adding one request: a type of its own, so that a step paused between
-    layers can pick out the adds that qualify for an urgent step (engine.urgent_step)."""
-
-    request_id: str
-    add: Callable[[], bool]  # True: the request is in the engine
-
-    def __call__(self) -> bool:
-        return self.add()
 
 
 @dataclass
