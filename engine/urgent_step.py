@@ -6,18 +6,23 @@ on one thread), and fair share (engine.core.fair_share) can only put a new tenan
 work conservation fills with the flood's chunks. With `preempt_steps_for_new_tenants`, the
 engine looks for new requests between the layers of a step's forward pass; a qualifying one is
 added and runs a complete step of its own right there (schedule, forward pass, sampling, first
-token delivered), then the paused step resumes at its next layer. A qualifying request that
-arrives between two steps gets its step of its own the same way, before the next ordinary step
-(which would otherwise fill its budget with the chunks it is ranked ahead of).
+token delivered), then the paused step resumes at its next layer. Between two steps, waiting
+requests of a less served tenant get a step of their own the same way, before the next ordinary
+step (which would otherwise fill its budget with other tenants' prompt chunks).
 
-The rule (`qualifying`): a new request is served in an urgent step when fair share ranks it
+The rules. Inside a paused step (`qualifying`): a new request is served when fair share ranks it
 ahead of every prompt chunk of the paused step and of every other waiting request, i.e. when
 the next ordinary step would have served it first anyway. That is a tenant with less weighted
 service than the flood's (VTC's lift makes an idle tenant tie with the least served one, and
 the tie goes to the tenant active most recently), at a priority no worse; a tenant's own
-requests stay in their order (a later one never overtakes an earlier one's prompt). Requests
-that do not qualify are added too and wait for the next step, as before. Pausing only pays
-off in a long step, so a step without prompt chunks is never paused for.
+requests stay in their order (a later one never overtakes an earlier one's prompt). Pausing
+only pays off in a long step, so a step without prompt chunks is never paused for. Between
+steps (`due`): the waiting requests ranked ahead of every running prompt and of the
+last-ranked tenant's waiting prompts, whether they arrived just now or during a step that did
+not serve them (a decode-only step, or one whose chunks they did not beat). Without that,
+a chat arriving during a flood's decode-only step would share the next step with a chunk of
+the flood's next prompt: most of a second. Requests that qualify for neither wait for the
+next ordinary step, as before.
 
 Why nesting is sound (on the configurations `unsupported_reason` lets through):
 - The paused forward pass keeps all of its state in its own locals: the step's inputs and
@@ -39,6 +44,7 @@ paused step's figures are restored before it resumes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -46,6 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig
+from engine.core.fair_share import tenant_of
 from engine.core.scheduler_output import RequestUpdate, SchedulerOutput
 from engine.core.urgent_schedule import schedule_urgent
 
@@ -120,17 +127,16 @@ class UrgentSteps:
         return self._paused
 
     def qualifying(self, request_ids: Sequence[str]) -> list[str]:
-        """Those of these just-added requests that an urgent step serves now: the ones fair
-        share ranks ahead of every prompt chunk of the paused step (between steps: of the running
-        requests still in their prompt) and of every other waiting request. None when there
-        is no such chunk (a decode-only step is short anyway)."""
+        """Those of these requests, just added while a step is paused, that an urgent step
+        serves now: the ones fair share ranks ahead of every prompt chunk of the paused step
+        and of every other waiting request. None when the paused step has no prompt chunk (a
+        decode-only step is short; `due` looks at them again once it ends)."""
         paused, scheduler = self._paused, self._engine.scheduler
         fair = scheduler.fair_share
-        if paused is not None:
-            chunks = [s.request for s in paused.scheduled if s.num_new_tokens > 1]
-        else:  # between steps: the prompt chunks the next ordinary step would compute
-            chunks = [r for r in scheduler.running if r.num_computed_tokens < r.num_prompt_tokens]
-        if fair is None or not chunks:
+        if paused is None or fair is None:
+            return []
+        chunks = [s.request for s in paused.scheduled if s.num_new_tokens > 1]
+        if not chunks:
             return []
         new = set(request_ids)
         bar = min(fair.key(r) for r in [*chunks, *scheduler.waiting] if r.request_id not in new)
@@ -139,6 +145,31 @@ class UrgentSteps:
             for rid in request_ids
             if rid in scheduler.requests and fair.key(scheduler.requests[rid]) < bar
         ]
+
+    def due(self) -> list[str]:
+        """Between two steps: the waiting requests an urgent step serves before the next
+        ordinary step, which would put them in one step with other tenants' prompt work.
+
+        All prompt work (waiting requests, running requests with more than one token to
+        compute) in fair-share order: the waiting requests ahead of the first running prompt
+        qualify. When no running prompt is behind them, the work they would share a step with
+        is the last-ranked tenant's waiting requests, which stay out. Empty when no other
+        tenant has prompt work (the next step is theirs anyway) or when any request is
+        swapped out (waiting requests wait, vLLM's rule)."""
+        if not self.enabled or self._paused is not None:
+            return []
+        scheduler = self._engine.scheduler
+        fair = scheduler.fair_share
+        if fair is None or not scheduler.waiting or scheduler.swapped:
+            return []
+        prompts = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = {id(r) for r in prompts}
+        work = sorted([*prompts, *scheduler.waiting], key=fair.key)
+        lead = list(itertools.takewhile(lambda r: id(r) not in running, work))
+        if len(lead) == len(work):
+            last = tenant_of(work[-1])
+            lead = [r for r in lead if tenant_of(r) != last]
+        return [r.request_id for r in lead]
 
     def run(self, request_ids: Sequence[str]) -> list[RequestUpdate]:
         """One complete step of only these just-added (waiting) requests, inside the paused

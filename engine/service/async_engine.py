@@ -28,7 +28,8 @@ Invariants:
   while the loop advances without tokens for the request (`engine.service.keepalive`).
 - Urgent steps (engine.urgent_step, when on): between the layers of a step the engine thread
   takes the queued adds out of the command queue, adds them, and serves those that qualify
-  at once; the other commands keep their order and wait for the step's end.
+  at once; the other commands keep their order and wait for the step's end. Before each
+  ordinary step, the waiting requests that are due (`UrgentSteps.due`) get a step of their own.
 - If the engine thread dies (an exception escapes the loop), every stream ends with
   UnavailableError, new requests are refused, and `progress.failure` says why, for good.
 """
@@ -298,15 +299,12 @@ class AsyncEngine:
                 commands = list(self._commands)
                 self._commands.clear()
             self._mark_progress(idle=False)
-            added: list[str] = []
             for command in commands:
                 try:
-                    if command() and isinstance(command, _Add):
-                        added.append(command.request_id)
+                    command()
                 except Exception:  # a command's failure is its own; the loop carries on
                     logger.exception("engine command failed")
-            if added:
-                self._serve_urgent(added)
+            self._run_urgent(self._engine.urgent.due())
             if self._has_work():
                 self._step()
             self._after_iteration()
@@ -375,23 +373,20 @@ class AsyncEngine:
             adds = [c for c in self._commands if isinstance(c, _Add)]
             for add in adds:
                 self._commands.remove(add)
-        self._serve_urgent([add.request_id for add in adds if add()])
+        added = [add.request_id for add in adds if add()]
+        self._run_urgent(self._engine.urgent.qualifying(added))
 
-    def _serve_urgent(self, added: Sequence[str]) -> None:
-        """Serve those of these just-added requests that qualify (engine.urgent_step) in an
-        urgent step of their own: inside a paused step, or before the next ordinary step,
-        which would otherwise fill its budget with the prompt chunks they are ranked ahead of."""
-        urgent = self._engine.urgent
-        if not urgent.enabled:
-            return
-        served = urgent.qualifying(added)
-        if not served:
+    def _run_urgent(self, request_ids: Sequence[str]) -> None:
+        """An urgent step (engine.urgent_step) for these waiting requests: inside the paused
+        step, or before the next ordinary step, which would otherwise put them in one step
+        with the prompt chunks they are ranked ahead of."""
+        if not request_ids:
             return
         try:
-            updates = urgent.run(served)
+            updates = self._engine.urgent.run(request_ids)
         except Exception as exc:  # only the urgent step's requests are lost; the paused
             logger.exception("urgent step failed")  # step goes on
-            self._fail_requests(served, exc)
+            self._fail_requests(request_ids, exc)
             return
         self._publish(updates)
 

@@ -114,8 +114,9 @@ def test_on_by_default_and_off_where_unsupported_or_asked(tiny_model_dir):
 
 def test_urgent_step_between_two_steps(tiny_model_dir, prompts, reference):
     """A request added between steps, ranked ahead of A's prompt chunks, gets a step of its
-    own before the next ordinary step (which would fill its budget with those chunks); once A
-    only decodes, nothing qualifies. Greedy tokens stay exact."""
+    own before the next ordinary step (which would fill its budget with those chunks). Once A
+    only decodes, a new tenant's request is due only while A has a prompt waiting too (the
+    next step would compute a chunk of it). Greedy tokens stay exact."""
     llm = LLM(tiny_model_dir, dtype="float32", max_num_batched_tokens=32)
     engine, urgent = llm.engine, llm.engine.urgent
     requests = {
@@ -124,7 +125,8 @@ def test_urgent_step_between_two_steps(tiny_model_dir, prompts, reference):
     }
     engine.step()  # A's prompts are mid-prefill (32-token budget)
     requests["b0"] = engine.add_request("b0", prompts["b0"], GREEDY, share=TenantShare("B"))
-    assert urgent.paused is None and urgent.qualifying(["b0"]) == ["b0"]
+    assert urgent.paused is None and urgent.due() == ["b0"]
+    assert urgent.qualifying(["b0"]) == []  # no step is paused
     updates = urgent.run(["b0"])
     assert [(u.request.request_id, u.new_token_ids) for u in updates] == [
         ("b0", reference["b0"][:1])
@@ -133,14 +135,25 @@ def test_urgent_step_between_two_steps(tiny_model_dir, prompts, reference):
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
     requests["c0"] = engine.add_request("c0", prompts["c0"], GREEDY, share=TenantShare("C"))
-    assert urgent.qualifying(["c0"]) == []  # only decodes ahead: the next step is short
+    assert urgent.due() == []  # only decodes beside it: the next step is short
+    requests["a9"] = engine.add_request("a9", prompts["a9"], GREEDY, share=TenantShare("A"))
+    requests["b1"] = engine.add_request("b1", prompts["b1"], GREEDY, share=TenantShare("B"))
+    # Fair-share order: c0 (C was lifted to A's counter and is the newest active tenant),
+    # then b1 (B's counter is below A's), then a9: A's prompt is the work kept out.
+    assert urgent.due() == ["c0", "b1"]
+    updates = urgent.run(urgent.due())
+    assert sorted((u.request.request_id, u.new_token_ids) for u in updates) == [
+        ("c0", reference["c0"][:1])
+    ]  # b1's 40 tokens do not fit in what c0 leaves of the 32-token budget: it gets a chunk
+    engine.scheduler.check_integrity()
+    assert urgent.due() == []  # b1 now runs (a prompt of its own); a9 waits behind it
     while engine.has_unfinished_requests():
         engine.step()
         engine.scheduler.check_integrity()
     assert {rid: r.output_token_ids for rid, r in requests.items()} == {
         rid: reference[rid] for rid in requests
     }
-    assert urgent.num_urgent_steps == 1
+    assert urgent.num_urgent_steps == 2
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
