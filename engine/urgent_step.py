@@ -153,9 +153,10 @@ class UrgentSteps:
         All prompt work (waiting requests, running requests with more than one token to
         compute) in fair-share order: the waiting requests ahead of the first running prompt
         qualify. When no running prompt is behind them, the work they would share a step with
-        is the last-ranked tenant's waiting requests, which stay out. Empty when no other
-        tenant has prompt work (the next step is theirs anyway) or when any request is
-        swapped out (waiting requests wait, vLLM's rule)."""
+        is the last-ranked tenant's waiting requests, which stay out. Empty when all prompt
+        work is one tenant's (its order is the ordinary steps' own; a request of it that was
+        preempted is not raced back in) or when any request is swapped out (waiting requests
+        wait, vLLM's rule)."""
         if not self.enabled or self._paused is not None:
             return []
         scheduler = self._engine.scheduler
@@ -163,6 +164,8 @@ class UrgentSteps:
         if fair is None or not scheduler.waiting or scheduler.swapped:
             return []
         prompts = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens > 1]
+        if len({tenant_of(r) for r in [*prompts, *scheduler.waiting]}) < 2:
+            return []  # one tenant: its requests keep the ordinary steps' order
         running = {id(r) for r in prompts}
         work = sorted([*prompts, *scheduler.waiting], key=fair.key)
         lead = list(itertools.takewhile(lambda r: id(r) not in running, work))

@@ -157,6 +157,24 @@ def test_urgent_step_between_two_steps(tiny_model_dir, prompts, reference):
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+
+def test_one_tenant_is_never_due(tiny_model_dir, prompts):
+    """With one tenant's prompt work only, nothing is due between steps, even a request of it
+    that ranks first (a better priority, or one preempted and re-queued): its order is the
+    ordinary steps' own."""
+    llm = LLM(tiny_model_dir, dtype="float32", max_num_batched_tokens=32)
+    engine, urgent = llm.engine, llm.engine.urgent
+    for rid in ("a0", "a1"):
+        engine.add_request(rid, prompts[rid], GREEDY, share=TenantShare("A"))
+    engine.step()  # A's prompts are mid-prefill
+    engine.add_request("a9", prompts["a9"], GREEDY, priority=-1, share=TenantShare("A"))
+    assert urgent.due() == []
+    engine.add_request("b0", prompts["b0"], GREEDY, share=TenantShare("B"))
+    # Two tenants now: a9's better priority ranks it first, then b0 (B's counter is lifted
+    # to A's and the newest active tenant wins the tie), both ahead of A's running prompts.
+    assert urgent.due() == ["a9", "b0"]
+
+
 def test_engine_service_serves_a_new_tenant_inside_the_paused_step(
     tiny_model_dir, prompts, reference
 ):
