@@ -224,11 +224,26 @@ BAD_REQUESTS: list[tuple[dict[str, object], str]] = [
 ]
 
 
-def test_bad_requests_are_refused_without_disturbing_one_in_flight(stub, offline):
+def test_bad_requests_are_refused_without_disturbing_one_in_flight(stub, offline, shared_engine):
     good_prompt = make_prompt(7, 30)
     expected = greedy(offline, good_prompt, 200)
     good = stub.Generate(gen_request("good-1", good_prompt, 200), timeout=TIMEOUT_S)
     received = list(next(good).token_ids)  # in the engine's batch from here on
+    # The engine thread waits between two steps while the bad requests come in, so the good
+    # one is still in flight however slow the machine is (a tiny model's 199 steps can take
+    # less than a refusal's round trip on a busy one). Validation runs on the event loop.
+    resume = threading.Event()
+    paused = shared_engine.server.async_engine.call_in_engine_thread(resume.wait)
+    try:
+        refuse_all_bad_requests(stub)
+    finally:
+        resume.set()
+    paused.result(timeout=TIMEOUT_S)
+    received += tokens_of(list(good))
+    assert received == expected
+
+
+def refuse_all_bad_requests(stub) -> None:
     for index, (overrides, message) in enumerate(BAD_REQUESTS):
         fields = dict(overrides)
         request = gen_request(
@@ -247,8 +262,6 @@ def test_bad_requests_are_refused_without_disturbing_one_in_flight(stub, offline
     lora.lora_id = "adapter"
     with pytest.raises(grpc.RpcError, match="LoRA adapters are not enabled"):
         run(stub, lora)
-    received += tokens_of(list(good))
-    assert received == expected
 
 
 # -- Redis -----------------------------------------------------------------------------------
