@@ -32,7 +32,7 @@ from engine.models.config import ModelConfig
 from engine.models.layer_ops import FUSED_DTYPES
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
-from engine.sampler import Sampler, SamplingRow, gather_logprobs
+from engine.sampler import Sampler, SamplerOutput, SamplingRow, gather_logprobs, plain_greedy
 from engine.spec_decode.spec_scheduling import VerifiedTokens
 from engine.spec_decode.verifier import verify_drafts
 
@@ -167,9 +167,8 @@ class ModelRunner:
         )
         if not batch.sampled_requests:
             return RunnerOutput(prompt_logprobs=prompt_logprobs, verified=verified)
-        logits = self.model.compute_logits(hidden[batch.sample_indices])
         rows = [self._sampling_row(item.request) for item in batch.sampled_requests]
-        sampled = self.sampler(logits, rows)
+        sampled = self._sample(hidden[batch.sample_indices], rows)
         ids = [item.request.request_id for item in batch.sampled_requests]
         token_ids = dict(zip(ids, sampled.token_ids, strict=True))
         if sampled.logprobs is None:
@@ -178,6 +177,13 @@ class ModelRunner:
             rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None
         }
         return RunnerOutput(token_ids, logprobs, prompt_logprobs, verified)
+
+    def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if all(plain_greedy(row) for row in rows):
+            token_ids = self.model.greedy_tokens(hidden)
+            if token_ids is not None:
+                return SamplerOutput(token_ids)
+        return self.sampler(self.model.compute_logits(hidden), rows)
 
     def _graph_forward(self, batch: ModelInput, unified: UnifiedBatch) -> torch.Tensor | None:
         """Hidden states from the decode graphs when the step is decode-only and fits one."""

@@ -55,7 +55,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if logits.device.type != "cpu":
-            if all(_plain_greedy(row) for row in rows):
+            if all(plain_greedy(row) for row in rows):
                 return SamplerOutput(logits.max(dim=-1).indices.tolist())
             logits = logits.cpu()
         logits = logits.float()
@@ -159,7 +159,8 @@ class Sampler:
         return q
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
+def plain_greedy(row: SamplingRow) -> bool:
+    """The row's token is the raw logits' argmax (nothing edits them, nothing reads them)."""
     params = row.params
     return (
         params.greedy

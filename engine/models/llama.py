@@ -26,6 +26,7 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
 from engine.models.gemm_select import choose_backend
+from engine.models.greedy_screen import GreedyScreen, screen_supported
 from engine.models.layer_ops import LayerOps
 from engine.models.linear import Linear, apply_linear, pack_weight, prepack_linears
 from engine.models.rope import RotaryEmbedding
@@ -135,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._lm_head_backend = "dense"
         self._packed_lm_head: torch.Tensor | None = None
+        self._greedy_screen: GreedyScreen | None = None
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -188,7 +190,16 @@ class LlamaForCausalLM(nn.Module):
         prepack_linears(self, backend)
         self._lm_head_backend = backend
         self._packed_lm_head = pack_weight(weight, backend)
+        self._greedy_screen = (
+            GreedyScreen(weight) if screen_supported(weight, backend) else None)
         return backend
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        """The argmax of `compute_logits(hidden)` per row, by the screened LM head
+        (engine.models.greedy_screen) where this machine has one; else None."""
+        if self._greedy_screen is None or hidden.device.type != "cpu":
+            return None
+        return self._greedy_screen.argmax(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

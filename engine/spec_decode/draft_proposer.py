@@ -96,8 +96,11 @@ class DraftModelProposer:
             }
             batch = build_model_input(scheduled, block_ids, self.block_size)
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-            tokens = self.model.compute_logits(hidden[batch.sample_indices]).argmax(dim=-1)
-            for item, token in zip(scheduled, tokens.tolist(), strict=True):
+            sampled = hidden[batch.sample_indices]
+            tokens = self.model.greedy_tokens(sampled)
+            if tokens is None:
+                tokens = self.model.compute_logits(sampled).argmax(dim=-1).tolist()
+            for item, token in zip(scheduled, tokens, strict=True):
                 item.request.num_computed_tokens += item.num_new_tokens
                 item.request.all_token_ids.append(token)
             live = [s.request for s in scheduled]

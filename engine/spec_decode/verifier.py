@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, SamplingRow, gather_logprobs
+from engine.sampler import Sampler, SamplingRow, gather_logprobs, plain_greedy
 from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from engine.spec_decode.spec_scheduling import VerifiedTokens
 
@@ -51,14 +51,31 @@ def verify_drafts(
 ) -> dict[str, VerifiedTokens]:
     """Each verifying request's kept drafts plus one token, by request id."""
     index = torch.cat([torch.arange(v.offset, v.offset + v.num_rows) for v in verify_rows])
+    bases = [sampling_row(v.item.request) for v in verify_rows]
+    # Plain greedy now means plain greedy at every draft position too (nothing is banned once
+    # min_tokens is reached): the rows' argmaxes are all verification needs.
+    if all(plain_greedy(base) for base in bases):
+        argmax = model.greedy_tokens(hidden[index.to(hidden.device)])
+        if argmax is not None:
+            return _verify_argmax(argmax, verify_rows)
     # On the host, like the generators the rejection sampler draws from: (1 + k) rows only.
     logits = model.compute_logits(hidden[index.to(hidden.device)]).float().cpu()
     out: dict[str, VerifiedTokens] = {}
     start = 0
-    for rows in verify_rows:
-        request = rows.item.request
+    for rows, base in zip(verify_rows, bases, strict=True):
         piece = logits[start : start + rows.num_rows]
-        out[request.request_id] = _verify(piece, rows.item, sampling_row(request), sampler)
+        out[rows.item.request.request_id] = _verify(piece, rows.item, base, sampler)
+        start += rows.num_rows
+    return out
+
+
+def _verify_argmax(argmax: list[int], verify_rows: list[VerifyRows]) -> dict[str, VerifiedTokens]:
+    out: dict[str, VerifiedTokens] = {}
+    start = 0
+    for rows in verify_rows:
+        piece = argmax[start : start + rows.num_rows]
+        drafts = list(rows.item.spec_token_ids)
+        out[rows.item.request.request_id] = VerifiedTokens(greedy_verify(piece, drafts))
         start += rows.num_rows
     return out
 

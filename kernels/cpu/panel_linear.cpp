@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -79,9 +80,11 @@ inline void micro(const float* __restrict a, int64_t lda, const float* __restric
 }
 
 #if KVFLEET_PANEL_BF16
-template <int MR>
+// OutT uint16_t: bfloat16 out, rounded once; float: the float32 sums as they are (the LM head's
+// screening pass, engine/greedy_screen.py, bounds their error and must not add a rounding).
+template <int MR, typename OutT>
 inline void micro_bf16(const uint16_t* __restrict a, int64_t lda, const uint16_t* __restrict b,
-                       int64_t k_len, uint16_t* __restrict c, int64_t ldc, int cols) {
+                       int64_t k_len, OutT* __restrict c, int64_t ldc, int cols) {
   __m512 acc0[MR], acc1[MR];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
@@ -108,26 +111,31 @@ inline void micro_bf16(const uint16_t* __restrict a, int64_t lda, const uint16_t
     }
   }
   for (int i = 0; i < MR; ++i) {
-    uint16_t tmp[kPanel];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp), (__m256i)_mm512_cvtneps_pbh(acc0[i]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + 16),
-                        (__m256i)_mm512_cvtneps_pbh(acc1[i]));
-    std::memcpy(c + i * ldc, tmp, sizeof(uint16_t) * cols);
+    OutT tmp[kPanel];
+    if constexpr (std::is_same_v<OutT, float>) {
+      _mm512_storeu_ps(tmp, acc0[i]);
+      _mm512_storeu_ps(tmp + 16, acc1[i]);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp), (__m256i)_mm512_cvtneps_pbh(acc0[i]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + 16),
+                          (__m256i)_mm512_cvtneps_pbh(acc1[i]));
+    }
+    std::memcpy(c + i * ldc, tmp, sizeof(OutT) * cols);
   }
 }
 #endif
 
-template <typename T>
-using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int);
+template <typename T, typename OutT = T>
+using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, OutT*, int64_t, int);
 
 // Work is handed out in units (a row block x a group of panels) from an atomic counter, not
 // split evenly up front: when another process takes one core for a while (a router or a
 // client on the same machine), the other thread keeps taking units instead of finishing its
 // fixed half and then idling at the barrier. Units go row block by row block so x's active
 // rows stay in cache; about eight units per thread per row block keep the tail short.
-template <typename T, MicroFn<T> (*Pick)(int)>
-void drive(T* op, int64_t ldc, const T* xp, int64_t lda, const T* wp, int64_t m, int64_t k_len,
-           int64_t n, int64_t panels, int64_t panel_elems) {
+template <typename T, typename OutT, MicroFn<T, OutT> (*Pick)(int)>
+void drive(OutT* op, int64_t ldc, const T* xp, int64_t lda, const T* wp, int64_t m,
+           int64_t k_len, int64_t n, int64_t panels, int64_t panel_elems) {
   const int64_t row_block =
       std::max<int64_t>(kMaxRows, kRowBlockBytes / (k_len * static_cast<int64_t>(sizeof(T))) /
                                       kMaxRows * kMaxRows);
@@ -160,22 +168,33 @@ MicroFn<float> pick_f32(int rows) {
 }
 
 #if KVFLEET_PANEL_BF16
-MicroFn<uint16_t> pick_bf16(int rows) {
-  static constexpr MicroFn<uint16_t> table[kMaxRows + 1] = {
-      nullptr,       micro_bf16<1>, micro_bf16<2>,  micro_bf16<3>,  micro_bf16<4>,
-      micro_bf16<5>, micro_bf16<6>, micro_bf16<7>,  micro_bf16<8>,  micro_bf16<9>,
-      micro_bf16<10>, micro_bf16<11>, micro_bf16<12>};
+template <typename OutT>
+MicroFn<uint16_t, OutT> pick_bf16(int rows) {
+  static constexpr MicroFn<uint16_t, OutT> table[kMaxRows + 1] = {
+      nullptr,
+      micro_bf16<1, OutT>,
+      micro_bf16<2, OutT>,
+      micro_bf16<3, OutT>,
+      micro_bf16<4, OutT>,
+      micro_bf16<5, OutT>,
+      micro_bf16<6, OutT>,
+      micro_bf16<7, OutT>,
+      micro_bf16<8, OutT>,
+      micro_bf16<9, OutT>,
+      micro_bf16<10, OutT>,
+      micro_bf16<11, OutT>,
+      micro_bf16<12, OutT>};
   return table[rows];
 }
 #endif
 
 // Checks shared by both dtypes (k_rows: the packed weight's K rows); returns the panel count.
 int64_t check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n,
-              at::ScalarType dtype, int64_t k_rows) {
+              at::ScalarType dtype, at::ScalarType out_dtype, int64_t k_rows) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 3, "panel_linear: bad ranks");
   TORCH_CHECK(x.scalar_type() == dtype && packed.scalar_type() == dtype &&
-                  out.scalar_type() == dtype,
-              "panel_linear: x, packed and out must share the op's dtype");
+                  out.scalar_type() == out_dtype,
+              "panel_linear: x, packed and out do not have the op's dtypes");
   const int64_t panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == k_rows && packed.is_contiguous(),
               "panel_linear: packed weight does not match x's K");
@@ -188,22 +207,35 @@ int64_t check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
 
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const int64_t k_len = x.size(1);
-  const int64_t panels = check(out, x, packed, n, at::kFloat, k_len);
+  const int64_t panels = check(out, x, packed, n, at::kFloat, at::kFloat, k_len);
   TORCH_CHECK(packed.size(2) == kPanel, "panel_linear: packed weight must be [P, K, 32]");
-  drive<float, pick_f32>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
+  drive<float, float, pick_f32>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
                          packed.data_ptr<float>(), x.size(0), k_len, n, panels,
                          k_len * kPanel);
 }
 
 #if KVFLEET_PANEL_BF16
+uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
 void panel_linear_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                        int64_t n) {
   const int64_t k_len = x.size(1);
-  const int64_t panels = check(out, x, packed, n, at::kBFloat16, (k_len + 1) / 2);
+  const int64_t panels = check(out, x, packed, n, at::kBFloat16, at::kBFloat16, (k_len + 1) / 2);
   TORCH_CHECK(packed.size(2) == 2 * kPanel, "panel_linear: packed weight must be [P, K/2, 64]");
-  auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-  drive<uint16_t, pick_bf16>(u16(out), out.stride(0), u16(x), x.stride(0), u16(packed),
-                             x.size(0), k_len, n, panels, (k_len + 1) / 2 * 2 * kPanel);
+  drive<uint16_t, uint16_t, pick_bf16<uint16_t>>(u16(out), out.stride(0), u16(x), x.stride(0),
+                                                 u16(packed), x.size(0), k_len, n, panels,
+                                                 (k_len + 1) / 2 * 2 * kPanel);
+}
+
+// bfloat16 x and weight, float32 out (sums not rounded to bfloat16).
+void panel_linear_bf16_f32(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                           int64_t n) {
+  const int64_t k_len = x.size(1);
+  const int64_t panels = check(out, x, packed, n, at::kBFloat16, at::kFloat, (k_len + 1) / 2);
+  TORCH_CHECK(packed.size(2) == 2 * kPanel, "panel_linear: packed weight must be [P, K/2, 64]");
+  drive<uint16_t, float, pick_bf16<float>>(out.data_ptr<float>(), out.stride(0), u16(x),
+                                           x.stride(0), u16(packed), x.size(0), k_len, n,
+                                           panels, (k_len + 1) / 2 * 2 * kPanel);
 }
 #endif
 
@@ -213,6 +245,7 @@ TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
 #if KVFLEET_PANEL_BF16
   m.def("panel_linear_bf16(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
+  m.def("panel_linear_bf16_f32(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
 #endif
 }
 
@@ -220,5 +253,6 @@ TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
   m.impl("panel_linear", &panel_linear);
 #if KVFLEET_PANEL_BF16
   m.impl("panel_linear_bf16", &panel_linear_bf16);
+  m.impl("panel_linear_bf16_f32", &panel_linear_bf16_f32);
 #endif
 }

@@ -1,0 +1,67 @@
+"""Screened greedy argmax over a float32 LM head: the same token as the full float32 logits'
+argmax, for about half the LM head's cost.
+
+Why: at a decode step the LM head is the largest single GEMM ([rows, hidden] x [vocab,
+hidden]; ~12% of a 64-row float32 step for SmolLM2, more for one row), and a greedy row only
+needs the index of its largest logit. The bfloat16 panel GEMM (AVX512-BF16) computes all logits
+approximately at twice the float32 rate on half the bytes; a rigorous bound on its error then
+leaves a handful of tokens that could be the maximum, and only those are computed exactly, with
+the same float32 kernel as the full LM head.
+
+The bound: with h' = bf16(h) and w' = bf16(w) (round to nearest, relative error <= 2^-8 each),
+|h.w - h'.w'| <= (2 * 2^-8 + 2^-16) * sum_i |h_i| |w_i| <= ~2^-7 * ||h|| * ||w|| (Cauchy-Schwarz);
+both dot products' float32 accumulation over K terms adds <= 2 * K * 2^-24 * the same sum.
+`c` below covers both, with a margin. Measured on SmolLM2, one row in a few hundred keeps more
+than a handful of candidates.
+
+Invariants: used only where the LM head's float32 backend is the panel kernel, whose output
+column v is one fixed chain of FMAs over x and w_v alone, so recomputing a subset of columns
+reproduces the full GEMM's values bit for bit; the argmax over candidates sorted by id takes
+the first maximum, as `max(dim).indices` over the full vocabulary does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.linear import pack_panels, panel_linear
+
+
+def screen_supported(weight: torch.Tensor, backend: str) -> bool:
+    """True where the screen can stand in for the float32 LM head's argmax."""
+    from kernels.cpu import load as load_cpu_kernels
+
+    return (
+        backend == "panel"
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and load_cpu_kernels()
+        and hasattr(torch.ops.kvfleet_cpu, "panel_linear_bf16_f32")
+    )
+
+
+class GreedyScreen:
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach()
+        self.weight = w
+        self.vocab, k = w.shape
+        self.packed_bf16 = pack_panels(w.to(torch.bfloat16))
+        # Norms in float64, rounded up a little, so float32 storage never understates them.
+        self.w_norm = (w.double().norm(dim=1) * (1 + 1e-6)).float().contiguous()
+        accumulation = 2 * k * 2.0**-24
+        self.c = 1.05 * (2 * 2.0**-8 + 2.0**-16 + accumulation)
+
+    def argmax(self, hidden: torch.Tensor) -> list[int] | None:
+        """Greedy token ids of `hidden`'s rows ([M, hidden] float32), or None where the
+        screen does not apply (non-finite input): the caller then takes the full logits."""
+        h = hidden.contiguous()
+        h_norm = (h.double().norm(dim=1) * (1 + 1e-6)).float()
+        if not bool(torch.isfinite(h_norm).all()):
+            return None
+        approx = torch.empty(h.shape[0], self.vocab, dtype=torch.float32)
+        torch.ops.kvfleet_cpu.panel_linear_bf16_f32(
+            approx, h.to(torch.bfloat16), self.packed_bf16, self.vocab)
+        candidates = torch.ops.kvfleet_cpu.screen_candidates(
+            approx, h_norm.contiguous(), self.w_norm, self.c)
+        exact = panel_linear(h, pack_panels(self.weight[candidates]), len(candidates), None)
+        return candidates[exact.max(dim=-1).indices].tolist()

@@ -1,0 +1,69 @@
+// Candidate tokens of a screened greedy argmax (engine/greedy_screen.py).
+//
+// Input: approximate logits s [M, V] (float32 sums of bfloat16 products) and a per-element
+// error bound e[r][v] = c * h_norm[r] * w_norm[v] with |exact - s| <= e. Row r's argmax can only
+// be a token whose upper bound s + e reaches the largest lower bound T_r = max_v (s - e); the op
+// returns the union over rows of those tokens, sorted by id.
+//
+// Invariant: every token whose exact logit could be a row's maximum (ties included) is
+// returned, so the argmax over the returned tokens' exact logits is the argmax over the whole
+// vocabulary. A relative slack on T_r covers this op's own float32 rounding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr float kSlack = 1e-5f;
+
+// Marks row r's candidates in `mark` (one byte per token).
+void screen_row(const float* s, float hn, const float* wn, int64_t v, float c, uint8_t* mark) {
+  const float scale = c * hn;
+  float t = -3.0e38f;
+  for (int64_t j = 0; j < v; ++j) t = std::max(t, s[j] - scale * wn[j]);
+  t -= kSlack * (1.f + std::abs(t));
+  for (int64_t j = 0; j < v; ++j) mark[j] |= static_cast<uint8_t>(s[j] + scale * wn[j] >= t);
+}
+
+at::Tensor screen_candidates(const at::Tensor& scores, const at::Tensor& h_norm,
+                             const at::Tensor& w_norm, double c) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
+              "screen_candidates: scores must be contiguous float32 [M, V]");
+  const int64_t m = scores.size(0), v = scores.size(1);
+  TORCH_CHECK(h_norm.scalar_type() == at::kFloat && h_norm.is_contiguous() &&
+                  h_norm.numel() == m,
+              "screen_candidates: h_norm must be float32 [M]");
+  TORCH_CHECK(w_norm.scalar_type() == at::kFloat && w_norm.is_contiguous() &&
+                  w_norm.numel() == v,
+              "screen_candidates: w_norm must be float32 [V]");
+  const float* s = scores.data_ptr<float>();
+  const float* hn = h_norm.data_ptr<float>();
+  const float* wn = w_norm.data_ptr<float>();
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), m));
+  std::vector<uint8_t> marks(static_cast<size_t>(threads * v), 0);
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    uint8_t* mark = marks.data() + std::min<int64_t>(at::get_thread_num(), threads - 1) * v;
+    for (int64_t r = r0; r < r1; ++r)
+      screen_row(s + r * v, hn[r], wn, v, static_cast<float>(c), mark);
+  });
+  for (int64_t t = 1; t < threads; ++t)
+    for (int64_t j = 0; j < v; ++j) marks[j] |= marks[t * v + j];
+  std::vector<int64_t> ids;
+  for (int64_t j = 0; j < v; ++j)
+    if (marks[j]) ids.push_back(j);
+  at::Tensor out = at::empty({static_cast<int64_t>(ids.size())}, at::kLong);
+  std::copy(ids.begin(), ids.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def("screen_candidates(Tensor scores, Tensor h_norm, Tensor w_norm, float c) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) { m.impl("screen_candidates", &screen_candidates); }

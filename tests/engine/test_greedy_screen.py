@@ -1,0 +1,116 @@
+"""engine.models.greedy_screen: the screened argmax is the float32 LM head's argmax, token
+for token, including exact ties (first maximum) and near ties closer than bfloat16 can tell
+apart; the bfloat16-in, float32-out panel GEMM it screens with; its use by the model runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.models.greedy_screen import GreedyScreen, screen_supported
+from engine.models.linear import pack_panels, panel_linear
+
+pytestmark = pytest.mark.skipif(
+    not screen_supported(torch.zeros(1, 1), "panel"),
+    reason="needs the CPU kernels with AVX512-BF16",
+)
+
+
+def _full_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
+    logits = panel_linear(hidden, pack_panels(weight), weight.shape[0], None)
+    return logits.max(dim=-1).indices.tolist()
+
+
+def _lm_head(vocab: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # Embedding-like rows: norms spread over ~1-8, as in SmolLM2's tied LM head.
+    return torch.randn(vocab, k, generator=gen) * torch.rand(vocab, 1, generator=gen) * 0.3
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, 64])
+def test_equals_full_argmax(rows: int) -> None:
+    weight = _lm_head(4099, 576, seed=rows)
+    gen = torch.Generator().manual_seed(100 + rows)
+    hidden = torch.randn(rows, 576, generator=gen) * 2
+    assert GreedyScreen(weight).argmax(hidden) == _full_argmax(hidden, weight)
+
+
+def test_exact_ties_take_the_first_maximum() -> None:
+    weight = _lm_head(1000, 64, seed=1)
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    # Each row's winner copied to a low id (and a high one): both tie exactly, the low wins.
+    for row, token in enumerate(_full_argmax(hidden, weight)):
+        weight[row] = weight[token]
+        weight[990 + row] = weight[token]
+    expected = _full_argmax(hidden, weight)
+    assert expected == [0, 1, 2]
+    assert GreedyScreen(weight).argmax(hidden) == expected
+
+
+def test_near_ties_below_bfloat16_resolution() -> None:
+    """Rows that differ from the winner in the last float32 bits: bfloat16 cannot order them,
+    the exact pass must."""
+    weight = _lm_head(512, 128, seed=3)
+    hidden = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
+    winners = _full_argmax(hidden, weight)
+    for i, token in enumerate(winners):
+        for j, scale in enumerate((1 - 2e-7, 1 + 2e-7, 1 - 1e-6)):
+            weight[100 + 10 * i + j] = weight[token] * scale
+    assert GreedyScreen(weight).argmax(hidden) == _full_argmax(hidden, weight)
+
+
+def test_candidates_are_few_for_a_peaked_row() -> None:
+    """The screen only pays if the bound is tight enough to leave a handful of tokens."""
+    weight = _lm_head(8192, 576, seed=5)
+    hidden = weight[1234:1235] * 20  # strongly aligned with one token
+    screen = GreedyScreen(weight)
+    approx = torch.empty(1, 8192)
+    torch.ops.kvfleet_cpu.panel_linear_bf16_f32(
+        approx, hidden.to(torch.bfloat16), screen.packed_bf16, 8192)
+    h_norm = hidden.double().norm(dim=1).float()
+    candidates = torch.ops.kvfleet_cpu.screen_candidates(approx, h_norm, screen.w_norm, screen.c)
+    assert 1234 in candidates.tolist()
+    assert len(candidates) < 50
+    assert screen.argmax(hidden) == [1234]
+
+
+def test_non_finite_hidden_falls_back() -> None:
+    weight = _lm_head(300, 32, seed=6)
+    hidden = torch.zeros(2, 32)
+    hidden[1, 3] = float("nan")
+    assert GreedyScreen(weight).argmax(hidden) is None
+
+
+def test_bfloat16_panel_with_float32_output() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(13, 97, generator=gen), torch.randn(45, 97, generator=gen)
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    out = torch.empty(13, 45)
+    torch.ops.kvfleet_cpu.panel_linear_bf16_f32(out, xb, pack_panels(wb), 45)
+    # Exact bfloat16 products summed in float32 (another order than the reference's).
+    torch.testing.assert_close(out, xb.float() @ wb.float().T, rtol=1e-5, atol=1e-4)
+
+
+def test_runner_uses_the_screen_and_matches_full_logits(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same greedy tokens with the screen as with the full float32 logits, and the screen
+    really served the plain greedy rows (a logprobs request takes the full path)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir, dtype="float32", linear_backend="panel")
+    model = llm.engine.runner.model
+    screen = model._greedy_screen
+    assert screen is not None
+    calls = []
+    real = screen.argmax
+    monkeypatch.setattr(screen, "argmax", lambda h: calls.append(h.shape[0]) or real(h))
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 77])]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    screened = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert calls
+    monkeypatch.setattr(model, "_greedy_screen", None)
+    full = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert screened == full
