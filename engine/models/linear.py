@@ -77,6 +77,17 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, _PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_gate_up_panels(weight: torch.Tensor) -> torch.Tensor:
+    """float32 [2I, K] (gate rows, then up rows) -> [I / 16, K, 32]: panel p holds gate
+    columns 16p.. then the matching up columns, so one micro-tile sees both halves of the
+    SiLU-and-mul it feeds (kernels/cpu/panel_linear.cpp, panel_gate_up)."""
+    two_i, k = weight.shape
+    inter = two_i // 2
+    gate = weight[:inter].view(inter // 16, 16, k)
+    up = weight[inter:].view(inter // 16, 16, k)
+    return torch.cat([gate, up], dim=1).transpose(1, 2).contiguous()
+
+
 def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
     if x.stride(-1) != 1:
@@ -110,13 +121,41 @@ def apply_linear(
 class Linear(nn.Linear):
     backend: str = "dense"
     packed_weight: torch.Tensor | None = None
+    # A gate/up projection's intermediate size (set by the MLP): with the float32 panel backend
+    # its weight is packed gate/up interleaved, which also serves the fused SiLU-and-mul.
+    gate_up_inter: int = 0
+    interleaved: bool = False
 
     def prepack(self, backend: str) -> None:
         self.backend = backend
-        self.packed_weight = pack_weight(self.weight, backend)
+        self.interleaved = bool(
+            backend == "panel" and self.gate_up_inter and self.gate_up_inter % 16 == 0
+            and self.weight.dtype == torch.float32 and self.bias is None
+            and self.weight.device.type == "cpu"
+            and hasattr(torch.ops.kvfleet_cpu, "panel_gate_up"))
+        self.packed_weight = (pack_gate_up_panels(self.weight.detach()) if self.interleaved
+                              else pack_weight(self.weight, backend))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interleaved and x.shape[0]:
+            return self._gate_up(x, silu=False)
         return apply_linear(x, self.weight, self.bias, self.backend, self.packed_weight)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate/up projection in one pass, or None where the weight is
+        not packed for it."""
+        if not (self.interleaved and x.shape[0]):
+            return None
+        return self._gate_up(x, silu=True)
+
+    def _gate_up(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        inter = self.gate_up_inter
+        out = x.new_empty(x.shape[0], inter if silu else 2 * inter)
+        assert self.packed_weight is not None
+        torch.ops.kvfleet_cpu.panel_gate_up(out, x, self.packed_weight, inter, silu)
+        return out
 
 
 def prepack_linears(model: nn.Module, backend: str) -> None:

@@ -75,10 +75,18 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.ops = ops
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.gate_up_proj.gate_up_inter = config.intermediate_size
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        # A LoRA-wrapped projection (engine.lora) adds its delta to [gate | up] first, and the
+        # PyTorch path stays op-for-op transformers': both take the unfused route.
+        act = None
+        if self.ops.fused and isinstance(self.gate_up_proj, Linear):
+            act = self.gate_up_proj.silu_and_mul(x)
+        if act is None:
+            act = self.ops.silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):

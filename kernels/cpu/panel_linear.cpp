@@ -16,6 +16,10 @@
 // the sum over k in increasing order (one rounding per FMA); results differ from other GEMMs
 // only in the last bits, like any two BLAS libraries.
 //
+// Gate/up projections (float32) may be packed gate/up interleaved instead, [I / 16][K][32]
+// (engine/models/linear.py, pack_gate_up_panels): the same micro-kernel then ends in SiLU-and-mul
+// (panel_gate_up), or stores gate and up to their halves of a [M, 2I] out.
+//
 // bfloat16: the panel holds k in pairs, [P][ceil(K / 2)][32][2], and one VDPBF16PS per vector
 // adds both products of a pair (exact bf16 x bf16 products, float32 sums, as oneDNN's bf16
 // GEMM); the float32 sums are rounded to bfloat16 once, to nearest even, on store.
@@ -26,6 +30,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 
@@ -48,7 +53,20 @@ constexpr int kMaxRows = 12;
 // Rows of x per block: about 512 KiB of them, so they stay in L2 beside the panel.
 constexpr int64_t kRowBlockBytes = 512 * 1024;
 
-template <int MR>
+// Epilogues of the float32 micro-kernel: the 32 columns as they are; or, on a gate/up
+// interleaved panel (16 gate columns, then the matching 16 up columns; see panel_gate_up),
+// either silu(gate) * up into 16 columns or gate and up stored to their own halves of out.
+// The same expression, vectorised the same way (16 lanes, libmvec expf), as silu_and_mul in
+// fused_elementwise.cpp, so the fused and unfused paths agree bit for bit.
+inline void silu_mul16(float* __restrict o, const float* __restrict g,
+                       const float* __restrict u) {
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+enum class Epilogue { kPlain, kSiluMul, kSplit };
+
+template <int MR, Epilogue E = Epilogue::kPlain>
 inline void micro(const float* __restrict a, int64_t lda, const float* __restrict b, int64_t k_len,
                   float* __restrict c, int64_t ldc, int cols) {
   v16 acc0[MR], acc1[MR];
@@ -62,6 +80,22 @@ inline void micro(const float* __restrict a, int64_t lda, const float* __restric
       acc0[i] += ai * b0;
       acc1[i] += ai * b1;
     }
+  }
+  if constexpr (E == Epilogue::kSiluMul) {
+    for (int i = 0; i < MR; ++i) {
+      float g[16], u[16];
+      store16(g, acc0[i]);
+      store16(u, acc1[i]);
+      silu_mul16(c + i * ldc, g, u);
+    }
+    return;
+  } else if constexpr (E == Epilogue::kSplit) {  // `cols` is the offset of the up half
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      store16(c + i * ldc, acc0[i]);
+      store16(c + i * ldc + cols, acc1[i]);
+    }
+    return;
   }
   if (cols == kPanel) {
 #pragma GCC unroll 12
@@ -134,8 +168,11 @@ using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, OutT*, int64_t, i
 // fixed half and then idling at the barrier. Units go row block by row block so x's active
 // rows stay in cache; about eight units per thread per row block keep the tail short.
 template <typename T, typename OutT, MicroFn<T, OutT> (*Pick)(int)>
+// out_step: out columns per panel (32; 16 for gate/up panels, whose micro-kernels get
+// `fixed_cols` instead of the panel's column count).
 void drive(OutT* op, int64_t ldc, const T* xp, int64_t lda, const T* wp, int64_t m,
-           int64_t k_len, int64_t n, int64_t panels, int64_t panel_elems) {
+           int64_t k_len, int64_t n, int64_t panels, int64_t panel_elems,
+           int64_t out_step = kPanel, int fixed_cols = -1) {
   const int64_t row_block =
       std::max<int64_t>(kMaxRows, kRowBlockBytes / (k_len * static_cast<int64_t>(sizeof(T))) /
                                       kMaxRows * kMaxRows);
@@ -150,20 +187,24 @@ void drive(OutT* op, int64_t ldc, const T* xp, int64_t lda, const T* wp, int64_t
       const int64_t p0 = u % groups * group, p1 = std::min(panels, p0 + group);
       for (int64_t p = p0; p < p1; ++p) {
         const T* b = wp + p * panel_elems;
-        const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+        const int cols = fixed_cols >= 0
+                             ? fixed_cols
+                             : static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
         for (int64_t r = r0; r < r1; r += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, r1 - r));
-          Pick(rows)(xp + r * lda, lda, b, k_len, op + r * ldc + p * kPanel, ldc, cols);
+          Pick(rows)(xp + r * lda, lda, b, k_len, op + r * ldc + p * out_step, ldc, cols);
         }
       }
     }
   });
 }
 
+template <Epilogue E>
 MicroFn<float> pick_f32(int rows) {
   static constexpr MicroFn<float> table[kMaxRows + 1] = {
-      nullptr,  micro<1>, micro<2>, micro<3>,  micro<4>,  micro<5>, micro<6>,
-      micro<7>, micro<8>, micro<9>, micro<10>, micro<11>, micro<12>};
+      nullptr,        micro<1, E>,  micro<2, E>,  micro<3, E>, micro<4, E>,
+      micro<5, E>,    micro<6, E>,  micro<7, E>,  micro<8, E>, micro<9, E>,
+      micro<10, E>,   micro<11, E>, micro<12, E>};
   return table[rows];
 }
 
@@ -190,7 +231,8 @@ MicroFn<uint16_t, OutT> pick_bf16(int rows) {
 
 // Checks shared by both dtypes (k_rows: the packed weight's K rows); returns the panel count.
 int64_t check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n,
-              at::ScalarType dtype, at::ScalarType out_dtype, int64_t k_rows) {
+              at::ScalarType dtype, at::ScalarType out_dtype, int64_t k_rows,
+              int64_t panels_needed = -1) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && packed.dim() == 3, "panel_linear: bad ranks");
   TORCH_CHECK(x.scalar_type() == dtype && packed.scalar_type() == dtype &&
                   out.scalar_type() == out_dtype,
@@ -198,7 +240,9 @@ int64_t check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pack
   const int64_t panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == k_rows && packed.is_contiguous(),
               "panel_linear: packed weight does not match x's K");
-  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "panel_linear: N mismatch");
+  TORCH_CHECK(panels_needed >= 0 ? panels == panels_needed
+                                  : n > (panels - 1) * kPanel && n <= panels * kPanel,
+              "panel_linear: N mismatch");
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n && out.stride(1) == 1 &&
                   x.stride(1) == 1,
               "panel_linear: out must be [M, N] and both rows unit-stride");
@@ -209,9 +253,31 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   const int64_t k_len = x.size(1);
   const int64_t panels = check(out, x, packed, n, at::kFloat, at::kFloat, k_len);
   TORCH_CHECK(packed.size(2) == kPanel, "panel_linear: packed weight must be [P, K, 32]");
-  drive<float, float, pick_f32>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
+  drive<float, float, pick_f32<Epilogue::kPlain>>(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
                          packed.data_ptr<float>(), x.size(0), k_len, n, panels,
                          k_len * kPanel);
+}
+
+// Gate/up projection on gate/up interleaved panels ([I / 16][K][32]: panel p holds gate
+// columns [16 p, 16 p + 16) then up columns [16 p, 16 p + 16)), float32. silu: out [M, I] =
+// silu(gate) * up, the MLP's activation without the [M, 2I] intermediate ever reaching memory;
+// else out [M, 2I] = [gate | up], what the unfused projection returns.
+void panel_gate_up(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t inter,
+                   bool silu) {
+  const int64_t k_len = x.size(1);
+  TORCH_CHECK(inter % 16 == 0, "panel_gate_up: intermediate size must be a multiple of 16");
+  const int64_t panels = check(out, x, packed, silu ? inter : 2 * inter, at::kFloat, at::kFloat,
+                               k_len, inter / 16);
+  TORCH_CHECK(packed.size(2) == kPanel, "panel_gate_up: packed weight must be [I/16, K, 32]");
+  if (silu)
+    drive<float, float, pick_f32<Epilogue::kSiluMul>>(
+        out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
+        packed.data_ptr<float>(), x.size(0), k_len, inter, panels, k_len * kPanel, 16);
+  else
+    drive<float, float, pick_f32<Epilogue::kSplit>>(
+        out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
+        packed.data_ptr<float>(), x.size(0), k_len, 2 * inter, panels, k_len * kPanel, 16,
+        static_cast<int>(inter));
 }
 
 #if KVFLEET_PANEL_BF16
@@ -243,6 +309,7 @@ void panel_linear_bf16_f32(at::Tensor out, const at::Tensor& x, const at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
+  m.def("panel_gate_up(Tensor(a!) out, Tensor x, Tensor packed, int inter, bool silu) -> ()");
 #if KVFLEET_PANEL_BF16
   m.def("panel_linear_bf16(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
   m.def("panel_linear_bf16_f32(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
@@ -251,6 +318,7 @@ TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
 
 TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_gate_up", &panel_gate_up);
 #if KVFLEET_PANEL_BF16
   m.impl("panel_linear_bf16", &panel_linear_bf16);
   m.impl("panel_linear_bf16_f32", &panel_linear_bf16_f32);
