@@ -137,6 +137,9 @@ class OpenAIApi:
                 who = self._tenant(request)
                 tenant = who.name
                 set_tenant(tenant)
+                # Here, not only in the pipeline: the span this handler owns carries its
+                # tenant whatever context the pipeline's first step later runs in.
+                span.set_attribute("kvfleet.tenant", tenant)
                 body = parse_body(cls, decode_json(await request.body()),
                                   self._pipeline.limits)
                 router_requests = self._checked(body, who)
