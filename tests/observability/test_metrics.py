@@ -8,8 +8,12 @@ engine, router and tokenizer must move exactly as the requests imply.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import os
 import re
+import signal
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,6 +67,29 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
 
 
+@contextlib.contextmanager
+def engine_held(engine: ServiceProcess) -> Iterator[None]:
+    """The engine process stopped (SIGSTOP) for the block: requests sent meanwhile meet in it
+    together when it resumes, however slowly a loaded machine delivers them."""
+    os.kill(engine.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(engine.pid, signal.SIGCONT)
+
+
+def wait_for_streams(router: ServiceProcess, count: int) -> None:
+    """Until the router is opening its `count`-th stream to the engine, for at most 2 s: a
+    stopped engine's heartbeat goes stale after 3 s, and three or more requests held together
+    already overflow the pool. The gauge is set as each request is routed, to the streams
+    already open, so the last request's routing shows `count - 1`."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        if value(scrape(router), "kvfleet:router_engine_in_flight") >= count - 1:
+            return
+        time.sleep(0.01)
+
+
 def test_metrics_move_with_requests(fleet: Fleet) -> None:
     engine, router, tokenizer = fleet.engines[0], fleet.router, fleet.tokenizer
     assert router is not None and tokenizer is not None
@@ -83,7 +110,10 @@ def test_metrics_move_with_requests(fleet: Fleet) -> None:
         # Concurrent long prompts do not fit the 20-block pool together: preemptions.
         prompts = [tenant_prefix(i, num_tokens=120) for i in range(1, NUM_CONCURRENT + 1)]
         with concurrent.futures.ThreadPoolExecutor(NUM_CONCURRENT) as pool:
-            results = list(pool.map(lambda p: client.generate_ids(p, None, params), prompts))
+            with engine_held(engine):
+                futures = [pool.submit(client.generate_ids, p, None, params) for p in prompts]
+                wait_for_streams(router, NUM_CONCURRENT)
+            results = [f.result() for f in futures]
         assert all(r.finish_reason == "length" for r in results)
     num_requests = 3 + NUM_CONCURRENT
 
