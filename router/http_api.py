@@ -88,6 +88,9 @@ class OpenAIApi:
             description="kvfleet's router: OpenAI-compatible API plus vLLM's serving "
                         "endpoints. Errors are OpenAI error JSON.",
             docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+            # The handler owns the request's server span (it carries the tenant and parents
+            # the engine calls); FastAPI's native one would be a second "POST /v1/..." span.
+            telemetry={"tracing": False, "operation_spans": False},
         )
         install_handlers(app)
         app.add_middleware(BodyReader, limits=self._pipeline.limits)
