@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillSegment
+from engine.attention.shared_prefix import find_shared_prefixes
 from engine.core.scheduler import ScheduledRequest
 from engine.spec_decode.verifier import VerifyRows
 
@@ -104,7 +105,8 @@ def build_model_input(
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         prefills=tuple(prefills),
-        decode=_decode_batch(decode_idx, decode_tables, decode_lens, block_size),
+        decode=_decode_batch(decode_idx, decode_tables, decode_lens, block_size,
+                             use_decode_kernel),
         num_tokens=offset,
         use_decode_kernel=use_decode_kernel,
         prefill_batch=_prefill_batch(prefills, prefill_tables) if use_decode_kernel else None,
@@ -151,7 +153,8 @@ def _prefill_batch(
 
 
 def _decode_batch(
-    indices: list[int], tables: list[list[int]], lens: list[int], block_size: int
+    indices: list[int], tables: list[list[int]], lens: list[int], block_size: int,
+    use_decode_kernel: bool,
 ) -> DecodeBatch | None:
     if not indices:
         return None
@@ -165,4 +168,5 @@ def _decode_batch(
         context_lens=torch.tensor(lens, dtype=torch.int32),
         block_size=block_size,
         query_span=span,
+        shared=find_shared_prefixes(tables, lens, block_size) if use_decode_kernel else None,
     )

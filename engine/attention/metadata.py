@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from engine.attention.shared_prefix import SharedPrefixes
     from engine.attention.unified_batch import UnifiedBatch
 
 
@@ -66,6 +67,8 @@ class DecodeBatch:
     # (start, end) when query_indices is exactly range(start, end): attention slices instead of
     # gathering and scattering.
     query_span: tuple[int, int] | None = None
+    # Requests sharing cached prefix blocks, for the compiled kernel (None: no such group).
+    shared: SharedPrefixes | None = None
 
     @cached_property
     def context_slots(self) -> torch.Tensor:  # [B, max_len] int64 (padding points at slot 0)

@@ -104,10 +104,17 @@ class PagedAttention(nn.Module):
         if meta.use_decode_kernel and use_kernels:
             # The kernel reads q through its strides (a view of the fused qkv projection).
             result = dest if dest is not None else torch.empty_like(q)
-            torch.ops.kvfleet_cpu.paged_decode_attention(
-                result, q, kv_cache[0], kv_cache[1], decode.block_tables,
-                decode.context_lens, self.scale,
-            )
+            if decode.shared is not None:  # shared prefixes attended once per group
+                torch.ops.kvfleet_cpu.paged_decode_attention_shared(
+                    result, q, kv_cache[0], kv_cache[1], decode.block_tables,
+                    decode.context_lens, self.scale, decode.shared.group_of,
+                    decode.shared.shared_lens,
+                )
+            else:
+                torch.ops.kvfleet_cpu.paged_decode_attention(
+                    result, q, kv_cache[0], kv_cache[1], decode.block_tables,
+                    decode.context_lens, self.scale,
+                )
         else:
             result = self._decode(q, flat_k, flat_v, meta)
             if dest is not None:
