@@ -155,8 +155,12 @@ class ModelRunner:
             batch = model_input_to_device(batch, self.device)
             if hidden is None:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        else:
+        elif batch.prompt_logprob_rows or batch.verify_rows:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        else:  # only the sampled rows' hidden states are wanted: the last layer skips the rest
+            kept = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
+                              keep_rows=batch.sample_indices)
+            return self._sampled_output(batch, kept, {}, {})
         prompt_logprobs = {
             rows.request_id: self._prompt_logprobs(hidden, rows)
             for rows in batch.prompt_logprob_rows
@@ -165,10 +169,21 @@ class ModelRunner:
             verify_drafts(self.model, hidden, batch.verify_rows, self._sampling_row, self.sampler)
             if batch.verify_rows else {}
         )
+        return self._sampled_output(batch, hidden[batch.sample_indices], prompt_logprobs,
+                                    verified)
+
+    def _sampled_output(
+        self,
+        batch: ModelInput,
+        sample_hidden: torch.Tensor,
+        prompt_logprobs: dict[str, list[TokenLogprobs]],
+        verified: dict[str, VerifiedTokens],
+    ) -> RunnerOutput:
+        """The step's output from the sampled rows' hidden states, in `sampled_requests` order."""
         if not batch.sampled_requests:
             return RunnerOutput(prompt_logprobs=prompt_logprobs, verified=verified)
         rows = [self._sampling_row(item.request) for item in batch.sampled_requests]
-        sampled = self._sample(hidden[batch.sample_indices], rows)
+        sampled = self._sample(sample_hidden, rows)
         ids = [item.request.request_id for item in batch.sampled_requests]
         token_ids = dict(zip(ids, sampled.token_ids, strict=True))
         if sampled.logprobs is None:

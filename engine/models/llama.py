@@ -64,10 +64,21 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        return self.o_proj(self.attend(hidden, cos, sin, kv_cache, meta))
+
+    def attend(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention output before o_proj, [T, q_size]; writes every row's K/V."""
         q, k, v = self.ops.rotary_qkv(
             self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
         )
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.attn(q, k, v, kv_cache, meta)
 
 
 class LlamaMLP(nn.Module):
@@ -110,14 +121,46 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        norm = self.input_layernorm
-        if x is None:
-            normed = self.ops.rms_norm(residual, norm.weight, norm.eps)
-        else:
-            normed = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        normed = self._input_norm(x, residual)
         attn_out = self.self_attn(normed, cos, sin, kv_cache, meta)
         norm = self.post_attention_layernorm
         return self.mlp(self.ops.add_rms_norm(attn_out, residual, norm.weight, norm.eps))
+
+    def forward_rows(
+        self,
+        x: torch.Tensor | None,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for the last layer when only `rows` of its output are wanted: K/V are
+        still written for every row, but o_proj and the MLP (the layer's GEMMs but one) run
+        on those rows alone. Returns (this layer's output, residual), both [len(rows), H].
+        Each row is computed alone in every op, so a kept row's values are those `forward`
+        gives it (up to the GEMM backend's blocking for a different row count)."""
+        normed = self._input_norm(x, residual)
+        attn_out = self.self_attn.attend(normed, cos, sin, kv_cache, meta).index_select(0, rows)
+        kept = residual.index_select(0, rows)
+        if rows.numel() == 0:  # a step without samples: the K/V writes were all it needed
+            return kept, kept
+        norm = self.post_attention_layernorm
+        attn_out = self.self_attn.o_proj(attn_out)
+        return self.mlp(self.ops.add_rms_norm(attn_out, kept, norm.weight, norm.eps)), kept
+
+    def row_prunable(self) -> bool:
+        """Whether `forward_rows` may run: no LoRA wrapper, whose per-step row map covers
+        every row of the batch (engine.lora), sits on a projection it would run on a subset."""
+        return all(isinstance(m, Linear) for m in (
+            self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj))
+
+    def _input_norm(self, x: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        norm = self.input_layernorm
+        if x is None:
+            return self.ops.rms_norm(residual, norm.weight, norm.eps)
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 # HF projection names -> (our fused parameter, shard index within it).
@@ -159,18 +202,30 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm; writes this step's K/V to the caches."""
+        """Hidden states [T, hidden] after the final norm; writes this step's K/V to the caches.
+
+        With `keep_rows` (int64 row indices): only those rows' hidden states, in that order.
+        The last layer then runs its o_proj and MLP on them alone (`forward_rows`): a prompt
+        chunk's other rows only feed the KV cache, which that layer has written by then.
+        """
         residual = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, residual.dtype)
         x: torch.Tensor | None = None
         hook, last = self.layer_hook, len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            assert isinstance(layer, LlamaDecoderLayer)
+            if index == last and keep_rows is not None and layer.row_prunable():
+                x, residual = layer.forward_rows(x, residual, cos, sin, kv_cache, meta, keep_rows)
+                keep_rows = None
+                break
             x = layer(x, residual, cos, sin, kv_cache, meta)
             if hook is not None and index < last:
                 hook(index)
         assert x is not None
-        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        hidden = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return hidden if keep_rows is None else hidden.index_select(0, keep_rows)
 
     def use_fused_ops(self, enabled: bool) -> None:
         """Switch the elementwise steps to the C++ CPU kernels (float32 and bfloat16)."""

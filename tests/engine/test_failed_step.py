@@ -28,15 +28,18 @@ class InjectedFault(RuntimeError):
 
 
 def fail_next_forward(engine: LLMEngine) -> None:
-    """Make the last decoder layer raise once, after the others wrote their KV."""
+    """Make the last decoder layer raise once, after the others wrote their KV. The layer is
+    entered through `forward`, or `forward_rows` when the step only wants the sampled rows."""
     layer = engine.model.layers[-1]
-    original = layer.forward
+    originals = {"forward": layer.forward, "forward_rows": layer.forward_rows}
 
     def failing(*args, **kwargs):
-        layer.forward = original  # one failure only
+        for name, original in originals.items():  # one failure only
+            setattr(layer, name, original)
         raise InjectedFault("injected fault in the last layer")
 
-    layer.forward = failing
+    for name in originals:
+        setattr(layer, name, failing)
 
 
 @pytest.fixture(scope="module")

@@ -136,6 +136,40 @@ def test_decode_step_after_prefill_matches_transformers(tiny_model_dir: Path) ->
     assert_logits_match(ours, ref)
 
 
+@pytest.mark.parametrize("backend", ["panel", "dense"])
+def test_kept_rows_equal_the_full_forwards_rows_and_write_the_same_cache(
+    tiny_model_dir: Path, backend: str
+) -> None:
+    """`keep_rows` runs the last layer's o_proj and MLP on those rows only. Rows are
+    independent in every op, so the kept rows' hidden states are the full forward's, and the
+    KV cache (written for every row) is bit for bit the same. With the panel GEMM a row's
+    value does not depend on how many rows the call has (exact equality); a dense (BLAS)
+    GEMM may block 3 rows differently from 40, hence its ulp-level tolerance."""
+    from kernels.cpu import load
+
+    if backend == "panel" and not load():
+        pytest.skip("needs the C++ CPU kernels")
+    model, config = load_model(tiny_model_dir, torch.float32)
+    model.prepack(backend)
+    ids = prompt_ids()
+    rows = torch.tensor([len(ids) - 1, 3, 17])
+    full_caches = empty_caches(config, len(ids), torch.float32)
+    kept_caches = empty_caches(config, len(ids), torch.float32)
+    none_caches = empty_caches(config, len(ids), torch.float32)
+    with torch.inference_mode():
+        args = (torch.tensor(ids), torch.arange(len(ids)))
+        full = model(*args, full_caches, prefill_meta(len(ids)))
+        kept = model(*args, kept_caches, prefill_meta(len(ids)), keep_rows=rows)
+        none = model(*args, none_caches, prefill_meta(len(ids)), keep_rows=rows[:0])
+    assert kept.shape == (3, config.hidden_size) and none.shape == (0, config.hidden_size)
+    if backend == "panel":
+        assert torch.equal(kept, full[rows])
+    else:
+        torch.testing.assert_close(kept, full[rows], rtol=1e-6, atol=1e-6)
+    for caches in (kept_caches, none_caches):
+        assert all(torch.equal(a, b) for a, b in zip(full_caches, caches, strict=True))
+
+
 @pytest.mark.parametrize(
     "variant",
     ["qwen2", "mistral", "llama_attention_bias", "llama3_rope"],
