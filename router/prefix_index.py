@@ -37,6 +37,7 @@ import redis.asyncio
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
 
 from kvfleet import redis_schema
 
@@ -189,6 +190,16 @@ def _int(value: str | None) -> int | None:
         return None
 
 
+# A burst of requests opens pool connections, and by default redis-py 8 spends each one's
+# set-up on CLIENT SETINFO (after looking its own version up in the installed packages'
+# metadata, ~1 ms of CPU) and CLIENT MAINT_NOTIFICATIONS (for Redis Enterprise), two round
+# trips that Redis before 7.2 answers with errors. Neither is of use to the router.
+LEAN_CONNECTIONS: dict[str, Any] = {
+    "driver_info": None,
+    "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+}
+
+
 class PrefixIndex:
     """Async reader of the engines' registry and block index."""
 
@@ -202,6 +213,7 @@ class PrefixIndex:
             socket_connect_timeout=self.config.connect_timeout_s,
             # Fail fast: the fallback (load-only routing) beats waiting for Redis.
             retry=Retry(NoBackoff(), 0),
+            **LEAN_CONNECTIONS,
         )
         self._client = redis.asyncio.Redis.from_pool(pool)
         self._script = self._client.register_script(LOOKUP_SCRIPT)

@@ -41,6 +41,7 @@ from redis.backoff import NoBackoff
 from kvfleet import redis_schema
 from router.local_rate_limit import LocalRateLimiter, wall_clock_ms
 from router.metrics import RouterMetrics
+from router.prefix_index import LEAN_CONNECTIONS
 from router.rate_limit_types import Admission, Bucket, Rates
 from router.tenant_policy import Tenant
 
@@ -86,6 +87,7 @@ class TenantRateLimiter:
             self._client = redis.asyncio.Redis.from_url(
                 config.redis_url, socket_timeout=config.redis_timeout_s,
                 socket_connect_timeout=config.redis_timeout_s, retry=Retry(NoBackoff(), 0),
+                **LEAN_CONNECTIONS,
             )
             self._script = self._client.register_script(SCRIPT)
         self._redis_down_until = 0.0

@@ -106,6 +106,29 @@ def test_load_fields_come_back(client: redis.Redis, redis_server: RedisServer) -
     asyncio.run(run())
 
 
+def test_lookup_connections_skip_client_setinfo(client: redis.Redis,
+                                                redis_server: RedisServer) -> None:
+    """A burst of requests opens many pool connections; none announces the library with
+    CLIENT SETINFO (a round trip, and a package-metadata lookup, per connection). Redis 7.2+
+    would list a lib-name; older servers refuse the command, which counts an error reply."""
+    register(client, "e1", "7", [], model="m")
+    errors_before = client.info("stats")["total_error_replies"]
+
+    async def run() -> None:
+        index = PrefixIndex(redis_server.url)
+        try:
+            await asyncio.gather(*(index.lookup(16, []) for _ in range(8)))
+            listed = client.client_list()
+        finally:
+            await index.close()
+        others = [c for c in listed if c["id"] != str(client.client_id())]
+        assert others, listed
+        assert all(c.get("lib-name", "") == "" for c in others)
+
+    asyncio.run(run())
+    assert client.info("stats")["total_error_replies"] == errors_before
+
+
 def test_redis_down_raises_quickly() -> None:
     stopped = RedisServer().start()
     url = stopped.url
