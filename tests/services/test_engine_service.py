@@ -227,18 +227,26 @@ BAD_REQUESTS: list[tuple[dict[str, object], str]] = [
 def test_bad_requests_are_refused_without_disturbing_one_in_flight(stub, offline, shared_engine):
     good_prompt = make_prompt(7, 30)
     expected = greedy(offline, good_prompt, 200)
+    # The engine thread stops at the end of the first step that has the good request running
+    # (a one-shot step listener: the step's outputs and load snapshot are out by then) and
+    # waits while the bad requests come in, so the good one is still in flight however slow
+    # or fast the machine is. Validation runs on the event loop, not the engine thread.
+    async_engine = shared_engine.server.async_engine
+    paused, resume = threading.Event(), threading.Event()
+
+    def pause_once_running(_events: object) -> None:
+        if not paused.is_set() and async_engine.load.num_running == 1:
+            paused.set()
+            resume.wait(TIMEOUT_S)
+
+    async_engine.add_step_listener(pause_once_running)
     good = stub.Generate(gen_request("good-1", good_prompt, 200), timeout=TIMEOUT_S)
-    received = list(next(good).token_ids)  # in the engine's batch from here on
-    # The engine thread waits between two steps while the bad requests come in, so the good
-    # one is still in flight however slow the machine is (a tiny model's 199 steps can take
-    # less than a refusal's round trip on a busy one). Validation runs on the event loop.
-    resume = threading.Event()
-    paused = shared_engine.server.async_engine.call_in_engine_thread(resume.wait)
     try:
+        assert paused.wait(TIMEOUT_S)
+        received = list(next(good).token_ids)
         refuse_all_bad_requests(stub)
     finally:
         resume.set()
-    paused.result(timeout=TIMEOUT_S)
     received += tokens_of(list(good))
     assert received == expected
 

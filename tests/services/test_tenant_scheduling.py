@@ -1,12 +1,13 @@
 """Fair share and priority clamping end to end: real router, tokenizer, Redis and engine.
 
 The engine runs one request at a time (`--max-num-seqs 1`), so the order in which queued
-requests complete is the order the scheduler admitted them. A long "blocker" request holds
-the engine's only seat while the requests under test queue up one by one (each is waiting
-in the engine, as its load report says, before the next is sent); then the blocker is
-cancelled and the queue drains in the scheduler's order. Each request generates 16 tokens
-after the one before it has finished, so the completion order seen by the client is the
-engine's order with a whole request's time between any two completions.
+requests receive their first token is the order the scheduler admitted them. A long
+"blocker" request holds the engine's only seat while the requests under test queue up one by
+one (each is waiting in the engine, as its load report says, before the next is sent); then
+the blocker is cancelled and the queue drains in the scheduler's order. A request's first
+token comes a whole request's decoding after the previous one's, and the client notes it on
+the first message its thread reads: one wake-up, not the 64 messages a completion needs
+(reading whole streams, a busy CI run saw two completions swap).
 
 No verdict depends on timing: if the blocker ends on its own before everything is queued
 (a very slow machine), the attempt is discarded and repeated.
@@ -43,9 +44,8 @@ POLICY = {
            for n in range(ATTEMPTS)},
     }
 }
-# The order is read on the client, as each request's thread sees its completion. With one
-# seat, consecutive completions are a whole request's decoding apart: 64 tokens keep that gap
-# far above a thread's wake-up delay on a loaded machine (at 16 a busy CI run swapped two).
+# With one seat, consecutive first tokens are a whole request's decoding apart: 64 tokens
+# keep that gap far above a thread's wake-up delay on a loaded machine.
 OUTPUT_TOKENS = 64
 
 
@@ -80,7 +80,7 @@ def _request(item: Queued) -> router_pb2.RouterGenerateRequest:
     return request
 
 
-def completion_order(fleet: Fleet, queued: Sequence[Queued]) -> list[str]:
+def admission_order(fleet: Fleet, queued: Sequence[Queued]) -> list[str]:
     for attempt in range(ATTEMPTS):
         order = _attempt(fleet, queued, attempt)
         if order is not None:
@@ -89,7 +89,7 @@ def completion_order(fleet: Fleet, queued: Sequence[Queued]) -> list[str]:
 
 
 def _attempt(fleet: Fleet, queued: Sequence[Queued], attempt: int) -> list[str] | None:
-    """The completion order, or None if the blocker ended before every request queued."""
+    """The admission order, or None if the blocker ended before every request queued."""
     client = RouterClient(grpc.insecure_channel(fleet.router_address))
     engine = fleet.engines[0].address
     blocker = client.stub.Generate(
@@ -109,10 +109,13 @@ def _attempt(fleet: Fleet, queued: Sequence[Queued], attempt: int) -> list[str] 
     lock = threading.Lock()
 
     def run(item: Queued) -> None:
-        done = client.generate(_request(item), f"{item.api_key}-{attempt}")
-        assert done.num_tokens == OUTPUT_TOKENS, done
-        with lock:
-            order.append(item.name)
+        num_tokens = 0
+        for response in client.stream(_request(item), f"{item.api_key}-{attempt}"):
+            if response.token_ids and not num_tokens:
+                with lock:
+                    order.append(item.name)
+            num_tokens += len(response.token_ids)
+        assert num_tokens == OUTPUT_TOKENS, (item.name, num_tokens)
 
     threads = [threading.Thread(target=drain_blocker, daemon=True)]
     threads[0].start()
@@ -148,7 +151,7 @@ def test_a_light_tenant_alternates_with_a_heavy_tenants_backlog(fleet: Fleet) ->
               Queued("heavy-3", "key-heavy", _prompt(3)),
               Queued("light-1", "key-light", _prompt(4)),
               Queued("light-2", "key-light", _prompt(5))]
-    assert completion_order(fleet, queued) == [
+    assert admission_order(fleet, queued) == [
         "light-1", "heavy-1", "light-2", "heavy-2", "heavy-3"]
 
 
@@ -157,4 +160,4 @@ def test_a_priority_outside_the_tenants_range_is_clamped(fleet: Fleet) -> None:
     for 1, queued after it, and runs first."""
     queued = [Queued("low", "key-low", _prompt(6), priority=-(2**31)),
               Queued("mid", "key-mid", _prompt(7), priority=1)]
-    assert completion_order(fleet, queued) == ["mid", "low"]
+    assert admission_order(fleet, queued) == ["mid", "low"]
