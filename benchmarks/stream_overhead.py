@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess
+from kvfleet.service_auth import credential_metadata, read_secret
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
 from router.client import build_request
 
@@ -66,14 +67,17 @@ def arrival_times(messages: Iterable[Any], has_tokens: Callable[[Any], bool]) ->
     return [time.perf_counter() for message in messages if has_tokens(message)]
 
 
-def engine_stream(address: str, output_len: int) -> Stream:
+def engine_stream(address: str, output_len: int, metadata: tuple[tuple[str, str], ...]) -> Stream:
+    """Straight to the engine, presenting the router credential (engines serve routers only)."""
+
     def run(index: int) -> list[float]:
         with grpc.insecure_channel(address) as channel:
             request = engine_pb2.GenerateRequest(
                 request_id=f"bench-{index}", prompt_token_ids=PROMPT_IDS,
                 sampling_params=sampling(output_len),
             )
-            call = engine_pb2_grpc.EngineStub(channel).Generate(request, timeout=300)
+            call = engine_pb2_grpc.EngineStub(channel).Generate(
+                request, timeout=300, metadata=metadata)
             return arrival_times(call, lambda m: bool(m.token_ids))
 
     return run
@@ -152,7 +156,9 @@ def main() -> None:
         with Fleet(config) as fleet:
             router_stream(fleet.router_address, 8)(0)  # warm-up
             modes = {
-                "engine grpc": engine_stream(fleet.engines[0].address, args.output_len),
+                "engine grpc": engine_stream(
+                    fleet.engines[0].address, args.output_len,
+                    credential_metadata(read_secret(fleet.router_secret_file))),
                 "router grpc": router_stream(fleet.router_address, args.output_len),
                 f"router http logprobs={args.logprobs}": http_stream(
                     fleet.http_url, args.output_len, args.logprobs),
