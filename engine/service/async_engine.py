@@ -59,6 +59,7 @@ from engine.service.engine_commands import Add as _Add
 from engine.service.engine_commands import Call as _Call
 from engine.service.engine_commands import Command as _Command
 from engine.service.engine_state import EngineLoad, GenerateOutput, StepProgress
+from engine.service.engine_thread import EngineThread
 from kvfleet.errors import OverloadedError, UnavailableError
 
 logger = logging.getLogger(__name__)
@@ -141,11 +142,17 @@ class AsyncEngine:
         """The engine loop's latest heartbeat (safe to read from any thread)."""
         return self._progress
 
-    def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume outputs."""
+    def start(self, thread: EngineThread | None = None) -> None:
+        """Start the engine loop; call from the event loop that will consume outputs. With
+        `thread`, the loop runs there, on the thread that built the engine (see
+        engine.service.engine_thread for why); otherwise on a new thread."""
         if self._thread is not None:
             raise RuntimeError("engine already started")
         self._loop = asyncio.get_running_loop()
+        if thread is not None:
+            self._thread = thread.thread
+            thread.run_last(self._run)
+            return
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

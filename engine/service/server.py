@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import socket
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc.aio
 from redis.connection import parse_url
@@ -40,6 +42,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
+from engine.service.engine_thread import EngineThread
 from engine.service.kv_tier_flags import add_kv_tier_arguments, kv_tier_config
 from engine.service.lora_flags import add_lora_arguments, lora_config, lora_modules
 from engine.service.metrics import EngineMetrics
@@ -55,6 +58,7 @@ from kvfleet.service_auth import RouterCredentialInterceptor, read_secret
 from kvfleet.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_PORT = 50052
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
@@ -132,17 +136,23 @@ class EngineServer:
     async def start(self) -> int:
         """Load the model (off the event loop), serve, register; returns the bound port."""
         options = self.options
-        llm_engine = self._llm_engine
-        if llm_engine is None:
-            llm_engine = await asyncio.to_thread(LLMEngine, options.engine)
-            self._llm_engine = llm_engine
-        for lora in options.lora_modules:  # ValueError (bad adapter) stops the start
-            await asyncio.to_thread(llm_engine.add_lora, lora)
+        # Model load, adapters and steps all on this one thread (engine.service.engine_thread).
+        thread = EngineThread()
+        try:
+            llm_engine = self._llm_engine
+            if llm_engine is None:
+                llm_engine = await _on(thread, functools.partial(LLMEngine, options.engine))
+                self._llm_engine = llm_engine
+            for lora in options.lora_modules:  # ValueError (bad adapter) stops the start
+                await _on(thread, functools.partial(llm_engine.add_lora, lora))
+        except BaseException:
+            thread.close()
+            raise
         self._async_engine = AsyncEngine(llm_engine, options.max_concurrent_requests)
         model_name = options.model_name or Path(options.engine.model).name
         self._metrics = EngineMetrics(model_name, llm_engine.max_model_len)
         self._metrics.attach(self._async_engine)
-        self._async_engine.start()
+        self._async_engine.start(thread)
         identity = EngineIdentity(
             engine_id=options.engine_id,
             model_name=model_name,
@@ -375,6 +385,10 @@ def _credential_check(secret_file: Path | None) -> list[grpc.aio.ServerIntercept
                        "including a tenant and cache salt of their choosing")
         return []
     return [RouterCredentialInterceptor(read_secret(secret_file))]
+
+
+async def _on(thread: EngineThread, fn: Callable[[], T]) -> T:
+    return await asyncio.wrap_future(thread.submit(fn))
 
 
 async def serve(options: EngineServerOptions) -> int:
