@@ -14,6 +14,11 @@ both dot products' float32 accumulation over K terms adds <= 2 * K * 2^-24 * the
 `c` below covers both, with a margin. Measured on SmolLM2, one row in a few hundred keeps more
 than a handful of candidates.
 
+Whether it pays is measured at start-up (`measure_rows_limit`): without bfloat16 dot products
+faster than float32 FMAs (an Intel Xeon without AMX issues one VDPBF16PS where it issues two
+FMAs) the screen only halves the bytes, and from some row count the full float32 head is
+faster: 64 rows took 26.3 ms screened against 20.4 ms in full there, one row 3.3 against 4.3.
+
 Invariants: used only where the LM head's float32 backend is the panel kernel, whose output
 column v is one fixed chain of FMAs over x and w_v alone, so recomputing a subset of columns
 reproduces the full GEMM's values bit for bit; the argmax over candidates sorted by id takes
@@ -21,6 +26,10 @@ the first maximum, as `max(dim).indices` over the full vocabulary does.
 """
 
 from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -40,8 +49,16 @@ def screen_supported(weight: torch.Tensor, backend: str) -> bool:
     )
 
 
+# Row counts measured at start-up, and the best-of repeats per count.
+MEASURED_ROWS = (1, 4, 16, 64)
+REPEATS = 5
+UNLIMITED = 1 << 30
+
+
 class GreedyScreen:
     def __init__(self, weight: torch.Tensor) -> None:
+        # Batches of more rows than this take the full float32 LM head (measure_rows_limit).
+        self.max_rows = UNLIMITED
         w = weight.detach()
         self.weight = w
         self.vocab, k = w.shape
@@ -65,3 +82,39 @@ class GreedyScreen:
             approx, h_norm.contiguous(), self.w_norm, self.c)
         exact = panel_linear(h, pack_panels(self.weight[candidates]), len(candidates), None)
         return candidates[exact.max(dim=-1).indices].tolist()
+
+
+def rows_limit(times: Mapping[int, tuple[float, float]]) -> int:
+    """From (screened, full) seconds per measured row count: the largest count up to which
+    the screen was faster at every measured count (0: it never was)."""
+    limit = 0
+    for rows in sorted(times):
+        screened, full = times[rows]
+        if screened >= full:
+            break
+        limit = rows
+    return limit
+
+
+def measure_rows_limit(
+    screen: GreedyScreen, full_argmax: Callable[[torch.Tensor], object], repeats: int = REPEATS
+) -> int:
+    """`rows_limit` of the screen against `full_argmax` (the float32 LM head and its argmax)
+    on this machine, interleaved, best of `repeats`."""
+    hidden_size = screen.weight.shape[1]
+    times: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for rows in MEASURED_ROWS:
+            hidden = torch.randn(rows, hidden_size)
+            best = [float("inf"), float("inf")]
+            calls: list[Callable[[], object]] = [
+                functools.partial(screen.argmax, hidden), functools.partial(full_argmax, hidden)]
+            for warm in calls:
+                warm()
+            for _ in range(repeats):
+                for i, call in enumerate(calls):
+                    start = time.perf_counter()
+                    call()
+                    best[i] = min(best[i], time.perf_counter() - start)
+            times[rows] = (best[0], best[1])
+    return rows_limit(times)

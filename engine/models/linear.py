@@ -121,13 +121,17 @@ def apply_linear(
 class Linear(nn.Linear):
     backend: str = "dense"
     packed_weight: torch.Tensor | None = None
+    # Batches of more rows than this run F.linear on the dense weight (gemm_select found it
+    # faster there than the packed backend); None: the packed backend at every size.
+    dense_above: int | None = None
     # A gate/up projection's intermediate size (set by the MLP): with the float32 panel backend
     # its weight is packed gate/up interleaved, which also serves the fused SiLU-and-mul.
     gate_up_inter: int = 0
     interleaved: bool = False
 
-    def prepack(self, backend: str) -> None:
+    def prepack(self, backend: str, dense_above: int | None = None) -> None:
         self.backend = backend
+        self.dense_above = dense_above
         self.interleaved = bool(
             backend == "panel" and self.gate_up_inter and self.gate_up_inter % 16 == 0
             and self.weight.dtype == torch.float32 and self.bias is None
@@ -137,16 +141,21 @@ class Linear(nn.Linear):
                               else pack_weight(self.weight, backend))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._dense_rows(x):
+            return F.linear(x, self.weight, self.bias)
         if self.interleaved and x.shape[0]:
             return self._gate_up(x, silu=False)
         return apply_linear(x, self.weight, self.bias, self.backend, self.packed_weight)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this gate/up projection in one pass, or None where the weight is
-        not packed for it."""
-        if not (self.interleaved and x.shape[0]):
+        not packed for it (or the batch runs on the dense weight)."""
+        if not (self.interleaved and x.shape[0]) or self._dense_rows(x):
             return None
         return self._gate_up(x, silu=True)
+
+    def _dense_rows(self, x: torch.Tensor) -> bool:
+        return self.dense_above is not None and x.shape[0] > self.dense_above
 
     def _gate_up(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
         if x.stride(-1) != 1:
@@ -158,7 +167,7 @@ class Linear(nn.Linear):
         return out
 
 
-def prepack_linears(model: nn.Module, backend: str) -> None:
+def prepack_linears(model: nn.Module, backend: str, dense_above: int | None = None) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
-            module.prepack(backend)
+            module.prepack(backend, dense_above)

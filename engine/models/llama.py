@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 
@@ -26,10 +27,12 @@ from torch import nn
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
 from engine.models.gemm_select import choose_backend
-from engine.models.greedy_screen import GreedyScreen, screen_supported
+from engine.models.greedy_screen import GreedyScreen, measure_rows_limit, screen_supported
 from engine.models.layer_ops import LayerOps
 from engine.models.linear import Linear, apply_linear, pack_weight, prepack_linears
 from engine.models.rope import RotaryEmbedding
+
+logger = logging.getLogger("kvfleet.engine")
 
 
 class RMSNorm(nn.Module):
@@ -249,20 +252,26 @@ class LlamaForCausalLM(nn.Module):
             first.mlp.gate_up_proj.weight,
             first.mlp.down_proj.weight,
         ]
-        backend = choose_backend([w.detach() for w in shapes], weight.detach(), requested).backend
-        prepack_linears(self, backend)
+        choice = choose_backend([w.detach() for w in shapes], weight.detach(), requested)
+        backend = choice.backend
+        prepack_linears(self, backend, choice.dense_above)
         self._lm_head_backend = backend
         self._packed_lm_head = pack_weight(weight, backend)
         self._greedy_screen = (
             GreedyScreen(weight) if screen_supported(weight, backend) else None)
+        if self._greedy_screen is not None and requested == "auto":
+            self._greedy_screen.max_rows = measure_rows_limit(
+                self._greedy_screen, lambda h: self.compute_logits(h).argmax(dim=-1))
+            logger.info("screened greedy LM head up to %d rows", self._greedy_screen.max_rows)
         return backend
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """The argmax of `compute_logits(hidden)` per row, by the screened LM head
         (engine.models.greedy_screen) where this machine has one; else None."""
-        if self._greedy_screen is None or hidden.device.type != "cpu":
+        screen = self._greedy_screen
+        if screen is None or hidden.device.type != "cpu" or hidden.shape[0] > screen.max_rows:
             return None
-        return self._greedy_screen.argmax(hidden)
+        return screen.argmax(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.greedy_screen import GreedyScreen, screen_supported
+from engine.models.greedy_screen import (
+    MEASURED_ROWS,
+    UNLIMITED,
+    GreedyScreen,
+    measure_rows_limit,
+    rows_limit,
+    screen_supported,
+)
 from engine.models.linear import pack_panels, panel_linear
 
 pytestmark = pytest.mark.skipif(
@@ -114,3 +121,30 @@ def test_runner_uses_the_screen_and_matches_full_logits(
     monkeypatch.setattr(model, "_greedy_screen", None)
     full = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert screened == full
+
+
+def test_rows_limit_is_the_last_count_of_an_unbroken_run_of_wins() -> None:
+    assert rows_limit({1: (1.0, 2.0), 4: (2.0, 3.0), 16: (5.0, 4.0), 64: (1.0, 9.0)}) == 4
+    assert rows_limit({1: (3.0, 2.0), 4: (1.0, 3.0)}) == 0
+    assert rows_limit({64: (1.0, 2.0), 1: (1.0, 2.0)}) == 64
+
+
+def test_measured_limit_is_a_measured_count_and_bounds_the_model_screen(
+    tiny_model_dir: Path,
+) -> None:
+    from engine import LLM
+
+    model = LLM(tiny_model_dir, dtype="float32", linear_backend="panel").engine.runner.model
+    screen = model._greedy_screen
+    assert screen is not None and screen.max_rows == UNLIMITED  # a forced backend: no timing
+    limit = measure_rows_limit(screen, lambda h: model.compute_logits(h).argmax(dim=-1),
+                               repeats=1)
+    assert limit in (0, *MEASURED_ROWS)
+    screen.max_rows = 3
+    calls: list[int] = []
+    real = screen.argmax
+    screen.argmax = lambda h: calls.append(h.shape[0]) or real(h)  # type: ignore[method-assign]
+    size = screen.weight.shape[1]
+    assert model.greedy_tokens(torch.randn(3, size)) is not None
+    assert model.greedy_tokens(torch.randn(4, size)) is None
+    assert calls == [3]

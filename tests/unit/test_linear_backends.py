@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import engine.models.linear as linear_module
+from engine.models import gemm_select
 from engine.models.gemm_select import choose_backend
 from engine.models.linear import BACKENDS, Linear, backend_supported
 
@@ -51,9 +53,46 @@ def test_auto_measures_every_supported_backend() -> None:
     expected = {b for b in BACKENDS if backend_supported(b, torch.float32)}
     assert set(choice.scores) == expected
     assert choice.backend == min(choice.scores, key=lambda b: choice.scores[b])
+    assert set(choice.prefill_scores) == expected
 
 
 def test_forced_backend_is_used_and_unknown_refused() -> None:
     assert choose_backend([torch.randn(4, 4)], torch.randn(8, 4), "dense").backend == "dense"
     with pytest.raises(ValueError, match="unknown linear backend"):
         choose_backend([torch.randn(4, 4)], torch.randn(8, 4), "blas")
+
+
+def test_dense_above_runs_large_batches_on_the_dense_weight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    backend = next(b for b in ("panel", "mkl", "onednn") if backend_supported(b, torch.float32))
+    gen = torch.Generator().manual_seed(3)
+    layer = Linear(64, 40, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 64, generator=gen))
+    layer.prepack(backend, dense_above=8)
+    packed_calls: list[int] = []
+    real = linear_module.apply_linear
+    monkeypatch.setattr(linear_module, "apply_linear",
+                        lambda x, *a: packed_calls.append(x.shape[0]) or real(x, *a))
+    with torch.inference_mode():
+        small, large = layer(torch.randn(8, 64)), layer(torch.randn(9, 64))
+    assert small.shape == (8, 40) and large.shape == (9, 40)
+    assert packed_calls == [8]  # 9 rows went to F.linear on the dense weight
+
+
+def test_choice_uses_dense_above_only_when_f_linear_wins_prefill_by_the_margin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Per candidate: decode-shape times (2 layer weights + LM head), then prefill-shape times.
+    fake = {"dense": [3.0, 3.0, 3.0, 1.0, 1.0], "panel": [1.0, 1.0, 1.0, 2.0, 2.0]}
+    monkeypatch.setattr(gemm_select, "BACKENDS", tuple(fake))
+    monkeypatch.setattr(gemm_select, "backend_supported", lambda b, dtype: True)
+    monkeypatch.setattr(gemm_select, "_scores", lambda c, w, h, r: {b: fake[b] for b in c})
+    weights = [torch.randn(4, 4), torch.randn(4, 4)]
+    choice = choose_backend(weights, torch.randn(8, 4))
+    assert (choice.backend, choice.dense_above) == ("panel", gemm_select.DENSE_ABOVE_ROWS)
+    assert choice.scores == {"dense": 9.0, "panel": 3.0}
+    assert choice.prefill_scores == {"dense": 2.0, "panel": 4.0}
+    fake["dense"][3:] = [1.95, 1.95]  # 3.9 vs 4.0: within the margin, one GEMM path
+    assert choose_backend(weights, torch.randn(8, 4)).dense_above is None
