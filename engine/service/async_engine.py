@@ -150,8 +150,8 @@ class AsyncEngine:
             raise RuntimeError("engine already started")
         self._loop = asyncio.get_running_loop()
         if thread is not None:
+            thread.run_last(self._run)  # raises (nothing started) if the thread is closed
             self._thread = thread.thread
-            thread.run_last(self._run)
             return
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()

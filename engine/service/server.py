@@ -145,10 +145,10 @@ class EngineServer:
                 self._llm_engine = llm_engine
             for lora in options.lora_modules:  # ValueError (bad adapter) stops the start
                 await _on(thread, functools.partial(llm_engine.add_lora, lora))
+            self._async_engine = AsyncEngine(llm_engine, options.max_concurrent_requests)
         except BaseException:
-            thread.close()
+            thread.close()  # nothing will run there: let the thread end
             raise
-        self._async_engine = AsyncEngine(llm_engine, options.max_concurrent_requests)
         model_name = options.model_name or Path(options.engine.model).name
         self._metrics = EngineMetrics(model_name, llm_engine.max_model_len)
         self._metrics.attach(self._async_engine)
