@@ -5,9 +5,10 @@ requests receive their first token is the order the scheduler admitted them. A l
 "blocker" request holds the engine's only seat while the requests under test queue up one by
 one (each is waiting in the engine, as its load report says, before the next is sent); then
 the blocker is cancelled and the queue drains in the scheduler's order. A request's first
-token comes a whole request's decoding after the previous one's, and the client notes it on
-the first message its thread reads: one wake-up, not the 64 messages a completion needs
-(reading whole streams, a busy CI run saw two completions swap).
+token comes a whole request's decoding after the previous one's. The client reads every
+stream on one channel and one event loop, so first messages are seen in the order they reach
+the connection (client threads, each woken on its own, once saw two first tokens swap on a
+busy machine).
 
 No verdict depends on timing: if the blocker ends on its own before everything is queued
 (a very slow machine), the attempt is discarded and repeated.
@@ -15,19 +16,21 @@ No verdict depends on timing: if the blocker ends on its own before everything i
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import grpc.aio
 import pytest
 
 from kvfleet.fleet import Fleet, FleetConfig
-from kvfleet.v1 import router_pb2
+from kvfleet.v1 import router_pb2, router_pb2_grpc
 from router.client import auth_metadata, build_request
-from tests.services.router_fleet import RouterClient, engine_load, greedy, wait_until
+from tests.services.router_fleet import CALL_TIMEOUT_S, engine_load, greedy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,8 +47,7 @@ POLICY = {
            for n in range(ATTEMPTS)},
     }
 }
-# With one seat, consecutive first tokens are a whole request's decoding apart: 64 tokens
-# keep that gap far above a thread's wake-up delay on a loaded machine.
+# With one seat, consecutive first tokens are a whole request's decoding apart.
 OUTPUT_TOKENS = 64
 
 
@@ -82,57 +84,65 @@ def _request(item: Queued) -> router_pb2.RouterGenerateRequest:
 
 def admission_order(fleet: Fleet, queued: Sequence[Queued]) -> list[str]:
     for attempt in range(ATTEMPTS):
-        order = _attempt(fleet, queued, attempt)
+        order = asyncio.run(_attempt(fleet, queued, attempt))
         if order is not None:
             return order
     raise AssertionError(f"the blocker ended before the queue filled, {ATTEMPTS} times")
 
 
-def _attempt(fleet: Fleet, queued: Sequence[Queued], attempt: int) -> list[str] | None:
-    """The admission order, or None if the blocker ended before every request queued."""
-    client = RouterClient(grpc.insecure_channel(fleet.router_address))
+async def _wait(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not await asyncio.to_thread(condition):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def _attempt(fleet: Fleet, queued: Sequence[Queued], attempt: int) -> list[str] | None:
+    """The admission order, or None if the blocker ended before every request queued.
+
+    Every stream shares one channel and one event loop: first messages are taken in the order
+    their bytes arrive on the connection, which no thread's wake-up delay can reorder."""
     engine = fleet.engines[0].address
-    blocker = client.stub.Generate(
-        build_request(prompt_token_ids=[5, 6, 7, 8], params=greedy(500, ignore_eos=True)),
-        metadata=auth_metadata("key-blocker"), timeout=120)
-    blocker_done = threading.Event()
+    async with grpc.aio.insecure_channel(fleet.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        blocker = stub.Generate(
+            build_request(prompt_token_ids=[5, 6, 7, 8], params=greedy(500, ignore_eos=True)),
+            metadata=auth_metadata("key-blocker"), timeout=120)
+        blocker_done = asyncio.Event()
 
-    def drain_blocker() -> None:
-        try:
-            for _ in blocker:
-                pass
-        except grpc.RpcError:
-            pass  # cancelled: the point
-        blocker_done.set()
+        async def drain_blocker() -> None:
+            try:
+                async for _ in blocker:
+                    pass
+            except (grpc.RpcError, asyncio.CancelledError):
+                pass  # cancelled: the point
+            blocker_done.set()
 
-    order: list[str] = []
-    lock = threading.Lock()
+        order: list[str] = []
 
-    def run(item: Queued) -> None:
-        num_tokens = 0
-        for response in client.stream(_request(item), f"{item.api_key}-{attempt}"):
-            if response.token_ids and not num_tokens:
-                with lock:
+        async def run(item: Queued) -> None:
+            num_tokens = 0
+            call = stub.Generate(_request(item), timeout=CALL_TIMEOUT_S,
+                                 metadata=auth_metadata(f"{item.api_key}-{attempt}"))
+            async for response in call:
+                if response.token_ids and not num_tokens:
                     order.append(item.name)
-            num_tokens += len(response.token_ids)
-        assert num_tokens == OUTPUT_TOKENS, (item.name, num_tokens)
+                num_tokens += len(response.token_ids)
+            assert num_tokens == OUTPUT_TOKENS, (item.name, num_tokens)
 
-    threads = [threading.Thread(target=drain_blocker, daemon=True)]
-    threads[0].start()
-    wait_until(lambda: engine_load(engine).num_running == 1 or blocker_done.is_set(),
-               timeout_s=60, what="the blocker to run")
-    for index, item in enumerate(queued):
-        threads.append(threading.Thread(target=run, args=(item,), daemon=True))
-        threads[-1].start()
+        tasks = [asyncio.create_task(drain_blocker())]
+        await _wait(lambda: engine_load(engine).num_running == 1 or blocker_done.is_set(),
+                    "the blocker to run")
+        for index, item in enumerate(queued):
+            tasks.append(asyncio.create_task(run(item)))
 
-        def queued_or_over(expected: int = index + 1) -> bool:
-            return engine_load(engine).num_waiting == expected or blocker_done.is_set()
+            def queued_or_over(expected: int = index + 1) -> bool:
+                return engine_load(engine).num_waiting == expected or blocker_done.is_set()
 
-        wait_until(queued_or_over, timeout_s=60, what=f"{item.name} to queue")
-    valid = not blocker_done.is_set()
-    blocker.cancel()
-    for thread in threads:
-        thread.join(timeout=120)
+            await _wait(queued_or_over, f"{item.name} to queue")
+        valid = not blocker_done.is_set()
+        blocker.cancel()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
     assert len(order) == len(queued), order
     return list(order) if valid else None
 
