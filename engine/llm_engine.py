@@ -202,7 +202,7 @@ class LLMEngine:
             return ModelRunner(
                 self.model, self.model_config, self.kv_layout.num_blocks, config.block_size,
                 self.dtype, config.seed, self.attention_backend, config.linear_backend,
-                self.device,
+                self.device, config.max_num_batched_tokens,
             )
         except torch.OutOfMemoryError as exc:
             asked = self.kv_layout.num_blocks * self.kv_layout.bytes_per_block

@@ -29,6 +29,7 @@ from engine.device_inputs import model_input_to_device
 from engine.input_batch import ModelInput, PromptLogprobRows, build_model_input
 from engine.logprobs import TokenLogprobs
 from engine.models.config import ModelConfig
+from engine.models.gemm_select import MAX_PREFILL_ROWS
 from engine.models.layer_ops import FUSED_DTYPES
 from engine.models.llama import LlamaForCausalLM
 from engine.request import Request
@@ -72,10 +73,11 @@ class ModelRunner:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         device: torch.device | None = None,
+        max_batch_rows: int = MAX_PREFILL_ROWS,
     ) -> None:
         self.model = model
         self.device = device or torch.device("cpu")
-        self.linear_backend = model.prepack(linear_backend)
+        self.linear_backend = model.prepack(linear_backend, max_batch_rows)
         # "triton" comes resolved from engine.device: always on CUDA, on CPU only when asked
         # for (interpreted, for tests).
         self.use_triton = attention_backend == "triton"

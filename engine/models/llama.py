@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.models.config import ModelConfig
-from engine.models.gemm_select import choose_backend
+from engine.models.gemm_select import MAX_PREFILL_ROWS, choose_backend
 from engine.models.greedy_screen import GreedyScreen, measure_rows_limit, screen_supported
 from engine.models.layer_ops import LayerOps
 from engine.models.linear import Linear, apply_linear, pack_weight, prepack_linears
@@ -240,25 +240,25 @@ class LlamaForCausalLM(nn.Module):
         logits = apply_linear(hidden, weight, None, self._lm_head_backend, self._packed_lm_head)
         return logits.float()
 
-    def prepack(self, requested: str = "auto") -> str:
-        """Pick the linear backend (measured on this machine unless `requested` names one) and
-        pack every projection and the LM head for it; returns the backend's name."""
+    def prepack(self, requested: str = "auto", prefill_rows: int = MAX_PREFILL_ROWS) -> str:
+        """Pick the linear backends (measured on this machine unless `requested` names one;
+        `prefill_rows`: the engine's largest batch) and pack every projection and the LM head
+        for theirs; returns the decoder layers' backend."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        first = self.layers[0]
-        assert isinstance(first, LlamaDecoderLayer)
-        shapes = [
-            first.self_attn.qkv_proj.weight,
-            first.self_attn.o_proj.weight,
-            first.mlp.gate_up_proj.weight,
-            first.mlp.down_proj.weight,
-        ]
-        choice = choose_backend([w.detach() for w in shapes], weight.detach(), requested)
+        layers = []
+        for layer in self.layers:
+            assert isinstance(layer, LlamaDecoderLayer)
+            layers.append([layer.self_attn.qkv_proj.weight.detach(),
+                           layer.self_attn.o_proj.weight.detach(),
+                           layer.mlp.gate_up_proj.weight.detach(),
+                           layer.mlp.down_proj.weight.detach()])
+        choice = choose_backend(layers, weight.detach(), requested, prefill_rows=prefill_rows)
         backend = choice.backend
         prepack_linears(self, backend, choice.dense_above)
-        self._lm_head_backend = backend
-        self._packed_lm_head = pack_weight(weight, backend)
+        self._lm_head_backend = choice.lm_head
+        self._packed_lm_head = pack_weight(weight, choice.lm_head)
         self._greedy_screen = (
-            GreedyScreen(weight) if screen_supported(weight, backend) else None)
+            GreedyScreen(weight) if screen_supported(weight, choice.lm_head) else None)
         if self._greedy_screen is not None and requested == "auto":
             self._greedy_screen.max_rows = measure_rows_limit(
                 self._greedy_screen, lambda h: self.compute_logits(h).argmax(dim=-1))

@@ -48,18 +48,18 @@ def test_bfloat16_onednn_close_to_dense() -> None:
 
 
 def test_auto_measures_every_supported_backend() -> None:
-    weights = [torch.randn(48, 32), torch.randn(32, 48)]
-    choice = choose_backend(weights, torch.randn(100, 32), "auto", repeats=1)
+    layers = [[torch.randn(48, 32), torch.randn(32, 48)] for _ in range(3)]
+    choice = choose_backend(layers, torch.randn(100, 32), "auto", repeats=1, prefill_rows=200)
     expected = {b for b in BACKENDS if backend_supported(b, torch.float32)}
-    assert set(choice.scores) == expected
+    assert set(choice.scores) == set(choice.prefill_scores) == set(choice.head_scores) == expected
     assert choice.backend == min(choice.scores, key=lambda b: choice.scores[b])
-    assert set(choice.prefill_scores) == expected
+    assert choice.lm_head == min(choice.head_scores, key=lambda b: choice.head_scores[b])
 
 
 def test_forced_backend_is_used_and_unknown_refused() -> None:
-    assert choose_backend([torch.randn(4, 4)], torch.randn(8, 4), "dense").backend == "dense"
+    assert choose_backend([[torch.randn(4, 4)]], torch.randn(8, 4), "dense").backend == "dense"
     with pytest.raises(ValueError, match="unknown linear backend"):
-        choose_backend([torch.randn(4, 4)], torch.randn(8, 4), "blas")
+        choose_backend([[torch.randn(4, 4)]], torch.randn(8, 4), "blas")
 
 
 def test_dense_above_runs_large_batches_on_the_dense_weight(
@@ -81,18 +81,59 @@ def test_dense_above_runs_large_batches_on_the_dense_weight(
     assert packed_calls == [8]  # 9 rows went to F.linear on the dense weight
 
 
+def _fake_times(monkeypatch: pytest.MonkeyPatch, fake: dict[str, dict[str, list[float]]],
+                seen_rows: list[int] | None = None) -> None:
+    monkeypatch.setattr(gemm_select, "BACKENDS", tuple(fake))
+    monkeypatch.setattr(gemm_select, "backend_supported", lambda b, dtype: True)
+
+    def scores(c: list[str], w: object, h: object, r: int, rows: int) -> object:
+        if seen_rows is not None:
+            seen_rows.append(rows)
+        return {b: fake[b] for b in c}
+
+    monkeypatch.setattr(gemm_select, "_scores", scores)
+
+
 def test_choice_uses_dense_above_only_when_f_linear_wins_prefill_by_the_margin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Per candidate: decode-shape times (2 layer weights + LM head), then prefill-shape times.
-    fake = {"dense": [3.0, 3.0, 3.0, 1.0, 1.0], "panel": [1.0, 1.0, 1.0, 2.0, 2.0]}
-    monkeypatch.setattr(gemm_select, "BACKENDS", tuple(fake))
-    monkeypatch.setattr(gemm_select, "backend_supported", lambda b, dtype: True)
-    monkeypatch.setattr(gemm_select, "_scores", lambda c, w, h, r: {b: fake[b] for b in c})
-    weights = [torch.randn(4, 4), torch.randn(4, 4)]
-    choice = choose_backend(weights, torch.randn(8, 4))
+    fake = {"dense": {"decode": [3.0, 3.0, 3.0], "head": [5.0], "prefill": [1.0, 1.0]},
+            "panel": {"decode": [1.0, 1.0, 1.0], "head": [4.0], "prefill": [2.0, 2.0]}}
+    rows: list[int] = []
+    _fake_times(monkeypatch, fake, rows)
+    weights = [[torch.randn(4, 4), torch.randn(4, 4)]]
+    choice = choose_backend(weights, torch.randn(8, 4), prefill_rows=512)
     assert (choice.backend, choice.dense_above) == ("panel", gemm_select.DENSE_ABOVE_ROWS)
     assert choice.scores == {"dense": 9.0, "panel": 3.0}
     assert choice.prefill_scores == {"dense": 2.0, "panel": 4.0}
-    fake["dense"][3:] = [1.95, 1.95]  # 3.9 vs 4.0: within the margin, one GEMM path
-    assert choose_backend(weights, torch.randn(8, 4)).dense_above is None
+    fake["dense"]["prefill"] = [1.95, 1.95]  # 3.9 vs 4.0: within the margin, one GEMM path
+    assert choose_backend(weights, torch.randn(8, 4), prefill_rows=8192).dense_above is None
+    # Prefill shapes are measured at the engine's budget, capped, and always above the
+    # dense_above threshold they decide.
+    choose_backend(weights, torch.randn(8, 4), prefill_rows=16)
+    assert rows == [512, gemm_select.MAX_PREFILL_ROWS, gemm_select.DENSE_ABOVE_ROWS + 1]
+
+
+def test_the_lm_head_takes_its_own_fastest_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head is one GEMM a step against the layers' dozens: each group is scored alone."""
+    fake = {"mkl": {"decode": [2.0, 2.0], "head": [9.0], "prefill": [5.0]},
+            "panel": {"decode": [1.5, 1.5], "head": [11.0], "prefill": [5.0]},
+            "dense": {"decode": [3.0, 3.0], "head": [12.0], "prefill": [5.0]}}
+    _fake_times(monkeypatch, fake)
+    choice = choose_backend([[torch.randn(4, 4)]], torch.randn(8, 4))
+    assert (choice.backend, choice.lm_head, choice.dense_above) == ("panel", "mkl", None)
+    assert choice.head_scores == {"mkl": 9.0, "panel": 11.0, "dense": 12.0}
+    assert choose_backend([[torch.randn(4, 4)]], torch.randn(8, 4), "dense").lm_head == "dense"
+
+
+def test_the_decode_sweep_covers_twice_the_last_level_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode steps read their weights from DRAM: the sweep must not fit in cache."""
+    layers = [[torch.zeros(256, 256)] for _ in range(10)]  # 256 KiB a layer
+    monkeypatch.setattr(gemm_select, "_cache_bytes", lambda: 1 << 20)
+    assert gemm_select.sweep_layers(layers) == 8
+    monkeypatch.setattr(gemm_select, "_cache_bytes", lambda: 64 << 20)
+    assert gemm_select.sweep_layers(layers) == 10  # all there are
+    monkeypatch.setattr(gemm_select, "_cache_bytes", lambda: 1)
+    assert gemm_select.sweep_layers(layers) == 1
