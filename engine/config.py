@@ -125,9 +125,9 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_sizes must be positive, got {self.cuda_graph_sizes}")
         self._validate_kv_tiers()
         validate_lora_args(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-        if self.linear_backend not in ("auto", "onednn", "mkl", "dense", "panel"):
+        if self.linear_backend not in ("auto", "onednn", "mkl", "dense", "panel", "amx"):
             raise ValueError(
-                "linear_backend must be auto, onednn, mkl, dense or panel; "
+                "linear_backend must be auto, onednn, mkl, dense, panel or amx; "
                 f"got {self.linear_backend!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 # "dense": F.linear; "mkl": MKL packed GEMM; "onednn": oneDNN with a reordered weight;
-# "panel": kvfleet's kernel on [ceil(N / 32), K, 32] panels.
-BACKENDS = ("dense", "mkl", "onednn", "panel")
+# "panel": kvfleet's kernel on [ceil(N / 32), K, 32] panels; "amx": kvfleet's AMX tile kernel
+# (bfloat16) on the same panels with K padded to 32 (kernels/cpu/amx_linear.cpp).
+BACKENDS = ("dense", "mkl", "onednn", "panel", "amx")
 # The row count the packed layouts are tuned for (a decode batch).
 _PACK_HINT_ROWS = 32
 _PANEL = 32
@@ -38,6 +39,8 @@ def backend_supported(backend: str, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available()
             and torch.backends.mkldnn.enabled
         )
+    if backend == "amx":
+        return dtype == torch.bfloat16 and amx_supported()
     if backend == "panel":
         from kernels.cpu import load as load_cpu_kernels
 
@@ -46,6 +49,46 @@ def backend_supported(backend: str, dtype: torch.dtype) -> bool:
         return dtype == torch.float32 or (
             dtype == torch.bfloat16 and hasattr(torch.ops.kvfleet_cpu, "panel_linear_bf16"))
     raise ValueError(f"unknown linear backend {backend!r}; choose from {', '.join(BACKENDS)}")
+
+
+_AMX_K = 32
+_amx_state: dict[str, bool] = {}
+
+
+def amx_supported() -> bool:
+    """True where the AMX op is compiled in (the CPU has AMX) and runs: Linux grants the tile
+    state on request, and a kernel without that support refuses it. Tried once per process."""
+    if "ok" not in _amx_state:
+        from kernels.cpu import load as load_cpu_kernels
+
+        ok = load_cpu_kernels() and hasattr(torch.ops.kvfleet_cpu, "amx_linear_bf16")
+        if ok:
+            try:
+                w = torch.randn(32, _AMX_K, dtype=torch.bfloat16)
+                x = torch.randn(3, _AMX_K, dtype=torch.bfloat16)
+                out = x.new_empty(3, 32)
+                torch.ops.kvfleet_cpu.amx_linear_bf16(out, x, pack_amx(w), 32)
+                ok = bool(torch.allclose(out.float(), x.float() @ w.float().T, rtol=2e-2,
+                                         atol=1e-2))
+            except RuntimeError:
+                ok = False
+        _amx_state["ok"] = ok
+    return _amx_state["ok"]
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """bfloat16 [N, K] -> [ceil(N / 32), Kp / 2, 64] with K zero-padded to Kp, a multiple of
+    32; within a panel, [Kp / 32][2][16][32]: per k step of 32, the B tile of columns 0-15
+    then that of columns 16-31, each 16 k pairs x 16 columns x 2 (AMX's VNNI order), one
+    contiguous 1 KiB (kernels/cpu/amx_linear.cpp)."""
+    n, k = weight.shape
+    k_pad = -(-k // _AMX_K) * _AMX_K
+    if k_pad != k:
+        weight = torch.cat([weight, weight.new_zeros(n, k_pad - k)], dim=1)
+    panels = pack_panels(weight.to(torch.bfloat16))  # [P, Kp / 2, 64]: k pair, 32 columns, 2
+    p = panels.shape[0]
+    return (panels.view(p, k_pad // _AMX_K, 16, 2, 32).permute(0, 1, 3, 2, 4)
+            .reshape(p, k_pad // 2, 64).contiguous())
 
 
 def pack_weight(weight: torch.Tensor, backend: str) -> torch.Tensor | None:
@@ -57,6 +100,8 @@ def pack_weight(weight: torch.Tensor, backend: str) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_HINT_ROWS)
     if backend == "panel":
         return pack_panels(w)
+    if backend == "amx":
+        return pack_amx(w)
     return None
 
 
@@ -88,6 +133,20 @@ def pack_gate_up_panels(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up], dim=1).transpose(1, 2).contiguous()
 
 
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = x.new_empty(x.shape[0], n, dtype=out_dtype)
+    if out_dtype == torch.float32:
+        torch.ops.kvfleet_cpu.amx_linear_bf16_f32(out, x, packed, n)
+    else:
+        torch.ops.kvfleet_cpu.amx_linear_bf16(out, x, packed, n)
+    if bias is not None:
+        out += bias
+    return out
+
+
 def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
     if x.stride(-1) != 1:
@@ -115,6 +174,8 @@ def apply_linear(
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if backend == "panel":
         return panel_linear(x, packed, weight.shape[0], bias)
+    if backend == "amx":
+        return amx_linear(x, packed, weight.shape[0], bias)
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, _PACK_HINT_ROWS)
 
 

@@ -304,7 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
                              '\'{"method": "ngram", "num_speculative_tokens": 3}\' '
                              "(default: off)")
     engine.add_argument("--linear-backend", default="auto",
-                        choices=["auto", "onednn", "mkl", "dense", "panel"],
+                        choices=["auto", "onednn", "mkl", "dense", "panel", "amx"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
                              "(default: %(default)s)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,

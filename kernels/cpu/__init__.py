@@ -33,6 +33,7 @@ _SOURCES = [
     Path(__file__).with_name("fused_elementwise.cpp"),
     Path(__file__).with_name("fused_elementwise_bf16.cpp"),
     Path(__file__).with_name("panel_linear.cpp"),
+    Path(__file__).with_name("amx_linear.cpp"),
     Path(__file__).with_name("lora_delta.cpp"),
     Path(__file__).with_name("greedy_screen.cpp"),
 ]

@@ -17,12 +17,18 @@ from engine.models.greedy_screen import (
     rows_limit,
     screen_supported,
 )
-from engine.models.linear import pack_panels, panel_linear
+from engine.models.linear import amx_supported, pack_panels, panel_linear
 
 pytestmark = pytest.mark.skipif(
     not screen_supported(torch.zeros(1, 1), "panel"),
     reason="needs the CPU kernels with AVX512-BF16",
 )
+
+
+# The screen's two bfloat16 GEMMs: the VDPBF16PS panels everywhere here, AMX tiles where the
+# CPU has them (the engine's choice there).
+SCREEN_GEMMS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not amx_supported(), reason="needs a CPU with AMX"))]
 
 
 def _full_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> list[int]:
@@ -36,15 +42,17 @@ def _lm_head(vocab: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(vocab, k, generator=gen) * torch.rand(vocab, 1, generator=gen) * 0.3
 
 
+@pytest.mark.parametrize("amx", SCREEN_GEMMS)
 @pytest.mark.parametrize("rows", [1, 5, 13, 64])
-def test_equals_full_argmax(rows: int) -> None:
+def test_equals_full_argmax(rows: int, amx: bool) -> None:
     weight = _lm_head(4099, 576, seed=rows)
     gen = torch.Generator().manual_seed(100 + rows)
     hidden = torch.randn(rows, 576, generator=gen) * 2
-    assert GreedyScreen(weight).argmax(hidden) == _full_argmax(hidden, weight)
+    assert GreedyScreen(weight, use_amx=amx).argmax(hidden) == _full_argmax(hidden, weight)
 
 
-def test_exact_ties_take_the_first_maximum() -> None:
+@pytest.mark.parametrize("amx", SCREEN_GEMMS)
+def test_exact_ties_take_the_first_maximum(amx: bool) -> None:
     weight = _lm_head(1000, 64, seed=1)
     hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
     # Each row's winner copied to a low id (and a high one): both tie exactly, the low wins.
@@ -53,10 +61,11 @@ def test_exact_ties_take_the_first_maximum() -> None:
         weight[990 + row] = weight[token]
     expected = _full_argmax(hidden, weight)
     assert expected == [0, 1, 2]
-    assert GreedyScreen(weight).argmax(hidden) == expected
+    assert GreedyScreen(weight, use_amx=amx).argmax(hidden) == expected
 
 
-def test_near_ties_below_bfloat16_resolution() -> None:
+@pytest.mark.parametrize("amx", SCREEN_GEMMS)
+def test_near_ties_below_bfloat16_resolution(amx: bool) -> None:
     """Rows that differ from the winner in the last float32 bits: bfloat16 cannot order them,
     the exact pass must."""
     weight = _lm_head(512, 128, seed=3)
@@ -65,17 +74,16 @@ def test_near_ties_below_bfloat16_resolution() -> None:
     for i, token in enumerate(winners):
         for j, scale in enumerate((1 - 2e-7, 1 + 2e-7, 1 - 1e-6)):
             weight[100 + 10 * i + j] = weight[token] * scale
-    assert GreedyScreen(weight).argmax(hidden) == _full_argmax(hidden, weight)
+    assert GreedyScreen(weight, use_amx=amx).argmax(hidden) == _full_argmax(hidden, weight)
 
 
-def test_candidates_are_few_for_a_peaked_row() -> None:
+@pytest.mark.parametrize("amx", SCREEN_GEMMS)
+def test_candidates_are_few_for_a_peaked_row(amx: bool) -> None:
     """The screen only pays if the bound is tight enough to leave a handful of tokens."""
     weight = _lm_head(8192, 576, seed=5)
     hidden = weight[1234:1235] * 20  # strongly aligned with one token
-    screen = GreedyScreen(weight)
-    approx = torch.empty(1, 8192)
-    torch.ops.kvfleet_cpu.panel_linear_bf16_f32(
-        approx, hidden.to(torch.bfloat16), screen.packed_bf16, 8192)
+    screen = GreedyScreen(weight, use_amx=amx)
+    approx = screen.approx_logits(hidden)
     h_norm = hidden.double().norm(dim=1).float()
     candidates = torch.ops.kvfleet_cpu.screen_candidates(approx, h_norm, screen.w_norm, screen.c)
     assert 1234 in candidates.tolist()
@@ -88,6 +96,18 @@ def test_non_finite_hidden_falls_back() -> None:
     hidden = torch.zeros(2, 32)
     hidden[1, 3] = float("nan")
     assert GreedyScreen(weight).argmax(hidden) is None
+
+
+@pytest.mark.parametrize("amx", SCREEN_GEMMS)
+def test_approx_logits_are_float32_sums_of_bfloat16_products(amx: bool) -> None:
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight = torch.randn(37, 200, generator=gen), torch.randn(999, 200, generator=gen)
+    approx = GreedyScreen(weight, use_amx=amx).approx_logits(hidden)
+    exact = hidden.to(torch.bfloat16).double() @ weight.to(torch.bfloat16).double().T
+    # float32 sums of 200 exact products: within 200 float32 ulps of their magnitude sum.
+    bound = 200 * 2.0**-24 * (hidden.to(torch.bfloat16).double().abs()
+                              @ weight.to(torch.bfloat16).double().abs().T)
+    assert bool(((approx.double() - exact).abs() <= bound).all())
 
 
 def test_bfloat16_panel_with_float32_output() -> None:
