@@ -5,13 +5,15 @@
 // eight times the float32 FMA rate, so a decode-sized GEMM (16-64 rows) is bound by reading its
 // weight from DRAM alone. oneDNN ran SmolLM2's decode projections at 2-3x that bound here (an
 // Intel Xeon with AMX, 32 rows: gate/up 0.33-0.58 ms for 3.5 MB of weight); this kernel streams
-// the weight once, prefetching the next panel while it computes. The engine uses it only where
-// start-up measurement finds it faster (engine/models/gemm_select.py).
+// the weight once, in order, 1 KiB tiles one after another, which the hardware prefetcher follows
+// (software prefetch of the next panel, as panel_linear.cpp does, measured 10-30% slower here:
+// 30 SmolLM2 layers at 32 rows from DRAM 13.2-13.5 ms without it, 13.5-18.7 with it). The engine
+// uses it only where start-up measurement finds it faster (engine/models/gemm_select.py).
 //
-// Packed weight: the bfloat16 panel layout of panel_linear.cpp, [P][Kp / 2][32][2] with K padded
-// to Kp, a multiple of 32 (engine/models/linear.py, pack_amx): the k-pair rows of a panel are
-// 128 bytes, so the B tile of columns 0-15 (16 k-pair rows, VNNI order) is the first 64 bytes
-// of 16 consecutive rows, stride 128, and columns 16-31 the next 64.
+// Packed weight (engine/models/linear.py, pack_amx): [P][Kp / 32][2][16][32] bfloat16 with K
+// padded to Kp, a multiple of 32: per panel of 32 columns and k step of 32, the B tile of
+// columns 0-15 then that of columns 16-31, each 16 k pairs x 16 columns x 2 (VNNI order), one
+// contiguous 1 KiB.
 //
 // Micro-kernel: 32 rows x 32 columns in four float32 C tiles (tmm0-3), two A tiles of 16 rows
 // x 32 k (tmm4-5, loaded from x in place, rows at x's stride) and two B tiles (tmm6-7). Every
@@ -43,7 +45,6 @@ namespace {
 #if KVFLEET_AMX
 
 constexpr int kPanel = 32;
-constexpr int kRowBytes = kPanel * 2 * 2;  // one k-pair row of a panel: 32 columns x 2 bf16
 constexpr int kTileK = 32;                   // k per tile step (16 pairs)
 constexpr int64_t kTileElems = 16 * 32;      // bf16 elements of one 1 KiB tile
 // Rows of x per work unit: its A tiles stay in L2 while the unit's panels pass over them.
@@ -75,13 +76,6 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Fetches the next panel's k-pair rows [kb * 16, kb * 16 + 16) into L2 (2 KiB, 32 lines).
-inline void prefetch_step(const char* next, int64_t kb) {
-  if (!next) return;
-  const char* p = next + kb * 16 * kRowBytes;
-  for (int line = 0; line < 16 * kRowBytes; line += 64) _mm_prefetch(p + line, _MM_HINT_T1);
-}
-
 template <typename OutT>
 inline void store_rows(const float* c, OutT* out, int64_t ldc, int rows, int cols) {
   for (int r = 0; r < rows; ++r) {
@@ -109,8 +103,7 @@ struct ABlock {
 // 32 (two_blocks) or 16 rows of x against one panel, all of K; C tiles to `c` [32][32] floats.
 // `b`: the panel ([k step][half][16][32], contiguous 1 KiB tiles).
 template <bool two_blocks>
-inline void micro(ABlock a0, ABlock a1, const uint16_t* b, int64_t k_steps, const char* next,
-                  float* c) {
+inline void micro(ABlock a0, ABlock a1, const uint16_t* b, int64_t k_steps, float* c) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (two_blocks) {
@@ -118,7 +111,6 @@ inline void micro(ABlock a0, ABlock a1, const uint16_t* b, int64_t k_steps, cons
     _tile_zero(3);
   }
   for (int64_t kb = 0; kb < k_steps; ++kb) {
-    prefetch_step(next, kb);
     const uint16_t* bk = b + kb * kTileElems * 2;
     _tile_loadd(4, a0.rows + kb * kTileK * 2, a0.stride_bytes);
     _tile_loadd(6, bk, 64);
@@ -172,14 +164,11 @@ void drive(OutT* out, int64_t ldc, const uint16_t* x, int64_t lda, const uint16_
         const uint16_t* b = w + p * panel_elems;
         const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
         for (int64_t r = r0; r < r1; r += 32) {
-          // The next panel is fetched while the last row block of this one computes.
-          const char* next = (p + 1 < panels && r + 32 >= r1)
-                                 ? reinterpret_cast<const char*>(b + panel_elems) : nullptr;
           const int valid = static_cast<int>(std::min<int64_t>(32, m - r));
           if (r + 32 <= r1)
-            micro<true>(block(r), block(r + 16), b, k_steps, next, c);
+            micro<true>(block(r), block(r + 16), b, k_steps, c);
           else
-            micro<false>(block(r), block(r), b, k_steps, next, c);
+            micro<false>(block(r), block(r), b, k_steps, c);
           store_rows<OutT>(c, out + r * ldc + p * kPanel, ldc, valid, cols);
         }
       }
