@@ -35,6 +35,12 @@ from engine.models.rope import RotaryEmbedding
 logger = logging.getLogger("kvfleet.engine")
 
 
+def _row_argmax_available() -> bool:
+    from kernels.cpu import load as load_cpu_kernels
+
+    return load_cpu_kernels() and hasattr(torch.ops.kvfleet_cpu, "argmax_rows")
+
+
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm weights; the math lives in `LayerOps` (fused or not)."""
 
@@ -266,12 +272,21 @@ class LlamaForCausalLM(nn.Module):
         return backend
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        """The argmax of `compute_logits(hidden)` per row, by the screened LM head
-        (engine.models.greedy_screen) where this machine has one; else None."""
-        screen = self._greedy_screen
-        if screen is None or hidden.device.type != "cpu" or hidden.shape[0] > screen.max_rows:
+        """The argmax of `compute_logits(hidden)` per row on CPU: by the screened LM head
+        (engine.models.greedy_screen) where this machine has one and the batch is within its
+        measured rows, else the logits in the model's dtype (upcasting does not change their
+        order) and the C++ row argmax; None where neither applies (or a logit is NaN)."""
+        if hidden.device.type != "cpu":
             return None
-        return screen.argmax(hidden)
+        screen = self._greedy_screen
+        if screen is not None and hidden.shape[0] <= screen.max_rows:
+            return screen.argmax(hidden)
+        if not _row_argmax_available():
+            return None
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = apply_linear(hidden, weight, None, self._lm_head_backend, self._packed_lm_head)
+        ids = torch.ops.kvfleet_cpu.argmax_rows(logits.contiguous())
+        return None if bool((ids < 0).any()) else ids.tolist()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

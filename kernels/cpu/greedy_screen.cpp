@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -60,10 +61,60 @@ at::Tensor screen_candidates(const at::Tensor& scores, const at::Tensor& h_norm,
   return out;
 }
 
+// Greedy ids of logits [M, V] (float32 or bfloat16): per row the index of the first maximum,
+// as torch's max(dim).indices, or -1 where the row holds a NaN (the caller then takes torch's
+// path, whose NaN ordering this does not reproduce). Why: torch's max over the last dim ran a
+// 32 x 49,152 row set in ~1.5 ms on two cores, ten times the time to read it. Two passes that
+// vectorise: the maximum (and a NaN test on the bits: -ffast-math drops x != x), then the first
+// index holding it. Infinities compare as they should; NaN bit patterns are caught first.
+inline float value_of(float x) { return x; }
+inline float value_of(at::BFloat16 x) { return static_cast<float>(x); }
+inline uint32_t abs_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u & 0x7fffffffu;
+}
+
+template <typename T>
+int64_t row_argmax(const T* row, int64_t v) {
+  float best = value_of(row[0]);
+  uint32_t worst_bits = 0;
+  for (int64_t j = 0; j < v; ++j) {
+    const float x = value_of(row[j]);
+    best = std::max(best, x);
+    worst_bits = std::max(worst_bits, abs_bits(x));
+  }
+  if (worst_bits > 0x7f800000u) return -1;  // a NaN
+  for (int64_t j = 0; j < v; ++j)
+    if (value_of(row[j]) == best) return j;
+  return 0;  // unreachable: best is one of the row's values
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "argmax_rows: logits must be contiguous float32 or bfloat16 [M, V]");
+  const int64_t m = logits.size(0), v = logits.size(1);
+  TORCH_CHECK(v > 0, "argmax_rows: empty rows");
+  at::Tensor out = at::empty({m}, at::kLong);
+  int64_t* ids = out.data_ptr<int64_t>();
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      ids[r] = logits.scalar_type() == at::kFloat
+                   ? row_argmax(logits.data_ptr<float>() + r * v, v)
+                   : row_argmax(logits.data_ptr<at::BFloat16>() + r * v, v);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("screen_candidates(Tensor scores, Tensor h_norm, Tensor w_norm, float c) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) { m.impl("screen_candidates", &screen_candidates); }
+TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
+  m.impl("screen_candidates", &screen_candidates);
+  m.impl("argmax_rows", &argmax_rows);
+}

@@ -166,5 +166,48 @@ def test_measured_limit_is_a_measured_count_and_bounds_the_model_screen(
     screen.argmax = lambda h: calls.append(h.shape[0]) or real(h)  # type: ignore[method-assign]
     size = screen.weight.shape[1]
     assert model.greedy_tokens(torch.randn(3, size)) is not None
-    assert model.greedy_tokens(torch.randn(4, size)) is None
+    # Above the limit: the full LM head and its row argmax, not the screen.
+    four = torch.randn(4, size)
+    assert model.greedy_tokens(four) == model.compute_logits(four).argmax(dim=-1).tolist()
     assert calls == [3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_torchs_first_maximum(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(12, 3001, generator=gen).to(dtype)
+    logits[1, 2000] = logits[1, 30] = logits[1].max() + 1  # exact tie: the first wins
+    logits[2, 17] = float("inf")
+    logits[3] = float("-inf")
+    logits[4] = 0.0
+    logits[4, 9] = -0.0  # -0.0 == 0.0: index 0 still comes first
+    logits[5, 77] = float("nan")
+    ids = torch.ops.kvfleet_cpu.argmax_rows(logits)
+    expected = logits.float().max(dim=-1).indices
+    assert ids[5].item() == -1  # NaN: the caller falls back to torch's path
+    keep = [r for r in range(12) if r != 5]
+    assert ids[keep].tolist() == expected[keep].tolist()
+    assert ids[1].item() == 30
+
+
+def test_bfloat16_greedy_rows_take_the_row_argmax_and_match_the_sampler(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bfloat16 has no screen: plain greedy rows take the bf16 logits' row argmax, the same
+    tokens as the sampler's argmax over the upcast logits."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir, dtype="bfloat16")
+    model = llm.engine.runner.model
+    assert model._greedy_screen is None
+    calls = []
+    real = torch.ops.kvfleet_cpu.argmax_rows
+    monkeypatch.setattr(torch.ops.kvfleet_cpu, "argmax_rows",
+                        lambda x: calls.append(x.shape) or real(x))
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 77])]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert calls
+    monkeypatch.setattr(model, "greedy_tokens", lambda hidden: None)
+    sampled = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert fast == sampled
