@@ -266,8 +266,9 @@ class LlamaForCausalLM(nn.Module):
         self._greedy_screen = (
             GreedyScreen(weight) if screen_supported(weight, choice.lm_head) else None)
         if self._greedy_screen is not None and requested == "auto":
+            # Against what greedy rows above the limit take: the full head and its argmax.
             self._greedy_screen.max_rows = measure_rows_limit(
-                self._greedy_screen, lambda h: self.compute_logits(h).argmax(dim=-1))
+                self._greedy_screen, self._full_greedy_tokens)
             logger.info("screened greedy LM head up to %d rows", self._greedy_screen.max_rows)
         return backend
 
@@ -281,6 +282,9 @@ class LlamaForCausalLM(nn.Module):
         screen = self._greedy_screen
         if screen is not None and hidden.shape[0] <= screen.max_rows:
             return screen.argmax(hidden)
+        return self._full_greedy_tokens(hidden)
+
+    def _full_greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         if not _row_argmax_available():
             return None
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
