@@ -133,32 +133,28 @@ def pack_gate_up_panels(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up], dim=1).transpose(1, 2).contiguous()
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
-               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def _packed_call(op: str, x: torch.Tensor, packed: torch.Tensor, n: int,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """out = x @ W^T (+ bias) by kvfleet_cpu.`op` on W's packed copy."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = x.new_empty(x.shape[0], n, dtype=out_dtype)
-    if out_dtype == torch.float32:
-        torch.ops.kvfleet_cpu.amx_linear_bf16_f32(out, x, packed, n)
-    else:
-        torch.ops.kvfleet_cpu.amx_linear_bf16(out, x, packed, n)
+    getattr(torch.ops.kvfleet_cpu, op)(out, x, packed, n)
     if bias is not None:
         out += bias
     return out
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    op = "amx_linear_bf16_f32" if out_dtype == torch.float32 else "amx_linear_bf16"
+    return _packed_call(op, x, packed, n, bias, out_dtype)
 
 
 def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = x.new_empty(x.shape[0], n)
-    if x.dtype == torch.bfloat16:
-        torch.ops.kvfleet_cpu.panel_linear_bf16(out, x, packed, n)
-    else:
-        torch.ops.kvfleet_cpu.panel_linear(out, x, packed, n)
-    if bias is not None:
-        out += bias
-    return out
+    op = "panel_linear_bf16" if x.dtype == torch.bfloat16 else "panel_linear"
+    return _packed_call(op, x, packed, n, bias, x.dtype)
 
 
 def apply_linear(
