@@ -90,7 +90,6 @@ class GreedyScreen:
         exact = panel_linear(h, pack_panels(self.weight[candidates]), len(candidates), None)
         return candidates[exact.max(dim=-1).indices].tolist()
 
-
     def approx_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 sums of bfloat16(hidden) x bfloat16(head) products, [M, vocab]."""
         h = hidden.to(torch.bfloat16)

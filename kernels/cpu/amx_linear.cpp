@@ -50,8 +50,8 @@ constexpr int64_t kTileElems = 16 * 32;      // bf16 elements of one 1 KiB tile
 // Rows of x per work unit: its A tiles stay in L2 while the unit's panels pass over them.
 constexpr int64_t kUnitRows = 256;
 
-// Linux hands out the AMX tile state only on request (once per process; the permission is
-// inherited by every thread created afterwards and re-requesting is harmless).
+// Linux hands out the AMX tile state only on request: the permission is process-wide (every
+// thread, the OpenMP workers included) and re-requesting it is harmless.
 bool request_amx() {
   constexpr int kArchReqXcompPerm = 0x1023;
   constexpr int kXfeatureXtiledata = 18;
