@@ -11,13 +11,19 @@ the connection (client threads, each woken on its own, once saw two first tokens
 busy machine).
 
 No verdict depends on timing: if the blocker ends on its own before everything is queued
-(a very slow machine), the attempt is discarded and repeated.
+(a very slow machine), the attempt is discarded and repeated. The blocker is made long enough
+for that to be rare: the tiny model's 512 positions capped it at ~500 tokens, which a loaded
+2-core machine decoded before five requests had queued one by one (three attempts in a row,
+seen twice in four runs beside two CPU burners), so this module serves a copy of the tiny
+model whose config allows 8,192 positions (RoPE has no learned positions, so the weights are
+the same model) and the blocker asks for 8,000 tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -49,6 +55,8 @@ POLICY = {
 }
 # With one seat, consecutive first tokens are a whole request's decoding apart.
 OUTPUT_TOKENS = 64
+LONG_CONTEXT = 8192
+BLOCKER_TOKENS = 8000
 
 
 @dataclass(frozen=True)
@@ -62,11 +70,17 @@ class Queued:
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("tenant-scheduling")
+    model_dir = work / "tiny-long-context"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config_path = model_dir / "config.json"
+    model_config = json.loads(config_path.read_text())
+    model_config["max_position_embeddings"] = LONG_CONTEXT
+    config_path.write_text(json.dumps(model_config))
     policy = work / "policy.json"
     policy.write_text(json.dumps(POLICY))
     config = FleetConfig(
-        model_dir=tiny_model_dir, num_engines=1, api_keys=policy,
-        engine_args=("--max-num-seqs", "1", "--num-kv-blocks", "128",
+        model_dir=model_dir, num_engines=1, api_keys=policy,
+        engine_args=("--max-num-seqs", "1", "--num-kv-blocks", str(LONG_CONTEXT // 16 + 8),
                      "--scheduling-policy", "fair"),
         log_dir=work / "logs", start_timeout_s=120,
     )
@@ -106,8 +120,8 @@ async def _attempt(fleet: Fleet, queued: Sequence[Queued], attempt: int) -> list
     async with grpc.aio.insecure_channel(fleet.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         blocker = stub.Generate(
-            build_request(prompt_token_ids=[5, 6, 7, 8], params=greedy(500, ignore_eos=True)),
-            metadata=auth_metadata("key-blocker"), timeout=120)
+            build_request(prompt_token_ids=[5, 6, 7, 8], params=greedy(BLOCKER_TOKENS, ignore_eos=True)),
+            metadata=auth_metadata("key-blocker"), timeout=240)
         blocker_done = asyncio.Event()
 
         async def drain_blocker() -> None:
