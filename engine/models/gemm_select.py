@@ -95,7 +95,10 @@ def _call(backend: str, weight: torch.Tensor, x: torch.Tensor) -> Callable[[], o
 
 
 def _inputs(weights: Sequence[torch.Tensor], rows: int) -> dict[int, torch.Tensor]:
-    return {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+    # A local generator: start-up timing must not move the global RNG that seeded sampling uses.
+    gen = torch.Generator().manual_seed(rows)
+    return {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, generator=gen)
+            for w in weights}
 
 
 def _time(call: Callable[[], object]) -> float:

@@ -64,8 +64,10 @@ def amx_supported() -> bool:
         ok = load_cpu_kernels() and hasattr(torch.ops.kvfleet_cpu, "amx_linear_bf16")
         if ok:
             try:
-                w = torch.randn(32, _AMX_K, dtype=torch.bfloat16)
-                x = torch.randn(3, _AMX_K, dtype=torch.bfloat16)
+                # A local generator: a start-up probe must not move the caller's RNG stream.
+                gen = torch.Generator().manual_seed(0)
+                w = torch.randn(32, _AMX_K, dtype=torch.bfloat16, generator=gen)
+                x = torch.randn(3, _AMX_K, dtype=torch.bfloat16, generator=gen)
                 out = x.new_empty(3, 32)
                 torch.ops.kvfleet_cpu.amx_linear_bf16(out, x, pack_amx(w), 32)
                 ok = bool(torch.allclose(out.float(), x.float() @ w.float().T, rtol=2e-2,

@@ -137,3 +137,19 @@ def test_the_decode_sweep_covers_twice_the_last_level_cache(
     assert gemm_select.sweep_layers(layers) == 10  # all there are
     monkeypatch.setattr(gemm_select, "_cache_bytes", lambda: 1)
     assert gemm_select.sweep_layers(layers) == 1
+
+
+def test_start_up_measurements_leave_the_global_rng_alone() -> None:
+    """Seeded sampling draws from torch's global generator; the start-up GEMM timing and the
+    AMX probe run before the first request and must not move it."""
+    layers = [[torch.randn(48, 32), torch.randn(32, 48)]]
+    head = torch.randn(100, 32)
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    choose_backend(layers, head, "auto", repeats=1, prefill_rows=200)
+    choose_backend([[w.bfloat16() for w in layers[0]]], head.bfloat16(), "auto", repeats=1,
+                   prefill_rows=200)
+    linear_module._amx_state.clear()
+    linear_module.amx_supported()
+    assert torch.equal(torch.rand(4), expected)
