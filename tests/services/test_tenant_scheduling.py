@@ -120,7 +120,8 @@ async def _attempt(fleet: Fleet, queued: Sequence[Queued], attempt: int) -> list
     async with grpc.aio.insecure_channel(fleet.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         blocker = stub.Generate(
-            build_request(prompt_token_ids=[5, 6, 7, 8], params=greedy(BLOCKER_TOKENS, ignore_eos=True)),
+            build_request(prompt_token_ids=[5, 6, 7, 8],
+                          params=greedy(BLOCKER_TOKENS, ignore_eos=True)),
             metadata=auth_metadata("key-blocker"), timeout=240)
         blocker_done = asyncio.Event()
 
