@@ -62,7 +62,7 @@ def test_online_bench_drives_both_servers_with_vllms_client(smollm2_dir: Path,
     out = tmp_path / "online.json"
     code = online.main(["--model", str(smollm2_dir), "--num-prompts", "4", "--num-warmups", "1",
                         "--input-len", "32", "--output-len", "8", "--prefix-len", "32",
-                        "--suffix-len", "8", "--num-prefixes", "2", "--vllm-eager",
+                        "--suffix-len", "8", "--num-prefixes", "2", "--vllm-eager", "--rounds", "1",
                         "--timeout-s", "300", "--out", str(out)])
     assert code == 0
     results = json.loads(out.read_text())["results"]
