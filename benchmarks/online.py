@@ -138,7 +138,10 @@ def median_rows(rounds: list[dict[str, Row]]) -> dict[str, Row]:
         row: Row = {}
         for key in runs[0]:
             values = [x[key] for x in runs if isinstance(x.get(key), (int, float))]
-            row[key] = statistics.median(values) if values else None
+            # Counts stay counts (an even number of rounds would average two of them).
+            ints = all(isinstance(v, int) for v in values)
+            row[key] = (statistics.median_low(values) if ints else statistics.median(values)) \
+                if values else None
         out[case] = row
     return out
 

@@ -19,6 +19,10 @@ def test_median_rows_takes_each_figure_over_the_rounds_that_ran_the_case() -> No
     medians = median_rows(rounds)
     assert medians["random"] == row(2.5, 800, 300)
     assert medians[POISSON_CASE] == row(1.5, 100, 50)
+    # Two rounds: figures average the middle pair, counts stay whole.
+    two = median_rows([{"random": row(2.0, 900.0, 300.0)}, {"random": row(3.0, 700.0, 200.0)}])
+    assert two["random"] == row(2.5, 800, 250) and two["random"]["completed"] == 64
+    assert isinstance(two["random"]["completed"], int)
 
 
 def test_rate_inf_needs_the_throughput_line_and_no_worse_latency() -> None:
