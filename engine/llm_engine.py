@@ -129,6 +129,8 @@ class LLMEngine:
                 LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras),
                 self.model, self.model_config, self.dtype,
                 use_triton=self.attention_backend == "triton",
+                # The PyTorch attention backend keeps LoRA on PyTorch ops too (the reference).
+                cpu_kernel=self.attention_backend != "torch",
             ) if config.enable_lora else None
         )
         # The LoRA delta reads per-step row maps that a captured graph would freeze: with

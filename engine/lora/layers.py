@@ -25,6 +25,7 @@ class LoRAContext:
     """The current step's rows-to-slots map, shared by every wrapper of one model."""
 
     use_triton: bool = False
+    cpu_packed: bool = False  # the slots hold engine.lora.cpu_layout stacks
     batch: LoRABatch | None = None
 
 
@@ -35,7 +36,8 @@ class LoRALinear(nn.Module):
         a: torch.Tensor,
         b: torch.Tensor,
         context: LoRAContext,
-        slice_sizes: tuple[int, ...] = (),
+        rank: int,
+        slice_sizes: tuple[int, ...],
     ) -> None:
         super().__init__()
         self.base = base
@@ -43,9 +45,10 @@ class LoRALinear(nn.Module):
         self.lora_a = a
         self.lora_b = b
         self.context = context
-        sizes = slice_sizes or (b.shape[1],)
-        self.rank = a.shape[1] // len(sizes)
-        self.slice_offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
+        self.rank = rank
+        self.slice_offsets = torch.tensor(
+            [0, *itertools.accumulate(slice_sizes)], dtype=torch.int64
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -64,6 +67,7 @@ class LoRALinear(nn.Module):
                 self.context.use_triton,
                 self.slice_offsets,
                 self.rank,
+                self.context.cpu_packed,
             )
         return out
 
@@ -88,6 +92,7 @@ def attach_lora(model: nn.Module, slots: LoRASlots, context: LoRAContext) -> Non
                 slots.a[name][index],
                 slots.b[name][index],
                 context,
+                slots.rank,
                 slots.shapes[name].slice_sizes,
             )
             setattr(owner, name, wrapped)

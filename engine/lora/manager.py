@@ -19,6 +19,7 @@ from engine.lora.admission import LoRAAdmission
 from engine.lora.batch import build_lora_batch
 from engine.lora.config import LoRAConfig
 from engine.lora.layers import LoRAContext, attach_lora
+from engine.lora.ops import cpu_kernel_available
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.lora.slots import LoRASlots
@@ -33,13 +34,24 @@ class LoRAManager:
         model_config: ModelConfig,
         dtype: torch.dtype,
         use_triton: bool = False,
+        cpu_kernel: bool = True,
     ) -> None:
         self.config = config
         device = next(model.parameters()).device
         self.device = device
         self.registry = LoRARegistry(model_config, config.max_lora_rank, config.cpu_capacity, dtype)
-        self.slots = LoRASlots(model_config, config.max_loras, config.max_lora_rank, dtype, device)
-        self.context = LoRAContext(use_triton=use_triton)
+        # The C++ kernel serves float32 on CPU; its layout is chosen once, with the slots.
+        cpu_packed = (
+            cpu_kernel
+            and not use_triton
+            and device.type == "cpu"
+            and dtype == torch.float32
+            and cpu_kernel_available()
+        )
+        self.slots = LoRASlots(
+            model_config, config.max_loras, config.max_lora_rank, dtype, device, cpu_packed
+        )
+        self.context = LoRAContext(use_triton=use_triton, cpu_packed=cpu_packed)
         self.admission = LoRAAdmission(config.max_loras)
         attach_lora(model, self.slots, self.context)
 

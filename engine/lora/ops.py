@@ -1,12 +1,13 @@
 """The batched LoRA delta: out[rows] += (x[rows] @ A[slot]^T) @ B[slot]^T, per segment.
 
-`a` is one projection's shrink stack [max_loras, S * R, in] and `b` its expand stack
-[max_loras, out, S * R] (S slices of rank R, scaling folded into B; see engine.lora.slots).
-`add_lora_delta_torch` is the reference: one shrink and one expand matmul per segment (adapter),
-views where a segment is contiguous, else a gather and an index_add. `add_lora_delta` picks the
-Triton kernels (kernels/triton/lora.py) when asked — on CUDA, or interpreted on CPU in tests —
-else, for float32 on CPU, the C++ kernel (kernels/cpu/lora_delta.cpp: every segment in one
-call, reading only each slice's own rank block of B), else the reference.
+In the stacked layout (engine.lora.slots), `a` is one projection's shrink stack
+[max_loras, S * R, in] and `b` its expand stack [max_loras, out, S * R] (S slices of rank R,
+scaling folded into B). `add_lora_delta_torch` is the reference on that layout: one shrink and
+one expand matmul per segment (adapter), views where a segment is contiguous, else a gather and
+an index_add. `add_lora_delta` runs the Triton kernels (kernels/triton/lora.py) when asked — on
+CUDA, or interpreted on CPU in tests — and the reference otherwise; with `cpu_packed` the
+stacks are in the C++ kernel's layout (engine.lora.cpu_layout, float32 on CPU) and that kernel
+(kernels/cpu/lora_delta.cpp: every segment in one call) runs instead.
 
 Invariant: rows in no segment (base-model requests) are never written.
 """
@@ -46,23 +47,21 @@ def add_lora_delta(
     use_triton: bool,
     slice_offsets: torch.Tensor | None = None,
     rank: int = 0,
+    cpu_packed: bool = False,
 ) -> None:
-    """`slice_offsets` (int64 [S + 1], the fused slices' output columns) and `rank` (R) let
-    the CPU kernel skip B's zero blocks; without them the reference runs."""
-    if use_triton:
+    """`cpu_packed`: `a` and `b` are packed for the C++ kernel, which then needs
+    `slice_offsets` (int64 [S + 1], the fused slices' output columns) and `rank` (R)."""
+    if cpu_packed:
+        if slice_offsets is None:
+            raise ValueError("the packed CPU LoRA kernel needs the slices' offsets")
+        torch.ops.kvfleet_cpu.lora_delta(
+            out, x, a, b, batch.rows, batch.seg_starts, batch.seg_slots, slice_offsets, rank
+        )
+    elif use_triton:
         from kernels.triton.lora import sgmv_lora
 
         sgmv_lora(
             out, x, a, b, batch.rows, batch.seg_starts, batch.seg_slots, batch.max_segment_len
-        )
-    elif (
-        slice_offsets is not None
-        and out.dtype == torch.float32
-        and out.device.type == "cpu"
-        and cpu_kernel_available()
-    ):
-        torch.ops.kvfleet_cpu.lora_delta(
-            out, x, a, b, batch.rows, batch.seg_starts, batch.seg_slots, slice_offsets, rank
         )
     else:
         add_lora_delta_torch(out, x, a, b, batch)

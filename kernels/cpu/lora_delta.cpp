@@ -4,18 +4,18 @@
 // Why: the PyTorch path makes two small matmuls (plus a gather and an index_add where a
 // segment's rows are not contiguous) per adapter, projection and layer; with 8 adapters that
 // is ~2,000 calls a step, each costing more in dispatch and thread start-up than its math.
+// In decode the delta is memory-bound, so the stacks come in the layout that streams them
+// (engine/lora/cpu_layout.py): at [L, K, W] (A transposed, W = S*R padded to 16 with zero
+// columns) and bp [L, ceil(N/16), R, 16] (each output column's own rank block, 16 columns a
+// tile). slice_offsets [S+1] gives each slice's output columns; slice s reads ranks
+// [s*R, s*R + R) of h.
 //
-// Layout (engine/lora/slots.py): a [L, S*R, K], b [L, N, S*R], both contiguous, slice s of a
-// fused projection owning output columns [slice_offsets[s], slice_offsets[s + 1]) and rank
-// columns [s*R, s*R + R) of B (the rest of B is zero, so it is never read). rows [M] int64 are
-// the adapter rows of the flat batch, segment after segment (seg_starts [S+1], seg_slots [S]).
-//
-// Two phases, each parallel over work units taken from an atomic counter:
-//   shrink  h[i][:] = x[rows[i]] @ A[slot]^T      units: (segment, 4 rows), 4x4 register block
-//   expand  out[rows[i]][n] += h[i][sR:sR+R] . B[slot][n][sR:sR+R]   units: (segment, 64 cols)
-// The expand transposes a 16-column x 16-rank tile of B once per segment and reuses it for all
-// of the segment's rows. Each delta is summed in float32 on its own and then added to out once,
-// as addmm does; the sums' order differs from MKL's only in rounding.
+// Work units (taken from an atomic counter): up to kGroup rows of one segment. A unit first
+// shrinks its rows, h[g][:] = x[row] @ A^T (4 rows x up to 48 ranks in registers, one pass
+// over at), then expands them over every output column (4 rows x 16 columns per register
+// block, one pass over bp). One unit reads its adapter's A and B once, so decode rows of one
+// adapter (one unit) read them once a step. Each delta is summed in float32 on its own and
+// then added to out once, as addmm does; the sums' order differs from MKL's only in rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,121 +33,119 @@ using kvfleet::load16;
 using kvfleet::store16;
 using kvfleet::v16;
 
-constexpr int kRows = 4;       // rows per shrink unit
-constexpr int kRanks = 4;      // rank columns per shrink register block
-constexpr int kColBlock = 64;  // output columns per expand unit
+constexpr int64_t kGroup = 8;  // rows per work unit (a multiple of kRb)
+constexpr int kRb = 4;         // rows per register block
 
 struct Problem {
   float* out;
   int64_t ldo;
   const float* x;
   int64_t ldx;
-  const float* a;
-  const float* b;
+  const float* at;
+  const float* bp;
   const int64_t* rows;
   const int32_t* starts;
   const int32_t* slots;
   const int64_t* slice_offsets;
-  int64_t num_slices, rank, width, k, n;
-  float* h;  // [M, width]
+  int64_t rank, width, k, n, blocks;  // width: at's padded rank width
 };
 
-float hsum(v16 v) {
-  alignas(64) float t[16];
-  store16(t, v);
-  float s = 0.f;
-  for (float e : t) s += e;
-  return s;
+// h[r][w0 : w0 + 16*NV] for the 4 rows of xr; hr rows past the unit's last are scratch.
+template <int NV>
+void shrink_block(const Problem& p, const float* at, const float* const* xr, float* const* hr,
+                  int64_t w0) {
+  v16 acc[kRb][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRb; ++r)
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) acc[r][v] = v16{};
+  const float* a = at + w0;
+  for (int64_t c = 0; c < p.k; ++c, a += p.width) {
+    v16 av[NV];
+#pragma GCC unroll 3
+    for (int v = 0; v < NV; ++v) av[v] = load16(a + 16 * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRb; ++r) {
+      const v16 xb = bcast(xr[r][c]);
+#pragma GCC unroll 3
+      for (int v = 0; v < NV; ++v) acc[r][v] += xb * av[v];
+    }
+  }
+  for (int r = 0; r < kRb; ++r)
+    for (int v = 0; v < NV; ++v) store16(hr[r] + w0 + 16 * v, acc[r][v]);
 }
 
-void shrink_unit(const Problem& p, int64_t seg, int64_t i0) {
-  const int64_t i1 = std::min<int64_t>(p.starts[seg + 1], i0 + kRows);
-  const float* a = p.a + p.slots[seg] * p.width * p.k;
-  const float* xr[kRows];
-  for (int r = 0; r < kRows; ++r)  // rows past the unit repeat its first (results unused)
-    xr[r] = p.x + p.rows[i0 + r < i1 ? i0 + r : i0] * p.ldx;
-  const int64_t k16 = p.k / 16 * 16;
-  for (int64_t j0 = 0; j0 < p.width; j0 += kRanks) {
-    const float* ar[kRanks];
-    for (int j = 0; j < kRanks; ++j) ar[j] = a + std::min(j0 + j, p.width - 1) * p.k;
-    v16 acc[kRows][kRanks];
-#pragma GCC unroll 4
-    for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 4
-      for (int j = 0; j < kRanks; ++j) acc[r][j] = v16{};
-    for (int64_t c = 0; c < k16; c += 16) {
-      v16 xv[kRows], av[kRanks];
-#pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) xv[r] = load16(xr[r] + c);
-#pragma GCC unroll 4
-      for (int j = 0; j < kRanks; ++j) av[j] = load16(ar[j] + c);
-#pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r)
-#pragma GCC unroll 4
-        for (int j = 0; j < kRanks; ++j) acc[r][j] += xv[r] * av[j];
+void shrink(const Problem& p, const float* at, int64_t i0, int64_t m, float* h) {
+  for (int64_t g0 = 0; g0 < m; g0 += kRb) {
+    const float* xr[kRb];
+    float* hr[kRb];
+    for (int r = 0; r < kRb; ++r) {  // rows past m repeat row g0; their h rows are scratch
+      xr[r] = p.x + p.rows[i0 + (g0 + r < m ? g0 + r : g0)] * p.ldx;
+      hr[r] = h + (g0 + r) * p.width;
     }
-    for (int64_t i = i0; i < i1; ++i)
-      for (int j = 0; j < kRanks && j0 + j < p.width; ++j) {
-        float s = hsum(acc[i - i0][j]);
-        for (int64_t c = k16; c < p.k; ++c) s += xr[i - i0][c] * ar[j][c];
-        p.h[i * p.width + j0 + j] = s;
-      }
+    int64_t w0 = 0;
+    for (; w0 + 48 <= p.width; w0 += 48) shrink_block<3>(p, at, xr, hr, w0);
+    if (p.width - w0 == 32) shrink_block<2>(p, at, xr, hr, w0);
+    if (p.width - w0 == 16) shrink_block<1>(p, at, xr, hr, w0);
   }
 }
 
-// Columns [c, c + 16) of one slice: B's rank block transposed into bt[R][16], then every row.
-void expand_vector(const Problem& p, int64_t seg, const float* b, int64_t c, int64_t rank0,
-                   float* bt) {
-  const int64_t R = p.rank;
-  for (int64_t j0 = 0; j0 < R; j0 += 16) {
-    v16 tile[16];
-    const int64_t nj = std::min<int64_t>(16, R - j0);
-    for (int i = 0; i < 16; ++i) {
-      const float* src = b + (c + i) * p.width + rank0 + j0;
-      if (nj == 16) {
-        tile[i] = load16(src);
+// Columns [c0, c1) of one slice (ranks from r0), tile b: every row of the unit.
+void expand_tile(const Problem& p, const float* b, int64_t c0, int64_t c1, int64_t r0,
+                 int64_t i0, int64_t m, const float* h) {
+  for (int64_t g0 = 0; g0 < m; g0 += kRb) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRb, m - g0));
+    const float* hr[kRb];
+    for (int r = 0; r < kRb; ++r) hr[r] = h + (g0 + std::min(r, nr - 1)) * p.width + r0;
+    v16 acc[kRb] = {};
+    for (int64_t j = 0; j < p.rank; ++j) {
+      const v16 bv = load16(b + j * 16);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRb; ++r) acc[r] += bcast(hr[r][j]) * bv;
+    }
+    for (int r = 0; r < nr; ++r) {
+      float* o = p.out + p.rows[i0 + g0 + r] * p.ldo + c0;
+      if (c1 - c0 == 16) {
+        store16(o, load16(o) + acc[r]);
       } else {
-        alignas(64) float tmp[16] = {};
-        for (int64_t j = 0; j < nj; ++j) tmp[j] = src[j];
-        tile[i] = load16(tmp);
+        alignas(64) float t[16];
+        store16(t, acc[r]);
+        for (int64_t c = 0; c < c1 - c0; ++c) o[c] += t[c];
       }
     }
-    kvfleet::transpose16(tile);
-    for (int64_t j = 0; j < nj; ++j) store16(bt + (j0 + j) * 16, tile[j]);
-  }
-  for (int64_t i = p.starts[seg]; i < p.starts[seg + 1]; ++i) {
-    const float* h = p.h + i * p.width + rank0;
-    v16 acc{};
-    for (int64_t j = 0; j < R; ++j) acc += bcast(h[j]) * load16(bt + j * 16);
-    float* o = p.out + p.rows[i] * p.ldo + c;
-    store16(o, load16(o) + acc);
   }
 }
 
-void expand_scalar(const Problem& p, int64_t seg, const float* b, int64_t col, int64_t rank0) {
-  const float* brow = b + col * p.width + rank0;
-  for (int64_t i = p.starts[seg]; i < p.starts[seg + 1]; ++i) {
-    const float* h = p.h + i * p.width + rank0;
-    float s = 0.f;
-    for (int64_t j = 0; j < p.rank; ++j) s += h[j] * brow[j];
-    p.out[p.rows[i] * p.ldo + col] += s;
-  }
-}
-
-void expand_unit(const Problem& p, int64_t seg, int64_t c0, float* bt) {
-  const float* b = p.b + p.slots[seg] * p.n * p.width;
-  const int64_t c1 = std::min(p.n, c0 + kColBlock);
-  int64_t slice = 0;
-  for (int64_t c = c0; c < c1;) {
-    while (c >= p.slice_offsets[slice + 1]) ++slice;
-    const int64_t end = std::min(c1, p.slice_offsets[slice + 1]);
-    if (c + 16 <= end) {
-      expand_vector(p, seg, b, c, slice * p.rank, bt);
-      c += 16;
-    } else {
-      expand_scalar(p, seg, b, c, slice * p.rank);
-      c += 1;
+// A tile whose 16 columns span two slices: each column with its own slice's ranks.
+void expand_mixed(const Problem& p, const float* b, int64_t c0, int64_t c1, int64_t slice,
+                  int64_t i0, int64_t m, const float* h) {
+  for (int64_t g = 0; g < m; ++g) {
+    float* o = p.out + p.rows[i0 + g] * p.ldo;
+    int64_t s = slice;
+    for (int64_t c = c0; c < c1; ++c) {
+      while (c >= p.slice_offsets[s + 1]) ++s;
+      const float* hr = h + g * p.width + s * p.rank;
+      float acc = 0.f;
+      for (int64_t j = 0; j < p.rank; ++j) acc += hr[j] * b[j * 16 + (c - c0)];
+      o[c] += acc;
     }
+  }
+}
+
+void unit(const Problem& p, int64_t seg, int64_t i0, float* h) {
+  const int64_t m = std::min<int64_t>(p.starts[seg + 1], i0 + kGroup) - i0;
+  const int64_t slot = p.slots[seg];
+  shrink(p, p.at + slot * p.k * p.width, i0, m, h);
+  const float* bp = p.bp + slot * p.blocks * p.rank * 16;
+  int64_t slice = 0;
+  for (int64_t t = 0; t < p.blocks; ++t) {
+    const int64_t c0 = t * 16, c1 = std::min<int64_t>(p.n, c0 + 16);
+    while (c0 >= p.slice_offsets[slice + 1]) ++slice;
+    const float* b = bp + t * p.rank * 16;
+    if (c1 <= p.slice_offsets[slice + 1])
+      expand_tile(p, b, c0, c1, slice * p.rank, i0, m, h);
+    else
+      expand_mixed(p, b, c0, c1, slice, i0, m, h);
   }
 }
 
@@ -166,38 +164,38 @@ void lora_delta(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const 
   TORCH_CHECK(out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
                   a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat,
               "lora_delta: float32 only");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && a.dim() == 3 && b.dim() == 3,
-              "lora_delta: bad ranks");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && a.dim() == 3 && b.dim() == 4,
+              "lora_delta: bad ranks (a packed [L, K, W], b packed [L, N/16, R, 16])");
   TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && a.is_contiguous() && b.is_contiguous(),
               "lora_delta: rows must be unit-stride and the stacks contiguous");
   TORCH_CHECK(rows.scalar_type() == at::kLong && slice_offsets.scalar_type() == at::kLong &&
                   seg_starts.scalar_type() == at::kInt && seg_slots.scalar_type() == at::kInt,
               "lora_delta: rows and slice offsets int64, segment vectors int32");
-  const int64_t width = a.size(1), k = a.size(2), n = b.size(1), slices = slice_offsets.numel() - 1;
-  TORCH_CHECK(x.size(1) == k && out.size(1) == n && b.size(2) == width && b.size(0) == a.size(0),
+  const int64_t width = a.size(2), k = a.size(1), n = out.size(1), slices = slice_offsets.numel() - 1;
+  TORCH_CHECK(x.size(1) == k && b.size(1) == (n + 15) / 16 && b.size(2) == rank &&
+                  b.size(3) == 16 && b.size(0) == a.size(0),
               "lora_delta: shapes of x, out, a and b disagree");
-  TORCH_CHECK(slices >= 1 && slices * rank == width, "lora_delta: slices x rank != a's width");
+  TORCH_CHECK(rank >= 1 && slices >= 1 && width % 16 == 0 && slices * rank <= width &&
+                  width < slices * rank + 16,
+              "lora_delta: a's width is not slices x rank padded to 16");
   const int64_t m = rows.numel(), segs = seg_slots.numel();
   if (m == 0 || segs == 0) return;
-  at::Tensor h = at::empty({m, width}, x.options());
   Problem p{out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
             a.data_ptr<float>(), b.data_ptr<float>(), rows.data_ptr<int64_t>(),
             seg_starts.data_ptr<int32_t>(), seg_slots.data_ptr<int32_t>(),
-            slice_offsets.data_ptr<int64_t>(), slices, rank, width, k, n, h.data_ptr<float>()};
+            slice_offsets.data_ptr<int64_t>(), rank, width, k, n, b.size(1)};
   TORCH_CHECK(p.slice_offsets[0] == 0 && p.slice_offsets[slices] == n,
               "lora_delta: slice offsets must span out's columns");
+  for (int64_t s = 0; s < segs; ++s)
+    TORCH_CHECK(p.slots[s] >= 0 && p.slots[s] < a.size(0), "lora_delta: slot out of range");
 
   std::vector<std::pair<int64_t, int64_t>> units;  // (segment, first row)
   for (int64_t s = 0; s < segs; ++s)
-    for (int64_t i = p.starts[s]; i < p.starts[s + 1]; i += kRows) units.emplace_back(s, i);
-  run_units(static_cast<int64_t>(units.size()),
-            [&](int64_t u) { shrink_unit(p, units[u].first, units[u].second); });
-
-  const int64_t blocks = (n + kColBlock - 1) / kColBlock;
-  run_units(segs * blocks, [&](int64_t u) {
-    thread_local std::vector<float> bt;
-    if (static_cast<int64_t>(bt.size()) < (rank + 16) * 16) bt.resize((rank + 16) * 16);
-    expand_unit(p, u / blocks, u % blocks * kColBlock, bt.data());
+    for (int64_t i = p.starts[s]; i < p.starts[s + 1]; i += kGroup) units.emplace_back(s, i);
+  run_units(static_cast<int64_t>(units.size()), [&](int64_t u) {
+    thread_local std::vector<float> h;
+    if (static_cast<int64_t>(h.size()) < kGroup * width) h.resize(kGroup * width);
+    unit(p, units[u].first, units[u].second, h.data());
   });
 }
 

@@ -3,7 +3,8 @@
 Three adapters (tests/fixtures/lora_adapters.py: all projections r8, q/v r4 rsLoRA, MLP r2)
 and the base model run in ONE engine batch: every prompt under every adapter and the base.
 The same batch runs with chunked prefill, under preemption, with prefix hits (a second run),
-and with `max_loras=1` (adapters take turns; at most one per step). Block accounting is
+and with `max_loras=1` (adapters take turns; at most one per step), on the C++ kernel's
+packed stacks and (the torch backend) on the PyTorch reference. Block accounting is
 checked after every step; the running set never holds more than `max_loras` adapters.
 """
 
@@ -18,6 +19,7 @@ import transformers
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.lora.ops import cpu_kernel_available
 from tests.fixtures.lora_adapters import ADAPTERS, peft_model
 
 NEW_TOKENS = 16
@@ -108,6 +110,11 @@ def test_three_adapters_and_base_in_one_batch(
     llm = LLM(tiny_model_dir, dtype="float32", enable_lora=True, max_loras=3, **engine_args)
     loras = lora_requests(tiny_lora_dirs)
     engine = llm.engine
+    # The C++ kernel on its packed stacks, or (torch backend) the PyTorch reference.
+    assert engine.lora is not None
+    assert engine.lora.context.cpu_packed == (
+        engine_args.get("attention_backend") != "torch" and cpu_kernel_available()
+    )
     got = run_mixed(engine, prompts, loras, max_loras=3)
     assert got == expected(reference, prompts)
     if "num_kv_blocks" in engine_args:
