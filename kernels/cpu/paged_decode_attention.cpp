@@ -11,7 +11,10 @@
 //   1. scores, 16 positions at a time: rows are read in memory order, each giving every
 //      query head a vector of partial products (D / 16 FMAs); per head, the 16 keys' vectors
 //      are then summed lane-wise by one transpose-and-add network (reduce16) rather than 16
-//      horizontal sums. scale * log2 e is folded into q. The chunk's V rows are prefetched.
+//      horizontal sums. scale * log2 e is folded into q. The chunk's V rows and the next
+//      chunk's K rows are prefetched (each 16-position block is a separate 12 KB page run, where
+//      the hardware prefetcher starts cold: 64 requests x 288 positions x 30 layers of SmolLM2,
+//      float32 from DRAM, 59 -> 54 ms a step).
 //   2. softmax per head over the stored scores (exp2, max subtracted).
 //   3. O += P V, 16 positions at a time: each V row is loaded once per KV head and FMA'd into
 //      the accumulators of that KV head's query heads (GQA); the next chunk's V rows are
@@ -88,6 +91,9 @@ void run_item(const Problem<T>& pb, const Item& it, int start, const Partials* p
     const int n = std::min(kChunk, ctx - c0);
     kvfleet::chunk_rows(pb.k_cache, table, pb.block_size, row, c0, n, rows);
     prefetch_rows(pb.v_cache, table, pb.block_size, row, c0, n, it.kv_begin * D, it.kv_end * D);
+    if (c0 + kChunk < ctx)
+      prefetch_rows(pb.k_cache, table, pb.block_size, row, c0 + kChunk,
+                    std::min(kChunk, ctx - c0 - kChunk), it.kv_begin * D, it.kv_end * D);
     // Rows in memory order, each row's KV heads in turn (reading one KV head's 16 rows, then
     // the next's, streams ~25% slower from DRAM); the partial vectors wait in `part`.
     for (int j = 0; j < kChunk; ++j) {
