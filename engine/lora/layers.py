@@ -8,7 +8,6 @@ the delta only while the shared `LoRAContext` holds a batch, i.e. in steps with 
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +36,7 @@ class LoRALinear(nn.Module):
         b: torch.Tensor,
         context: LoRAContext,
         rank: int,
-        slice_sizes: tuple[int, ...],
+        slice_offsets: torch.Tensor,
     ) -> None:
         super().__init__()
         self.base = base
@@ -46,9 +45,7 @@ class LoRALinear(nn.Module):
         self.lora_b = b
         self.context = context
         self.rank = rank
-        self.slice_offsets = torch.tensor(
-            [0, *itertools.accumulate(slice_sizes)], dtype=torch.int64
-        )
+        self.slice_offsets = slice_offsets
 
     @property
     def weight(self) -> torch.Tensor:
@@ -93,6 +90,6 @@ def attach_lora(model: nn.Module, slots: LoRASlots, context: LoRAContext) -> Non
                 slots.b[name][index],
                 context,
                 slots.rank,
-                slots.shapes[name].slice_sizes,
+                slots.slice_offsets[name],
             )
             setattr(owner, name, wrapped)

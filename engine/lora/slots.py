@@ -41,6 +41,11 @@ class LoRASlots:
         self.cpu_packed = cpu_packed
         self.dtype, self.device = dtype, device
         self.shapes = projection_shapes(config)
+        # Per projection, int64 [S + 1]: each fused slice's first output column, then `out`.
+        self.slice_offsets = {
+            name: torch.tensor([0, *itertools.accumulate(shape.slice_sizes)], dtype=torch.int64)
+            for name, shape in self.shapes.items()
+        }
         self.a: dict[str, list[torch.Tensor]] = {}
         self.b: dict[str, list[torch.Tensor]] = {}
         for name in PROJECTIONS:
@@ -98,8 +103,7 @@ class LoRASlots:
         for (layer, name), slices in adapter.weights.items():
             a, b = self._stacked(name, slices)
             if self.cpu_packed:
-                sizes = self.shapes[name].slice_sizes
-                offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
+                offsets = self.slice_offsets[name]
                 a, b = pack_a(a[None])[0], pack_b(b[None], offsets, self.rank)[0]
             self.a[name][layer][slot].copy_(a)
             self.b[name][layer][slot].copy_(b)
