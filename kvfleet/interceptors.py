@@ -184,8 +184,11 @@ def wrap_handler(handler: grpc.RpcMethodHandler, method: str, scope: RpcScope) -
             # blocks, e.g. aborting an engine request) runs now, not when the GC finds it.
             # inner() is called inside the scope: it may raise (request decoding).
             async with scope(method, context):
-                responses = contextlib.aclosing(_responses(inner(request, context)))
-                async with responses as stream:
+                result = inner(request, context)
+                # An async generator (every streaming handler of ours) is iterated as it is:
+                # one generator layer less per message than the _responses adapter.
+                stream = result if hasattr(result, "aclose") else _responses(result)
+                async with contextlib.aclosing(stream):
                     async for response in stream:
                         yield response
 

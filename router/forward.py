@@ -139,22 +139,72 @@ class EngineStream:
         self._pool = pool
         self._stall_s = stall_s
         self._closed = False
+        # Stall watchdog (see read): when the last message came, whether a read is waiting,
+        # whether the watchdog fired, and its timer.
+        self._last_message_at = 0.0
+        self._waiting = False
+        self._stalled = False
+        self._watchdog: asyncio.TimerHandle | None = None
 
     async def read(self) -> engine_pb2.GenerateResponse | None:
-        """The next message; None once the stream has ended; EngineStalledError on a stall."""
+        """The next message; None once the stream has ended; EngineStalledError on a stall.
+
+        The stall deadline is one timer per stream that re-arms itself from the time of the
+        last message, not a timeout around every read: a relayed token then costs a clock
+        read instead of a timer scheduled and cancelled (the router's per-token CPU is what
+        the engine loses to it on a shared machine).
+        """
         if self._pending is not None:
             message, self._pending = self._pending, None
             return message
+        if self._stall_s <= 0:
+            return await _read(self._call, 0.0)
+        loop = asyncio.get_running_loop()
+        self._last_message_at = loop.time()
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(self._last_message_at + self._stall_s, self._check)
+        self._waiting = True
         try:
-            return await _read(self._call, self._stall_s)
-        except TimeoutError:
-            engine_id = self.engine.engine_id
-            self._pool.mark_suspect(engine_id, self.engine.address)
-            self.close()
-            raise EngineStalledError(
-                f"engine {engine_id} stalled: no progress for {self._stall_s:g}s "
-                f"(--stream-stall-timeout); the stream was ended and its request cancelled"
-            ) from None
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    if self._stalled:
+                        raise self._stalled_error()
+                    return None
+                assert isinstance(message, engine_pb2.GenerateResponse)
+                if not keepalive.is_keepalive(message):
+                    return message
+                self._last_message_at = loop.time()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self._stalled or (task is not None and task.cancelling()):
+                raise  # the consumer itself is being cancelled
+            raise self._stalled_error() from None
+        finally:
+            self._waiting = False
+
+    def _check(self) -> None:
+        """The watchdog's timer: cancel the call after `stall_s` of silence while a read
+        waits (the read then raises EngineStalledError), else re-arm for the silence left."""
+        self._watchdog = None
+        if self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        silent_since = self._last_message_at if self._waiting else loop.time()
+        if self._waiting and loop.time() - silent_since >= self._stall_s:
+            self._stalled = True
+            self._call.cancel()
+            return
+        self._watchdog = loop.call_at(silent_since + self._stall_s, self._check)
+
+    def _stalled_error(self) -> EngineStalledError:
+        engine_id = self.engine.engine_id
+        self._pool.mark_suspect(engine_id, self.engine.address)
+        self.close()
+        return EngineStalledError(
+            f"engine {engine_id} stalled: no progress for {self._stall_s:g}s "
+            f"(--stream-stall-timeout); the stream was ended and its request cancelled"
+        )
 
     async def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:
         """Abort the request (stop string hit); returns the engine's final message if it came."""
@@ -179,6 +229,9 @@ class EngineStream:
         return last
 
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         if not self._closed:
             self._closed = True
             self._call.cancel()  # no-op when finished; otherwise the engine frees the request

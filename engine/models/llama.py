@@ -13,6 +13,9 @@ Invariants:
   names onto them and fails loudly on unknown or missing tensors.
 - Tied embeddings have no separate lm_head parameter: `compute_logits` reads the embedding
   matrix, so tying survives meta-device construction and dtype casts.
+- Inside the decoder, modules call each other's `forward` directly, not through
+  `nn.Module.__call__`: its hook checks cost ~2 us a call, ~240 calls a decode step, and
+  nothing registers hooks on these modules (a LoRA wrapper replaces a module; it is not a hook).
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return self.o_proj(self.attend(hidden, cos, sin, kv_cache, meta))
+        return self.o_proj.forward(self.attend(hidden, cos, sin, kv_cache, meta))
 
     def attend(
         self,
@@ -84,10 +87,11 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention output before o_proj, [T, q_size]; writes every row's K/V."""
+        qkv = self.qkv_proj.forward(hidden)
         q, k, v = self.ops.rotary_qkv(
-            self.qkv_proj(hidden), self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
         )
-        return self.attn(q, k, v, kv_cache, meta)
+        return self.attn.forward(q, k, v, kv_cache, meta)
 
 
 class LlamaMLP(nn.Module):
@@ -105,8 +109,8 @@ class LlamaMLP(nn.Module):
         if self.ops.fused and isinstance(self.gate_up_proj, Linear):
             act = self.gate_up_proj.silu_and_mul(x)
         if act is None:
-            act = self.ops.silu_and_mul(self.gate_up_proj(x))
-        return self.down_proj(act)
+            act = self.ops.silu_and_mul(self.gate_up_proj.forward(x))
+        return self.down_proj.forward(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -131,9 +135,9 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         normed = self._input_norm(x, residual)
-        attn_out = self.self_attn(normed, cos, sin, kv_cache, meta)
+        attn_out = self.self_attn.forward(normed, cos, sin, kv_cache, meta)
         norm = self.post_attention_layernorm
-        return self.mlp(self.ops.add_rms_norm(attn_out, residual, norm.weight, norm.eps))
+        return self.mlp.forward(self.ops.add_rms_norm(attn_out, residual, norm.weight, norm.eps))
 
     def forward_rows(
         self,
@@ -156,8 +160,8 @@ class LlamaDecoderLayer(nn.Module):
         if rows.numel() == 0:  # a step without samples: the K/V writes were all it needed
             return kept, kept
         norm = self.post_attention_layernorm
-        attn_out = self.self_attn.o_proj(attn_out)
-        return self.mlp(self.ops.add_rms_norm(attn_out, kept, norm.weight, norm.eps)), kept
+        attn_out = self.self_attn.o_proj.forward(attn_out)
+        return self.mlp.forward(self.ops.add_rms_norm(attn_out, kept, norm.weight, norm.eps)), kept
 
     def row_prunable(self) -> bool:
         """Whether `forward_rows` may run: no LoRA wrapper, whose per-step row map covers
@@ -229,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer.forward_rows(x, residual, cos, sin, kv_cache, meta, keep_rows)
                 keep_rows = None
                 break
-            x = layer(x, residual, cos, sin, kv_cache, meta)
+            x = layer.forward(x, residual, cos, sin, kv_cache, meta)
             if hook is not None and index < last:
                 hook(index)
         assert x is not None
