@@ -13,13 +13,15 @@ caching, KV cache 2 GiB like vLLM's) behind its router's OpenAI HTTP API; vLLM =
 (OpenMP threads bound to both cores, KV 2 GiB, prefix caching, tcmalloc when installed). Same
 dtype, step token budget (2048) and batch width (256). Both servers are started (untimed) and
 stay up, idle while the other is measured (two cores: never both loaded at once); each is warmed
-with `--num-warmups` requests. Then `--rounds` (3) rounds alternate the systems' order, each
-system running every case once a round; every figure reported is the median over the rounds (a
+with `--num-warmups` requests. Then `--rounds` (5) rounds alternate the systems' order, each
+system running every case once a round (the rate-inf cases of both, then the Poisson case of
+both); every figure reported is the median over the rounds (a
 single run apiece let the VM's minute-to-minute speed swings decide the ratio). Reported per
 case: req/s, output tok/s, TTFT and TPOT mean / p50 / p99, side by side, with kvfleet / vLLM
-ratios. At the Poisson rate both systems serve what arrives (the rate sits below both
-capacities), so req/s there is the offered load for both and that case's target is latency
-only: mean TTFT and mean TPOT no worse than vLLM's; the req/s target is judged at rate inf.
+ratios. At the Poisson rate (auto: 0.8 x the slower system's rate-inf req/s in the first round)
+both systems serve what arrives (the rate sits below both capacities), so req/s there is the
+offered load for both and that case's target is latency only: mean TTFT and mean TPOT no worse
+than vLLM's; the req/s target is judged at rate inf.
 Results: bench_results/online.json (--out); the raw `bench serve` results and every
 server's log sit beside it.
 """
@@ -45,7 +47,8 @@ from kvfleet.service_auth import credential_metadata, read_secret
 
 SYSTEMS = ("kvfleet", "vllm")
 POISSON_CASE = "random_poisson"
-# "Near saturation": this fraction of the first system's rate-inf req/s on the random dataset.
+# "Near saturation": this fraction of the slower system's rate-inf req/s on the random dataset
+# (first round).
 POISSON_FRACTION = 0.8
 TARGET_VLLM = 1.1  # kvfleet >= 1.1x vllm serve req/s, mean TTFT and TPOT no worse
 TARGET_ROUTER = 0.95  # through the router >= 0.95x the engine driven directly
@@ -113,21 +116,32 @@ def summary(raw: Row) -> Row:
 
 def measure(system: str, base_url: str, model_dir: Path, args: argparse.Namespace,
             cfg: PeerConfig, work: Path, round_index: int) -> dict[str, Row]:
-    """One round of one system: every dataset at rate inf, then the random dataset at
-    `args.poisson_rate` (set from the first system's first rate-inf result when it is "auto",
-    and reused for every later run). The first round's first case carries the warm-up."""
+    """One round of one system's rate-inf cases (every dataset). The first round's first case
+    carries the warm-up."""
     rows: dict[str, Row] = {}
     for i, name in enumerate(args.datasets):
         warm = args.num_warmups if i == 0 and round_index == 0 else 0
         rows[name] = _run_case(system, base_url, model_dir, name, None, args, cfg, work,
                                num_warmups=warm, round_index=round_index)
-    if args.poisson_rate == "auto" and "random" in rows and rows["random"]["req_per_s"]:
-        args.poisson_rate = round(POISSON_FRACTION * rows["random"]["req_per_s"], 2)
-    if isinstance(args.poisson_rate, float) and "random" in args.datasets:
-        rows[POISSON_CASE] = _run_case(system, base_url, model_dir, "random",
-                                       args.poisson_rate, args, cfg, work, num_warmups=0,
-                                       round_index=round_index)
     return rows
+
+
+def measure_poisson(system: str, base_url: str, model_dir: Path, args: argparse.Namespace,
+                    cfg: PeerConfig, work: Path, round_index: int) -> dict[str, Row]:
+    """One round of one system's random dataset at `args.poisson_rate` (none when unset)."""
+    if not isinstance(args.poisson_rate, float) or "random" not in args.datasets:
+        return {}
+    return {POISSON_CASE: _run_case(system, base_url, model_dir, "random", args.poisson_rate,
+                                    args, cfg, work, num_warmups=0, round_index=round_index)}
+
+
+def auto_poisson_rate(rows: dict[str, dict[str, Row]]) -> float | None:
+    """POISSON_FRACTION x the slower system's rate-inf req/s on the random dataset (first
+    round): near saturation for it, and a load both systems keep up with (0.8 x the faster
+    one's could exceed the slower one's capacity: 2.0 req/s offered against vLLM's 1.8 once)."""
+    rates = [r["random"]["req_per_s"] for r in rows.values()
+             if "random" in r and r["random"]["req_per_s"]]
+    return round(POISSON_FRACTION * min(rates), 2) if rates else None
 
 
 def median_rows(rounds: list[dict[str, Row]]) -> dict[str, Row]:
@@ -272,7 +286,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poisson-rate", default="auto",
                    help="req/s of the Poisson run of the random dataset; auto: "
-                        f"{POISSON_FRACTION} x the first system's rate-inf req/s; 0: skip")
+                        f"{POISSON_FRACTION} x the slower system's first rate-inf req/s; 0: skip")
     # Five: on a shared 2-core VM one system's round moves 15-25% (kvfleet prefix_repetition
     # 3.14-3.96 req/s within one run, 2026-11-28), as much as the targets' margins; the median
     # of five is out of reach of one slow round, that of three of one slow round per system.
@@ -328,10 +342,17 @@ def main(argv: list[str] | None = None) -> int:
             # Alternate who goes first: a slow phase of the VM then falls on both in turn.
             order = args.systems[index % len(args.systems):] + \
                 args.systems[:index % len(args.systems)]
+            urls = {s: (h.http_url if isinstance(h, Fleet) else h)
+                    for s, h in ((s, handles[s]) for s in order)}
+            # Every system's rate-inf cases, then (the rate known from them in the first
+            # round) every system's Poisson case, in the same order.
+            rows = {s: measure(s, urls[s], model_dir, args, cfg, work, index) for s in order}
+            if args.poisson_rate == "auto":
+                args.poisson_rate = auto_poisson_rate(rows)
             for system in order:
-                handle = handles[system]
-                url = handle.http_url if isinstance(handle, Fleet) else handle
-                per_round[system].append(measure(system, url, model_dir, args, cfg, work, index))
+                rows[system].update(
+                    measure_poisson(system, urls[system], model_dir, args, cfg, work, index))
+                per_round[system].append(rows[system])
         fleet = handles.get("kvfleet")
         if isinstance(fleet, Fleet) and args.router_rounds > 0:
             router_cost = grpc_load.measure(

@@ -65,9 +65,13 @@ def test_online_bench_drives_both_servers_with_vllms_client(smollm2_dir: Path,
                         "--suffix-len", "8", "--num-prefixes", "2", "--vllm-eager", "--rounds", "1",
                         "--timeout-s", "300", "--out", str(out)])
     assert code == 0
-    results = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    # Both systems ran the Poisson case, at 0.8 x the slower one's first rate-inf req/s.
+    first = [report["rounds"][s][0]["random"]["req_per_s"] for s in ("kvfleet", "vllm")]
+    assert report["config"]["poisson_rate"] == round(online.POISSON_FRACTION * min(first), 2)
     for system in ("kvfleet", "vllm"):
-        for dataset in ("random", "prefix_repetition"):
+        for dataset in ("random", "prefix_repetition", online.POISSON_CASE):
             row = results[system][dataset]
             assert (row["completed"], row["failed"]) == (4, 0), (system, dataset, row)
             assert row["ttft_mean_ms"] > 0 and row["tpot_mean_ms"] > 0

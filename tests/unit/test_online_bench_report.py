@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.online import POISSON_CASE, check_targets, median_rows
+from benchmarks.online import POISSON_CASE, auto_poisson_rate, check_targets, median_rows
 
 
 def row(req: float, ttft: float, tpot: float) -> dict[str, Any]:
@@ -45,3 +45,12 @@ def test_the_poisson_case_is_judged_on_latency_only() -> None:
         "mean TPOT no worse: PASS"]
     res["results"]["kvfleet"][POISSON_CASE] = row(1.6, 300, 160)
     assert check_targets(res)[0].endswith("mean TPOT WORSE: MISS")
+
+
+def test_the_auto_poisson_rate_is_a_fraction_of_the_slower_systems_rate_inf() -> None:
+    # 0.8 x the faster system's 2.5 req/s would offer 2.0, above the slower one's capacity.
+    first_round = {"kvfleet": {"random": row(2.5, 1.0, 1.0)},
+                   "vllm": {"random": row(1.8, 1.0, 1.0)}}
+    assert auto_poisson_rate(first_round) == 1.44
+    assert auto_poisson_rate({"kvfleet": {"random": row(2.5, 1.0, 1.0)}}) == 2.0
+    assert auto_poisson_rate({"kvfleet": {"prefix_repetition": row(2.5, 1.0, 1.0)}}) is None
