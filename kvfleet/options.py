@@ -3,7 +3,7 @@
 Role: `add_server_arguments` puts --host/--port/--grace-period/--port-file/--log-level and
 --metrics-port/--metrics-port-file/--no-metrics (Prometheus /metrics, on by default on
 port 9090, like vLLM's always-on /metrics) on a service's argparse parser, with
---log-format (text | json lines, see kvfleet.logs);
+--log-format (text | json lines, see kvfleet.logs) and --event-loop (kvfleet.event_loop);
 `ServerOptions.from_args` turns them into config. The only environment read (when a
 service starts, never on import) is the logging fallback: KVFLEET_LOG_LEVEL /
 KVFLEET_LOG_FORMAT when --log-level / --log-format are not given.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet import logs
+from kvfleet.event_loop import EVENT_LOOPS
 from kvfleet.grpc_server import DEFAULT_GRACE_S
 
 LOG_FORMAT = logs.TEXT_FORMAT
@@ -42,6 +43,8 @@ class ServerOptions:
     # The port was not asked for: if it is taken (several services on one host), a free
     # one is used and logged rather than failing the service.
     metrics_port_fallback: bool = False
+    # kvfleet.event_loop: uvloop when installed ("auto"), or the one named.
+    event_loop: str = "auto"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -57,6 +60,7 @@ class ServerOptions:
             ),
             metrics_port_file=args.metrics_port_file,
             metrics_port_fallback=args.metrics_port is None,
+            event_loop=args.event_loop,
         )
 
 
@@ -117,6 +121,13 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int = 0)
         type=Path,
         default=None,
         help="write the bound metrics port to this file",
+    )
+    group.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=list(EVENT_LOOPS),
+        help="the event loop to serve on, as uvicorn's --loop: auto is uvloop when "
+        "installed, else asyncio (default: %(default)s)",
     )
 
 

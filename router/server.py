@@ -24,6 +24,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from kvfleet import event_loop
 from kvfleet.grpc_server import GrpcServer, write_port_file
 from kvfleet.metrics import start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
@@ -333,7 +334,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tracing = init_tracing("kvfleet-router")
     try:
-        return asyncio.run(serve(config, options, policy, HttpOptions.from_args(args)))
+        return event_loop.run(
+            serve(config, options, policy, HttpOptions.from_args(args)), options.event_loop
+        )
     finally:
         tracing.shutdown()
 

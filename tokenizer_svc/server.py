@@ -12,7 +12,6 @@ when asked for, is written only after the server accepts RPCs, so its existence 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from kvfleet import event_loop
 from kvfleet.grpc_server import DEFAULT_GRACE_S, GrpcServer, ShutdownHook, write_port_file
 from kvfleet.metrics import RpcMetrics, RpcMetricsInterceptor, start_metrics_endpoint
 from kvfleet.options import add_server_arguments, start_service_process
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     tracing = init_tracing("kvfleet-tokenizer")
     try:
-        return asyncio.run(
+        return event_loop.run(
             serve(
                 args.model,
                 options.host,
@@ -144,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 metrics_port=options.metrics_port,
                 metrics_port_file=options.metrics_port_file,
                 metrics_port_fallback=options.metrics_port_fallback,
-            )
+            ),
+            options.event_loop,
         )
     finally:
         tracing.shutdown()

@@ -51,6 +51,7 @@ from engine.service.servicer import EngineIdentity, EngineServicer
 from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_TIMEOUT_S
 from engine.service.step_watchdog import StepWatchdog
 from engine.spec_decode.spec_config import speculative_config_arg
+from kvfleet import event_loop
 from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
@@ -406,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         options = options_from_args(args)
         tracing = init_tracing("kvfleet-engine")
         try:
-            return asyncio.run(serve(options))
+            return event_loop.run(serve(options), server_options.event_loop)
         finally:
             tracing.shutdown()
     except ValueError as exc:  # bad flags or model directory: a usage error, not a crash
