@@ -342,13 +342,14 @@ def main(argv: list[str] | None = None) -> int:
             # Alternate who goes first: a slow phase of the VM then falls on both in turn.
             order = args.systems[index % len(args.systems):] + \
                 args.systems[:index % len(args.systems)]
-            urls = {s: (h.http_url if isinstance(h, Fleet) else h)
-                    for s, h in ((s, handles[s]) for s in order)}
+            urls = {s: handles[s].http_url if isinstance(handles[s], Fleet) else handles[s]
+                    for s in order}
             # Every system's rate-inf cases, then (the rate known from them in the first
             # round) every system's Poisson case, in the same order.
             rows = {s: measure(s, urls[s], model_dir, args, cfg, work, index) for s in order}
-            if args.poisson_rate == "auto":
-                args.poisson_rate = auto_poisson_rate(rows)
+            # Until a round yields a rate-inf random result, "auto" stays (no Poisson case).
+            if args.poisson_rate == "auto" and (rate := auto_poisson_rate(rows)) is not None:
+                args.poisson_rate = rate
             for system in order:
                 rows[system].update(
                     measure_poisson(system, urls[system], model_dir, args, cfg, work, index))

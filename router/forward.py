@@ -105,21 +105,35 @@ class StreamDeadlines:
 NO_DEADLINES = StreamDeadlines(0.0, 0.0)
 
 
-async def _read(
-    call: grpc.aio.UnaryStreamCall, timeout_s: float
+async def _next_message(
+    call: grpc.aio.UnaryStreamCall, on_keepalive: Callable[[], None] | None = None
 ) -> engine_pb2.GenerateResponse | None:
-    """The next message that is not a keep-alive; None at the end of the stream.
-
-    TimeoutError after `timeout_s` (if > 0) without any message; the call is then cancelled.
-    """
+    """The next message that is not a keep-alive (`on_keepalive` is called for each one
+    skipped); None at the end of the stream."""
     while True:
-        async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
-            message = await call.read()
+        message = await call.read()
         if message is grpc.aio.EOF:
             return None
         assert isinstance(message, engine_pb2.GenerateResponse)
         if not keepalive.is_keepalive(message):
             return message
+        if on_keepalive is not None:
+            on_keepalive()
+
+
+async def _read(
+    call: grpc.aio.UnaryStreamCall, timeout_s: float
+) -> engine_pb2.GenerateResponse | None:
+    """The next message that is not a keep-alive; None at the end of the stream.
+
+    TimeoutError after `timeout_s` (if > 0) without any message (every keep-alive restarts
+    the wait); the caller then cancels the call.
+    """
+    if timeout_s <= 0:
+        return await _next_message(call)
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout_s) as deadline:
+        return await _next_message(call, lambda: deadline.reschedule(loop.time() + timeout_s))
 
 
 class EngineStream:
@@ -165,16 +179,10 @@ class EngineStream:
             self._watchdog = loop.call_at(self._last_message_at + self._stall_s, self._check)
         self._waiting = True
         try:
-            while True:
-                message = await self._call.read()
-                if message is grpc.aio.EOF:
-                    if self._stalled:
-                        raise self._stalled_error()
-                    return None
-                assert isinstance(message, engine_pb2.GenerateResponse)
-                if not keepalive.is_keepalive(message):
-                    return message
-                self._last_message_at = loop.time()
+            received = await _next_message(self._call, self._note_keepalive)
+            if received is None and self._stalled:
+                raise self._stalled_error()
+            return received
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not self._stalled or (task is not None and task.cancelling()):
@@ -182,6 +190,9 @@ class EngineStream:
             raise self._stalled_error() from None
         finally:
             self._waiting = False
+
+    def _note_keepalive(self) -> None:
+        self._last_message_at = asyncio.get_running_loop().time()
 
     def _check(self) -> None:
         """The watchdog's timer: cancel the call after `stall_s` of silence while a read
