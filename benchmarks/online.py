@@ -18,8 +18,10 @@ system running every case once a round (the rate-inf cases of both, then the Poi
 both); every figure reported is the median over the rounds (a
 single run apiece let the VM's minute-to-minute speed swings decide the ratio). Reported per
 case: req/s, output tok/s, TTFT and TPOT mean / p50 / p99, side by side, with kvfleet / vLLM
-ratios. At the Poisson rate (auto: 0.8 x the slower system's rate-inf req/s in the first round)
-both systems serve what arrives (the rate sits below both capacities), so req/s there is the
+ratios (of the medians: the verdicts), then the same round's kvfleet / vLLM ratios of req/s,
+mean TTFT and mean TPOT, round by round, to show how far the VM's swings reach. At the
+Poisson rate (auto: 0.8 x the slower system's rate-inf req/s in the first round) both systems
+serve what arrives (the rate sits below both capacities), so req/s there is the
 offered load for both and that case's target is latency only: mean TTFT and mean TPOT no worse
 than vLLM's; the req/s target is judged at rate inf.
 Results: bench_results/online.json (--out); the raw `bench serve` results and every
@@ -186,6 +188,27 @@ def ratios(kv: Row, vl: Row) -> Row:
     return out
 
 
+PAIRED = ("req_per_s", "ttft_mean_ms", "tpot_mean_ms")
+
+
+def round_ratios(per_round: dict[str, list[dict[str, Row]]]) -> dict[str, dict[str, list[float]]]:
+    """Per case and figure, kvfleet / vLLM within each round that ran the case for both.
+
+    Shown beside the verdict (which compares the medians): one system's rounds move 15-25%
+    with the VM's phases, and a round's pair ran minutes apart, so the spread of these says
+    how far the medians' ratio can be trusted.
+    """
+    kv, vl = per_round.get("kvfleet", []), per_round.get("vllm", [])
+    out: dict[str, dict[str, list[float]]] = {}
+    for a, b in zip(kv, vl, strict=False):  # a cut-short run may lack a round
+        for case in a.keys() & b.keys():
+            for key in PAIRED:
+                x, y = a[case].get(key), b[case].get(key)
+                if x is not None and y:
+                    out.setdefault(case, {}).setdefault(key, []).append(x / y)
+    return out
+
+
 def fmt(v: Any, unit: str = "") -> str:
     return "-" if v is None else f"{v:,.1f}{unit}" if isinstance(v, float) else f"{v}{unit}"
 
@@ -222,6 +245,11 @@ def print_report(res: Row) -> None:
             ratio = f"{rat[key]:.2f}x" if rat.get(key) is not None else ""
             print(f"{LABELS[key]:<18}" + "".join(f"{fmt(per[c].get(key)):>12}" for c in per)
                   + (f"{ratio:>14}" if both else ""))
+        paired = res.get("round_ratios", {}).get(name, {})
+        for key, values in paired.items():
+            print(f"  per round kvfleet/vLLM {LABELS[key]}: "
+                  + ", ".join(f"{v:.2f}x" for v in values)
+                  + f" (median {statistics.median(values):.2f}x)")
     cost = res.get("router_cost")
     if cost:
         print(f"\nrouter cost (same engine, gRPC client, random {cfg['input_len']} in / "
@@ -381,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
+    res["round_ratios"] = round_ratios(per_round)
     res["targets"] = check_targets(res)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n", encoding="utf-8")

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.online import POISSON_CASE, auto_poisson_rate, check_targets, median_rows
+from benchmarks.online import (
+    POISSON_CASE,
+    auto_poisson_rate,
+    check_targets,
+    median_rows,
+    round_ratios,
+)
 
 
 def row(req: float, ttft: float, tpot: float) -> dict[str, Any]:
@@ -54,3 +60,15 @@ def test_the_auto_poisson_rate_is_a_fraction_of_the_slower_systems_rate_inf() ->
     assert auto_poisson_rate(first_round) == 1.44
     assert auto_poisson_rate({"kvfleet": {"random": row(2.5, 1.0, 1.0)}}) == 2.0
     assert auto_poisson_rate({"kvfleet": {"prefix_repetition": row(2.5, 1.0, 1.0)}}) is None
+
+
+def test_round_ratios_pair_each_round_of_the_two_systems() -> None:
+    per_round = {
+        "kvfleet": [{"random": row(2.0, 1000, 200)},
+                    {"random": row(3.0, 900, 300), POISSON_CASE: row(1.5, 100, 50)}],
+        "vllm": [{"random": row(1.0, 500, 400)}, {"random": row(2.0, 900, 200)}],
+    }
+    assert round_ratios(per_round) == {
+        "random": {"req_per_s": [2.0, 1.5], "ttft_mean_ms": [2.0, 1.0],
+                   "tpot_mean_ms": [0.5, 1.5]}}
+    assert round_ratios({"kvfleet": per_round["kvfleet"]}) == {}
