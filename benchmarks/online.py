@@ -20,7 +20,8 @@ single run apiece let the VM's minute-to-minute speed swings decide the ratio). 
 case: req/s, output tok/s, TTFT and TPOT mean / p50 / p99, side by side, with kvfleet / vLLM
 ratios (of the medians: the verdicts), then the same round's kvfleet / vLLM ratios of req/s,
 mean TTFT and mean TPOT, round by round, to show how far the VM's swings reach. At the
-Poisson rate (auto: 0.8 x the slower system's rate-inf req/s in the first round) both systems
+Poisson rate (auto: 0.8 x the slower system's rate-inf req/s in the first round that has
+one) both systems
 serve what arrives (the rate sits below both capacities), so req/s there is the
 offered load for both and that case's target is latency only: mean TTFT and mean TPOT no worse
 than vLLM's; the req/s target is judged at rate inf.

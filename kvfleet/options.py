@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet import logs
-from kvfleet.event_loop import EVENT_LOOPS
+from kvfleet.event_loop import EVENT_LOOPS, loop_factory
 from kvfleet.grpc_server import DEFAULT_GRACE_S
 
 LOG_FORMAT = logs.TEXT_FORMAT
@@ -60,8 +60,14 @@ class ServerOptions:
             ),
             metrics_port_file=args.metrics_port_file,
             metrics_port_fallback=args.metrics_port is None,
-            event_loop=args.event_loop,
+            event_loop=_event_loop(args.event_loop),
         )
+
+
+def _event_loop(kind: str) -> str:
+    """`kind`, once it is known to be runnable here (ValueError: uvloop asked for, missing)."""
+    loop_factory(kind)
+    return kind
 
 
 def _port(value: str) -> int:

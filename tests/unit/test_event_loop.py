@@ -43,6 +43,11 @@ def test_without_uvloop_auto_falls_back_and_uvloop_is_refused(
     assert run(_loop_module()).startswith("asyncio")
     with pytest.raises(ValueError, match="uvloop is not installed"):
         loop_factory("uvloop")
+    # Refused when the flags are parsed, so a service exits with the message at start.
+    parser = argparse.ArgumentParser()
+    add_server_arguments(parser)
+    with pytest.raises(ValueError, match="uvloop is not installed"):
+        ServerOptions.from_args(parser.parse_args(["--event-loop", "uvloop"]))
 
 
 async def _health_round_trip() -> int:
