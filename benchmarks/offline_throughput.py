@@ -9,9 +9,10 @@ Scenarios (SmolLM2-135M-Instruct, 2 threads each, every dtype of `--dtypes`):
   `generate_batch` (continuous batching, 16-token pages) and `generate` (static batches of 8,
   left padded) in this process. Each system loads its model once per dtype and gets one small
   untimed warm-up; then `--repeats` rounds (5) run the systems in turn, every round cold
-  (prefix caches reset), so slow phases of a shared machine hit all of them; the median wall
-  time counts. Ratios: kvfleet / vLLM (target >= 1.1x gen tok/s in float32 and bfloat16) and
-  kvfleet / the better transformers peer. Greedy tokens of kvfleet are compared with every
+  (prefix caches reset) and the first system changing from round to round, so slow phases
+  of a shared machine hit all of them; the median wall time counts. Ratios: kvfleet / vLLM
+  (target >= 1.1x gen tok/s in float32 and bfloat16) and kvfleet / the better transformers
+  peer. Greedy tokens of kvfleet are compared with every
   peer's for every request (equal is expected in float32; bfloat16 rounding may diverge).
 - B, prefix cache (first dtype): TTFT cold vs cached (benchmarks/kvfleet_runner.py).
 - C, KV waste (first dtype): allocated KV slots vs tokens held, beside the 16-token-block floor.
@@ -92,8 +93,11 @@ def scenario_a(dtype: str, sys_: Systems, prompts: list[list[int]], warm: list[l
     walls: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, list[list[int]]] = {}
     stats0 = sys_.llm.get_stats()
-    for _ in range(args.repeats):
-        for name in names:
+    for index in range(args.repeats):
+        # Who goes first rotates: the VM's speed swings with a period of a few rounds (one
+        # run: both systems slow in rounds 1, 3, 5 and fast in 2, 4), so a fixed order can
+        # put one system in the slow phases more often than the other.
+        for name in names[index % len(names):] + names[:index % len(names)]:
             wall, outputs[name] = run_round(name, sys_, prompts, args.output_len, args, cb_kwargs)
             walls[name].append(wall)
     stats1 = sys_.llm.get_stats()

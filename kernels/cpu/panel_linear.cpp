@@ -71,7 +71,11 @@ enum class Epilogue { kPlain, kSiluMul, kSplit };
 // restarts at every 4 KiB page; without it the 64-row projections of SmolLM2 ran at 177
 // GFLOP/s from DRAM against 280 with the weights in cache. The T row tiles over a panel share
 // the work, tile t fetching the next panel's k rows t, t + T, ... (`pf` points at row t; null:
-// none), so the requests are spread over the whole panel's compute instead of bursting.
+// none), so the requests are spread over the whole panel's compute instead of bursting. "Next"
+// is the panel the same thread computes next (see drive): prefetching the panel that follows
+// in memory fetched, at a unit's end, a panel the other thread was already computing, and
+// with one-panel units (SmolLM2's qkv, o and down projections at two threads) that was every
+// prefetch; fixed, a 30-layer decode sweep from DRAM took 10-18% less time (64 to 8 rows).
 struct Prefetch {
   const void* row;     // the next panel's k row this tile fetches first
   int64_t row_bytes;   // bytes per k row of a panel
@@ -211,28 +215,36 @@ void drive(OutT* op, int64_t ldc, const T* xp, int64_t lda, const T* wp, int64_t
   const int64_t units = (m + row_block - 1) / row_block * groups;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, units), 1, [&](int64_t, int64_t) {
-    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+    // A thread claims its next unit before working on this one, so the last panel of this
+    // unit can prefetch the first panel of the unit it will really run next (with small
+    // groups, "the following panel" is usually another thread's).
+    int64_t u = next.fetch_add(1);
+    while (u < units) {
+      const int64_t u_next = next.fetch_add(1);
       const int64_t r0 = u / groups * row_block, r1 = std::min(m, r0 + row_block);
       const int64_t p0 = u % groups * group, p1 = std::min(panels, p0 + group);
+      const T* after = u_next < units ? wp + (u_next % groups * group) * panel_elems : nullptr;
       for (int64_t p = p0; p < p1; ++p) {
         const T* b = wp + p * panel_elems;
         const int cols = fixed_cols >= 0
                              ? fixed_cols
                              : static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-        // The next panel (usually this unit's; after a unit's last, the next unit's).
-        const T* next = p + 1 < panels ? b + panel_elems : nullptr;
+        // The panel this thread computes next: the unit's following one, or after its last,
+        // the first of the unit claimed next.
+        const T* nxt = p + 1 < p1 ? b + panel_elems : after;
         const int64_t tiles = (r1 - r0 + kMaxRows - 1) / kMaxRows;
         // A k row of a panel: 32 floats, or 32 bfloat16 pairs.
         constexpr int64_t row_bytes = kPanel * sizeof(float);
         for (int64_t r = r0; r < r1; r += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, r1 - r));
           const int64_t tile = (r - r0) / kMaxRows;
-          const Prefetch pf{next ? reinterpret_cast<const char*>(next) + tile * row_bytes
-                                 : nullptr,
+          const Prefetch pf{nxt ? reinterpret_cast<const char*>(nxt) + tile * row_bytes
+                                : nullptr,
                             row_bytes, tiles};
           Pick(rows)(xp + r * lda, lda, b, k_len, op + r * ldc + p * out_step, ldc, cols, pf);
         }
       }
+      u = u_next;
     }
   });
 }
