@@ -198,8 +198,9 @@ using MicroFn = void (*)(const T*, int64_t, const T*, int64_t, OutT*, int64_t, i
 // Work is handed out in units (a row block x a group of panels) from an atomic counter, not
 // split evenly up front: when another process takes one core for a while (a router or a
 // client on the same machine), the other thread keeps taking units instead of finishing its
-// fixed half and then idling at the barrier. Units go row block by row block so x's active
-// rows stay in cache; about eight units per thread per row block keep the tail short.
+// fixed half and then idling at the barrier (a thread holds at most one unit claimed ahead,
+// for its prefetch). Units go row block by row block so x's active rows stay in cache; about
+// eight units per thread per row block keep the tail short.
 template <typename T, typename OutT, MicroFn<T, OutT> (*Pick)(int)>
 // out_step: out columns per panel (32; 16 for gate/up panels, whose micro-kernels get
 // `fixed_cols` instead of the panel's column count).
