@@ -12,8 +12,8 @@ Scenarios (SmolLM2-135M-Instruct, 2 threads each, every dtype of `--dtypes`):
   (prefix caches reset) and the first system changing from round to round, so slow phases
   of a shared machine hit all of them; the median wall time counts. Ratios: kvfleet / vLLM
   (target >= 1.1x gen tok/s in float32 and bfloat16) and kvfleet / the better transformers
-  peer. Greedy tokens of kvfleet are compared with every
-  peer's for every request (equal is expected in float32; bfloat16 rounding may diverge).
+  peer. Greedy tokens of kvfleet are compared with every peer's for every request (equal is
+  expected in float32; bfloat16 rounding may diverge).
 - B, prefix cache (first dtype): TTFT cold vs cached (benchmarks/kvfleet_runner.py).
 - C, KV waste (first dtype): allocated KV slots vs tokens held, beside the 16-token-block floor.
 

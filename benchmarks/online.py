@@ -21,10 +21,9 @@ case: req/s, output tok/s, TTFT and TPOT mean / p50 / p99, side by side, with kv
 ratios (of the medians: the verdicts), then the same round's kvfleet / vLLM ratios of req/s,
 mean TTFT and mean TPOT, round by round, to show how far the VM's swings reach. At the
 Poisson rate (auto: 0.8 x the slower system's rate-inf req/s in the first round that has
-one) both systems
-serve what arrives (the rate sits below both capacities), so req/s there is the
-offered load for both and that case's target is latency only: mean TTFT and mean TPOT no worse
-than vLLM's; the req/s target is judged at rate inf.
+one) both systems serve what arrives (the rate sits below both capacities), so req/s there is
+the offered load for both and that case's target is latency only: mean TTFT and mean TPOT no
+worse than vLLM's; the req/s target is judged at rate inf.
 Results: bench_results/online.json (--out); the raw `bench serve` results and every
 server's log sit beside it.
 """
