@@ -3,7 +3,7 @@
 # The kvfleet services image: one image for every role the Helm chart (charts/kvfleet) runs.
 #
 #   python -m kvfleet.cli serve router|tokenizer|engine ARGS...   the services
-#   python -m engine.default_model --out DIR                       init container (model.source=init)
+#   python -m engine.models.default_model --out DIR                       init container (model.source=init)
 #
 # Build from the repository root (docs/helm.md has the details):
 #
@@ -72,7 +72,7 @@ COPY router ./router
 COPY tokenizer_svc ./tokenizer_svc
 
 RUN if [ "${BAKE_DEFAULT_MODEL}" = "1" ]; then \
-        python -m engine.default_model --out /opt/kvfleet/models/SmolLM2-135M-Instruct \
+        python -m engine.models.default_model --out /opt/kvfleet/models/SmolLM2-135M-Instruct \
         && rm -rf /tmp/.cache; \
     fi
 

@@ -53,7 +53,7 @@ tcmalloc:
 peers: $(PEERS_STAMP) tcmalloc
 
 model: install
-	$(PY) -m engine.default_model
+	$(PY) -m engine.models.default_model
 
 # The local fleet (Redis, tokenizer, 2 engines, router) on the default model: streams three
 # chats twice (prefix hits, which engine served each), then serves until Ctrl-C.

@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 
 from benchmarks.workload import random_prompts
+from kvfleet.router_client import build_request
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
-from router.client import build_request
 
 Row = dict[str, Any]
 Metadata = tuple[tuple[str, str], ...]

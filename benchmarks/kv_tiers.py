@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import LLM, SamplingParams
-from engine.default_model import prepare_default_model
 from engine.models.config import ModelConfig
+from engine.models.default_model import prepare_default_model
 
 BLOCK_SIZE = 16
 

@@ -30,7 +30,7 @@ from typing import Any
 from benchmarks import hf_peer
 from benchmarks.workload import Row, random_prompts
 from engine import LLM, SamplingParams
-from engine.model_runner import RunnerOutput
+from engine.worker.model_runner import RunnerOutput
 
 TARGET_B = 10.0  # cached TTFT >= 10x faster than cold
 BLOCK_SIZE = 16

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.service.async_engine import AsyncEngine
 from engine.service.metrics import EngineMetrics
-from kvfleet.metrics import MetricsEndpoint
+from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.runtime.metrics import MetricsEndpoint
 
 
 class Timed:

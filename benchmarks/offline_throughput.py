@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from engine.default_model import prepare_default_model
+        from engine.models.default_model import prepare_default_model
 
         args.model = str(prepare_default_model())
     model_dir = Path(args.model)

@@ -45,7 +45,7 @@ from benchmarks.kvfleet_runner import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SE
 from benchmarks.vllm_runner import PeerConfig
 from benchmarks.vllm_serving import VllmServer, bench_serve, wait_http_ok
 from kvfleet.fleet import Fleet, FleetConfig
-from kvfleet.service_auth import credential_metadata, read_secret
+from kvfleet.runtime.service_auth import credential_metadata, read_secret
 
 SYSTEMS = ("kvfleet", "vllm")
 POISSON_CASE = "random_poisson"
@@ -348,7 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.model is None:
-        from engine.default_model import prepare_default_model
+        from engine.models.default_model import prepare_default_model
 
         args.model = str(prepare_default_model())
     model_dir = Path(args.model)

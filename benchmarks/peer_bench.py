@@ -67,7 +67,7 @@ class BenchRun:
 
         torch.set_num_threads(args.threads)
         if args.model is None:
-            from engine.default_model import prepare_default_model
+            from engine.models.default_model import prepare_default_model
 
             args.model = str(prepare_default_model())
         out = Path(args.out)

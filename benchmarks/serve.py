@@ -44,10 +44,10 @@ from typing import Any
 
 import grpc
 
-from engine.tokenizer import Tokenizer
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.router_client import Completion, build_request, channel, generate
+from kvfleet.text.tokenizer import Tokenizer
 from kvfleet.v1 import common_pb2, router_pb2_grpc
-from router.client import Completion, build_request, channel, generate
 
 POLICIES = ("prefix", "round_robin", "least_load")
 TARGET_SPEEDUP = 1.5
@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = args.model
     if model_dir is None:
-        from engine.default_model import prepare_default_model
+        from engine.models.default_model import prepare_default_model
 
         model_dir = prepare_default_model()
     try:

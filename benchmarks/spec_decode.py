@@ -164,7 +164,7 @@ def vllm_system(worker: VllmWorker) -> tuple[Generate, Callable[[], dict[str, fl
 
 
 def run(bench: BenchRun) -> Row:
-    from engine.tokenizer import Tokenizer
+    from kvfleet.text.tokenizer import Tokenizer
 
     args, model_dir = bench.args, bench.model_dir
     tokenizer = Tokenizer.from_dir(model_dir)

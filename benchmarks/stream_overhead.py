@@ -33,9 +33,9 @@ from typing import Any
 import grpc
 
 from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess
-from kvfleet.service_auth import credential_metadata, read_secret
+from kvfleet.router_client import build_request
+from kvfleet.runtime.service_auth import credential_metadata, read_secret
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
-from router.client import build_request
 
 PROMPT_IDS = [3 + (7 * i) % 400 for i in range(24)]
 Stream = Callable[[int], list[float]]

@@ -41,8 +41,8 @@ from typing import Any
 
 from benchmarks.workload import random_prompts
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.router_client import build_request, channel, generate
 from kvfleet.v1 import common_pb2, router_pb2_grpc
-from router.client import build_request, channel, generate
 
 Row = dict[str, Any]
 TARGET_TTFT_RATIO = 2.0
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = args.model
     if model_dir is None:
-        from engine.default_model import prepare_default_model
+        from engine.models.default_model import prepare_default_model
 
         model_dir = prepare_default_model()
     load_before = os.getloadavg()

@@ -1,6 +1,6 @@
 """kvfleet's engine: paged KV cache, continuous batching, and the offline `LLM` API.
 
-Public names are imported lazily so that light modules (e.g. `engine.block_hash`, which the
+Public names are imported lazily so that light modules (e.g. `kvfleet.contracts.block_hash`, which the
 router uses) can be imported without pulling in torch.
 """
 
@@ -12,14 +12,14 @@ if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.lora.request import LoRARequest
     from engine.outputs import CompletionOutput, RequestOutput
-    from engine.sampling_params import SamplingParams
+    from kvfleet.contracts.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 _LAZY = {
     "LLM": "engine.llm",
     "LoRARequest": "engine.lora.request",
-    "SamplingParams": "engine.sampling_params",
+    "SamplingParams": "kvfleet.contracts.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }

@@ -2,7 +2,7 @@
 
 Field names and defaults follow vLLM's engine arguments so that a vLLM user's flags carry over.
 Values that depend on the model (max_model_len, the number of KV blocks) are resolved by the
-engine when it loads the model; see `engine.llm_engine`.
+engine when it loads the model; see `engine.core.llm_engine`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine.device import validate_device_spec
 from engine.lora.config import validate_lora_args
 from engine.spec_decode.spec_config import SpeculativeConfig, parse_speculative_config
+from engine.worker.device import validate_device_spec
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # like vLLM's CPU default order of magnitude
 
@@ -36,11 +36,11 @@ class EngineConfig:
     # kernels or fail (both CPU only); "triton": the Triton kernels (interpreted on CPU: slow,
     # for tests).
     attention_backend: str = "auto"
-    # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; see engine.device.
+    # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"; see engine.worker.device.
     device: str = "auto"
     # CUDA only (vLLM's names): the fraction of the GPU's memory this engine may use (weights,
-    # peak activations and KV cache; engine.gpu_memory), and whether decode steps run eagerly
-    # instead of through captured CUDA graphs (engine.cuda_graphs). Ignored on CPU.
+    # peak activations and KV cache; engine.worker.gpu_memory), and whether decode steps run eagerly
+    # instead of through captured CUDA graphs (engine.worker.cuda_graphs). Ignored on CPU.
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     # Decode batch sizes captured as CUDA graphs (None: vLLM's list up to max_num_seqs).
@@ -52,12 +52,12 @@ class EngineConfig:
     # or "fcfs" (priority, then arrival, whoever the tenant).
     scheduling_policy: str = "fair"
     # Pause a step between two layers to serve a just-arrived request that fair share ranks
-    # ahead, in a complete step of its own (engine.urgent_step); needs fair share, CPU, and
+    # ahead, in a complete step of its own (engine.core.urgent_step); needs fair share, CPU, and
     # no LoRA, speculative decoding or KV tiers (otherwise it stays off, logged at start).
     # On by default: on an idle 2-core machine it took a chatting tenant's p99 TTFT under
     # another tenant's flood from 10.9x to 1.0x its TTFT alone, throughput unchanged.
     preempt_steps_for_new_tenants: bool = True
-    # KV memory tiers (engine.kv_offload). vLLM's names: preemption_mode "recompute", "swap"
+    # KV memory tiers (engine.kv_tiers.offload). vLLM's names: preemption_mode "recompute", "swap"
     # (move the victim's KV to host swap space) or "auto" (swap victims holding at least
     # swap_min_computed_tokens computed tokens); swap_space in GiB, allocated only when the
     # mode can swap; num_swap_blocks overrides it (tests).

@@ -2,12 +2,12 @@
 
 All prompts of a call are validated before any is queued, so a bad prompt raises ValueError and
 leaves the engine untouched and serving. Outputs come back in input order, one RequestOutput
-per prompt. A prompt with n > 1 becomes n engine requests (engine.parallel_sampling.fan_out)
+per prompt. A prompt with n > 1 becomes n engine requests (kvfleet.contracts.parallel_sampling.fan_out)
 that share the prompt's KV blocks through the prefix cache; its RequestOutput lists the n
 samples in index order. Stop strings and logprobs are tracked per sample
-(engine.output_processor); a sample whose text reaches a stop string is stopped in the engine
+(engine.completion_tracker); a sample whose text reaches a stop string is stopped in the engine
 at once, so its blocks are freed. Prompt logprobs are the first sample's (only it computes
-them; see engine.parallel_sampling).
+them; see kvfleet.contracts.parallel_sampling).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
+from engine.completion_tracker import CompletionTracker
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
-from engine.output_processor import CompletionTracker
 from engine.outputs import RequestOutput
-from engine.parallel_sampling import fan_out
-from engine.sampling_params import SamplingParams
+from kvfleet.contracts.parallel_sampling import fan_out
+from kvfleet.contracts.sampling_params import SamplingParams
 
 PromptInput = str | dict[str, Any]
 ChatMessages = list[dict[str, str]]
@@ -44,7 +44,7 @@ class _Prepared:
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is None:
-            from engine.default_model import prepare_default_model
+            from engine.models.default_model import prepare_default_model
 
             model = str(prepare_default_model())
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))

@@ -7,7 +7,7 @@
     kvfleet logs [SERVICE ...] [-n N] [-f]                              the last run's logs
 
 Role: argument parsing and process lifecycle only; the work lives in `kvfleet.fleet` (the
-local fleet), `router.client` (the client), `kvfleet.run_logs` (where `up` keeps logs) and
+local fleet), `kvfleet.router_client` (the client), `kvfleet.run_logs` (where `up` keeps logs) and
 each service's own `main(argv)`. `serve`
 imports a service lazily (the engine pulls in torch; the router and tokenizer must not).
 
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import grpc
 
+from kvfleet import router_client as router_client
 from kvfleet import run_logs
 from kvfleet.fleet import Fleet, FleetConfig, FleetError
 from kvfleet.v1 import common_pb2, router_pb2_grpc
-from router import client as router_client
 
 SERVICES = {
     "router": "router.server",
@@ -199,7 +199,7 @@ def _print_text(text: str) -> None:
 def run_up(args: argparse.Namespace, demo: bool) -> int:
     model_dir = args.model
     if model_dir is None:
-        from engine.default_model import prepare_default_model
+        from engine.models.default_model import prepare_default_model
 
         model_dir = prepare_default_model()
     config = FleetConfig(

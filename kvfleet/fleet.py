@@ -343,7 +343,7 @@ class Fleet:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvfleet-")
             self._log_dir = Path(self._tmp.name)
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        # Engines serve only callers with this secret (kvfleet.service_auth): the fleet's
+        # Engines serve only callers with this secret (kvfleet.runtime.service_auth): the fleet's
         # routers, not any local process that finds an engine port.
         fd = os.open(self.router_secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:

@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (served on --metrics-port; see kvfleet.metrics).
+"""The router's Prometheus metrics (served on --metrics-port; see kvfleet.runtime.metrics).
 
 Names (counters get `_total` in the exposition, histograms `_bucket/_sum/_count`):
 - kvfleet:router_requests{tenant,code}: Generate calls by tenant and final gRPC status.
@@ -23,12 +23,12 @@ Names (counters get `_total` in the exposition, histograms `_bucket/_sum/_count`
 - kvfleet:router_policy_reloads{outcome}: tenant policy file reloads, ok or error (the
   previous policy stays in force).
 - kvfleet:router_lora_adapter_loads{engine_id,outcome}: LoRA adapters this router loaded on
-  an engine because every engine serving them was saturated (router.lora_placement), by
+  an engine because every engine serving them was saturated (router.routing.lora_placement), by
   outcome: loaded or failed.
 
 Tenant names appear only in the `tenant` labels, and only on the metrics port
 (--metrics-port, for scrapers); the HTTP API's /metrics leaves every tenant-labelled
-series out (`router.http_extras`).
+series out (`router.http.vllm_endpoints`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.policy import EngineView
+from router.routing.ranking import EngineView
 
 PREFIX = "kvfleet:router"
 REDIS_LATENCY_BUCKETS = (

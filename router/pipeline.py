@@ -5,20 +5,20 @@ best engine, retrying others before the first token (`forward`) -> relay text (`
 The gRPC servicer and the OpenAI HTTP API both call `generate` after authenticating.
 
 Invariants:
-- Sampling parameters are checked with the engine's own rules (`engine.sampling_proto`),
-  and the request's sizes against the router's limits (`router.limits`), before anything
+- Sampling parameters are checked with the engine's own rules (`kvfleet.contracts.sampling_proto`),
+  and the request's sizes against the router's limits (`router.request_limits`), before anything
   is tokenized or routed, so a bad request costs no compute anywhere. After tokenizing,
   the prompt must fit `--max-input-tokens` and, once an engine is chosen, that engine's
-  max_model_len with max_tokens (`router.context_window`); max_tokens unset stays unset:
+  max_model_len with max_tokens (`router.engines.context_window`); max_tokens unset stays unset:
   the engine generates up to its max_model_len - prompt tokens (vLLM's rule).
-- n > 1 becomes n engine requests (`engine.parallel_sampling`: seed + i per sample) on the
+- n > 1 becomes n engine requests (`kvfleet.contracts.parallel_sampling`: seed + i per sample) on the
   engine chosen for the first one. The siblings are sent once the first has produced its
   first token, so the prompt's full blocks are in that engine's prefix cache and they share
   them; each sample streams with its `index` and ends with its own final message.
 - The tenant is every engine request's `cache_salt`, so tenants never share cached blocks,
-  and its `tenant` with its fair-share weight. Its policy (`router.tenant_rules`) settles the
+  and its `tenant` with its fair-share weight. Its policy (`router.tenancy.request_rules`) settles the
   model, priority, max_tokens and choices before tokenizing; its rate limits
-  (`router.rate_limit`) are checked once the prompt is tokenized, before routing: over a
+  (`router.tenancy.rate_limit`) are checked once the prompt is tokenized, before routing: over a
   limit raises `RateLimitedError` (429 / RESOURCE_EXHAUSTED). The generated tokens are
   charged when the request ends, however it ends.
 - An engine's silence is bounded (`forward.StreamDeadlines`): a stall before the first
@@ -41,26 +41,26 @@ from typing import Any
 
 from opentelemetry import trace
 
-from engine.parallel_sampling import child_request_id, child_seed
-from engine.sampling_params import SamplingParams
-from engine.sampling_proto import to_sampling_params
-from kvfleet.logs import set_request_id
-from kvfleet.stop_strings import StopStringMatcher
-from kvfleet.tracing import tracer
+from kvfleet.contracts.parallel_sampling import child_request_id, child_seed
+from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.contracts.sampling_proto import to_sampling_params
+from kvfleet.runtime.logs import set_request_id
+from kvfleet.runtime.tracing import tracer
+from kvfleet.text.stop_strings import StopStringMatcher
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
-from router.context_window import ContextWindows, check_fits
-from router.engine_pool import EnginePool
-from router.forward import EngineStream, StreamDeadlines, open_engine_stream
-from router.limits import RequestLimits
-from router.merge import merge_tagged
+from router.engines.context_window import ContextWindows, check_fits
+from router.engines.dispatch import EngineStream, StreamDeadlines, open_engine_stream
+from router.engines.merge import merge_tagged
+from router.engines.pool import EnginePool
+from router.engines.stream_relay import ResponseRelay
 from router.metrics import RouterMetrics
-from router.policy import EngineView
-from router.rate_limit import TenantRateLimiter
-from router.rate_limit_types import Admission, RateLimitedError
-from router.relay import ResponseRelay
-from router.routing import Decision, EngineSelector
-from router.tenant_policy import Tenant
-from router.tenant_rules import TenantRules
+from router.request_limits import RequestLimits
+from router.routing.decision import Decision, EngineSelector
+from router.routing.ranking import EngineView
+from router.tenancy.rate_limit import TenantRateLimiter
+from router.tenancy.rate_limit_types import Admission, RateLimitedError
+from router.tenancy.request_rules import TenantRules
+from router.tenancy.tenant_policy import Tenant
 from router.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class GenerationPipeline:
         max_tokens = rules.max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
         samples = _samples(request, prompt_ids, params, engine_request_id, tenant.name,
                            _EngineFields(rules.priority, max_tokens, tenant.limits.weight))
-        for sample in samples:  # the model named a LoRA adapter (router.lora_routing)
+        for sample in samples:  # the model named a LoRA adapter (router.routing.lora_engines)
             sample.engine_request.lora_id = decision.lora_id
         streams: list[EngineStream] = []
         try:

@@ -4,7 +4,7 @@
 Role: process entry point. Parses arguments once into `RouterConfig`, builds the servicer
 (tenant policy store, rate limiter, tokenizer client, Redis prefix index, engine discovery,
 engine pool, selector) on a
-`kvfleet.grpc_server.GrpcServer` (health, reflection, error mapping, graceful drain) and
+`kvfleet.runtime.grpc_server.GrpcServer` (health, reflection, error mapping, graceful drain) and
 serves until SIGTERM/SIGINT; exits 0 after a graceful shutdown.
 
 Invariants: configuration comes from arguments only (no environment reads); the port file is
@@ -24,28 +24,28 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from kvfleet import event_loop
-from kvfleet.grpc_server import GrpcServer, write_port_file
-from kvfleet.metrics import start_metrics_endpoint
-from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
-from kvfleet.service_auth import read_secret
-from kvfleet.tracing import init_tracing
-from router.engine_discovery import DEFAULT_DNS_REFRESH_S, DiscoveryConfig, EngineDiscovery
-from router.engine_pool import EnginePool
-from router.forward import StreamDeadlines
-from router.http_api import OpenAIApi
-from router.http_server import HttpServer
-from router.limits import RequestLimits, add_limit_arguments
-from router.lora_placement import LoRAPlacementConfig, LoRAPlacer, engine_loader
+from kvfleet.runtime import event_loop
+from kvfleet.runtime.grpc_server import GrpcServer, write_port_file
+from kvfleet.runtime.metrics import start_metrics_endpoint
+from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
+from kvfleet.runtime.service_auth import read_secret
+from kvfleet.runtime.tracing import init_tracing
+from router.engines.discovery import DEFAULT_DNS_REFRESH_S, DiscoveryConfig, EngineDiscovery
+from router.engines.dispatch import StreamDeadlines
+from router.engines.pool import EnginePool
+from router.http.app import OpenAIApi
+from router.http.uvicorn_server import HttpServer
 from router.metrics import RouterMetrics
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
-from router.policy import Policy, PrefixPolicyConfig
-from router.policy_reload import DEFAULT_RELOAD_INTERVAL_S, PolicyStore
-from router.prefix_index import PrefixIndex, PrefixIndexConfig
-from router.rate_limit import RateLimitConfig, TenantRateLimiter
-from router.routing import EngineSelector, RoutingConfig
+from router.request_limits import RequestLimits, add_limit_arguments
+from router.routing.decision import EngineSelector, RoutingConfig
+from router.routing.lora_placement import LoRAPlacementConfig, LoRAPlacer, engine_loader
+from router.routing.prefix_index import PrefixIndex, PrefixIndexConfig
+from router.routing.ranking import Policy, PrefixPolicyConfig
 from router.servicer import RouterServicer
-from router.tenant_policy import TenantPolicy, load_policy
+from router.tenancy.policy_reload import DEFAULT_RELOAD_INTERVAL_S, PolicyStore
+from router.tenancy.rate_limit import RateLimitConfig, TenantRateLimiter
+from router.tenancy.tenant_policy import TenantPolicy, load_policy
 from router.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class RouterConfig:
     # Seconds between checks of the tenant policy file for changes (0: never reload).
     policy_reload_s: float = DEFAULT_RELOAD_INTERVAL_S
     rate_limits: RateLimitConfig = field(default_factory=RateLimitConfig)
-    # The shared secret engines require of routers (kvfleet.service_auth); None: none sent.
+    # The shared secret engines require of routers (kvfleet.runtime.service_auth); None: none sent.
     router_secret_file: Path | None = None
     lora: LoRAPlacementConfig = field(default_factory=LoRAPlacementConfig)
 

@@ -7,8 +7,8 @@ Role: authenticate (the API key in gRPC metadata, against the current tenant pol
 Invariants:
 - Errors are raised, not set: ValueError -> INVALID_ARGUMENT, UnavailableError ->
   UNAVAILABLE, a tenant over its limits -> RESOURCE_EXHAUSTED with `retry-after` and a
-  RetryInfo detail (`kvfleet.interceptors`), downstream statuses relayed (kvfleet.errors);
-  only UNAUTHENTICATED is set here with `context.abort`, as kvfleet.errors has no
+  RetryInfo detail (`kvfleet.runtime.interceptors`), downstream statuses relayed (kvfleet.contracts.errors);
+  only UNAUTHENTICATED is set here with `context.abort`, as kvfleet.contracts.errors has no
   exception for it.
 - A client that goes away closes the pipeline at once, which cancels its engine calls.
 """
@@ -21,15 +21,15 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 import grpc.aio
 
-from kvfleet.grpc_server import Service
-from kvfleet.logs import set_tenant
-from kvfleet.metrics import status_label
+from kvfleet.runtime.grpc_server import Service
+from kvfleet.runtime.logs import set_tenant
+from kvfleet.runtime.metrics import status_label
 from kvfleet.v1 import router_pb2, router_pb2_grpc
-from router.auth import AuthenticationError
 from router.metrics import RouterMetrics
 from router.pipeline import GenerationPipeline
-from router.policy_reload import PolicyStore
-from router.tenant_policy import Tenant
+from router.tenancy.api_keys import AuthenticationError
+from router.tenancy.policy_reload import PolicyStore
+from router.tenancy.tenant_policy import Tenant
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 

@@ -14,7 +14,7 @@ Invariants:
   closed with a grace period). A second UNAVAILABLE fails the request with UNAVAILABLE.
   Tokenization is idempotent, so a retry never changes a result.
 - Other errors from the tokenizer keep their status (e.g. INVALID_ARGUMENT for a bad chat)
-  through `kvfleet.errors`.
+  through `kvfleet.contracts.errors`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from kvfleet.errors import UnavailableError
-from kvfleet.tracing import trace_metadata
+from kvfleet.contracts.errors import UnavailableError
+from kvfleet.runtime.tracing import trace_metadata
 from kvfleet.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.default_model import default_model_dir
+from engine.models.default_model import default_model_dir
 
 
 def run_tests(out_dir: Path, paths: list[str]) -> dict[str, object]:

@@ -33,6 +33,6 @@ def tiny_lora_dirs(
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from engine.default_model import prepare_default_model
+    from engine.models.default_model import prepare_default_model
 
     return prepare_default_model()

@@ -1,6 +1,6 @@
 """kvfleet's tokenizer service: text <-> token ids, chat templates, streaming detokenization.
 
-Modules: `service` (the kvfleet.v1.Tokenizer servicer over engine.tokenizer.Tokenizer),
+Modules: `service` (the kvfleet.v1.Tokenizer servicer over kvfleet.text.tokenizer.Tokenizer),
 `incremental` (IncrementalDetokenizer, which engines also use in-process to stream their
 own text) and `server` (the process entry point). The router calls this service once per
 request (Tokenize), never per generated token; replicas are interchangeable (no state

@@ -2,7 +2,7 @@
 (or `python -m tokenizer_svc.server --model DIR --port N`).
 
 Role: process entry point. Loads the tokenizer once, hosts `TokenizerServicer` on a
-`kvfleet.grpc_server.GrpcServer` (health, reflection, error mapping, graceful drain) and
+`kvfleet.runtime.grpc_server.GrpcServer` (health, reflection, error mapping, graceful drain) and
 serves until SIGTERM/SIGINT; exits 0 after a graceful shutdown.
 
 Invariants: configuration comes from arguments only (no environment reads); the port file,
@@ -19,12 +19,12 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from kvfleet import event_loop
-from kvfleet.grpc_server import DEFAULT_GRACE_S, GrpcServer, ShutdownHook, write_port_file
-from kvfleet.metrics import RpcMetrics, RpcMetricsInterceptor, start_metrics_endpoint
-from kvfleet.options import add_server_arguments, start_service_process
-from kvfleet.tracing import init_tracing
-from tokenizer_svc.chat_template import resolve_chat_template
+from kvfleet.runtime import event_loop
+from kvfleet.runtime.grpc_server import DEFAULT_GRACE_S, GrpcServer, ShutdownHook, write_port_file
+from kvfleet.runtime.metrics import RpcMetrics, RpcMetricsInterceptor, start_metrics_endpoint
+from kvfleet.runtime.options import add_server_arguments, start_service_process
+from kvfleet.runtime.tracing import init_tracing
+from kvfleet.text.chat_template import resolve_chat_template
 from tokenizer_svc.service import TokenizerServicer
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
-"""TokenizerServicer: the kvfleet.v1.Tokenizer gRPC service over `engine.tokenizer.Tokenizer`.
+"""TokenizerServicer: the kvfleet.v1.Tokenizer gRPC service over `kvfleet.text.tokenizer.Tokenizer`.
 
 Role: a thin adapter. Validation happens here and raises ValueError with a message naming
-the offending field; `kvfleet.interceptors.ErrorMappingInterceptor` turns that into
-INVALID_ARGUMENT. Results are exactly `engine.tokenizer.Tokenizer`'s (the engine and the
+the offending field; `kvfleet.runtime.interceptors.ErrorMappingInterceptor` turns that into
+INVALID_ARGUMENT. Results are exactly `kvfleet.text.tokenizer.Tokenizer`'s (the engine and the
 service can never disagree on ids).
 
 Invariants:
@@ -25,10 +25,10 @@ import grpc.aio
 import jinja2
 from google.protobuf.message import Message
 
-from engine.tokenizer import Tokenizer, load_generation_eos_ids
-from kvfleet.grpc_server import Service
+from kvfleet.runtime.grpc_server import Service
+from kvfleet.text.incremental import IncrementalDetokenizer
+from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
 from kvfleet.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.incremental import IncrementalDetokenizer
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 # OpenAI's chat roles ("developer" is the newer name for "system").
@@ -56,7 +56,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return cls(tokenizer, info)
 
     def as_service(self) -> Service:
-        """This servicer as a `kvfleet.grpc_server.Service` to host."""
+        """This servicer as a `kvfleet.runtime.grpc_server.Service` to host."""
         return Service(
             SERVICE_NAME,
             lambda server: tokenizer_pb2_grpc.add_TokenizerServicer_to_server(self, server),

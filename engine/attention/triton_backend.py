@@ -1,6 +1,6 @@
 """The Triton attention backend: KV write + one unified attention launch per layer.
 
-Chosen at start-up (`engine.device.resolve_attention_backend`): always on CUDA, and on CPU
+Chosen at start-up (`engine.worker.device.resolve_attention_backend`): always on CUDA, and on CPU
 when `attention_backend="triton"` is asked for explicitly, where the kernels run under
 Triton's interpreter (how the engine is tested end to end through them without a GPU).
 `load_kernels` must run before the first forward pass; it fixes the interpreter choice for

@@ -6,7 +6,7 @@ step's K/V is written (earlier context + this chunk); its KV blocks are block_ta
 (columns past the blocks it needs are padding, block 0, never read). A decode is a sequence
 with one query row: prefills and decodes need no separate description.
 
-Built on the host, in int32, from the same scheduler output as `engine.input_batch`, so the
+Built on the host, in int32, from the same scheduler output as `engine.worker.input_batch`, so the
 two describe the same flat order.
 """
 

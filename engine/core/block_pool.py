@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from engine.block_hash import BlockHash
+from kvfleet.contracts.block_hash import BlockHash
 
 
 @dataclass(eq=False)

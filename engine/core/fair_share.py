@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from engine.request import Request, TenantShare
+from engine.core.request import Request, TenantShare
 
 __all__ = ["FairShare", "TenantShare", "tenant_name", "tenant_of", "weight_of"]
 

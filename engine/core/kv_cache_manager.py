@@ -22,7 +22,7 @@ Memory tiers (both optional; without them nothing below runs):
   blocks (shared ones stay in place, still referenced), `swap_in` brings them back into fresh
   device blocks, or onto the same hash's block if the device still caches it.
 - Copies are planned into `transfers` and run before the next forward pass (see
-  engine.core.kv_transfer for the ordering guarantees).
+  engine.kv_tiers.transfer for the ordering guarantees).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
-from engine.block_hash import BlockHash
 from engine.core.block_pool import BlockPool, KVCacheBlock
-from engine.core.host_kv_tier import HostKVTier
-from engine.core.kv_transfer import TransferQueue
-from engine.core.swap_space import SwappedBlock, SwapSpace
-from engine.request import Request
+from engine.core.request import Request
+from engine.kv_tiers.host_tier import HostKVTier
+from engine.kv_tiers.swap_space import SwappedBlock, SwapSpace
+from engine.kv_tiers.transfer import TransferQueue
+from kvfleet.contracts.block_hash import BlockHash
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ has received more service than another tenant with prompt work gives way for the
 is skipped in the first pass and gets the budget left after admission (without preempting
 anyone), so the engine stays work-conserving.
 
-Urgent steps (engine.core.urgent_schedule, engine.urgent_step): while a step is paused between
+Urgent steps (engine.core.urgent_schedule, engine.core.urgent_step): while a step is paused between
 layers, a step of only some just-added waiting requests is scheduled with `admit_one`, the
 same admission as here, touching nothing of the paused step.
 
@@ -61,9 +61,9 @@ from __future__ import annotations
 import bisect
 import time
 
-from engine.block_hash import BlockHash
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import HostHit, KVCacheManager
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import (
     RequestUpdate,
     ScheduledRequest,
@@ -72,13 +72,13 @@ from engine.core.scheduler_output import (
 )
 from engine.logprobs import TokenLogprobs
 from engine.lora.admission import LoRAAdmission, LoRAAdmissionPass
-from engine.request import Request, RequestStatus
 from engine.spec_decode.spec_scheduling import (
     VerifiedTokens,
     drafts_to_verify,
     roll_back,
     step_tokens,
 )
+from kvfleet.contracts.block_hash import BlockHash
 
 
 class Scheduler:

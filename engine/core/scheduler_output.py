@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.core.request import Request
 from engine.logprobs import TokenLogprobs
-from engine.request import Request
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The scheduler's half of an urgent step (engine.urgent_step): a step of only some newly
+"""The scheduler's half of an urgent step (engine.core.urgent_step): a step of only some newly
 added requests, scheduled while another step is paused between two layers of its forward pass.
 
 Invariants (what makes running it inside a paused step sound):
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_hash import BlockHash
+from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
-from engine.request import Request
+from kvfleet.contracts.block_hash import BlockHash
 
 
 def schedule_urgent(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 class LoRAAdmission:

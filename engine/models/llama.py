@@ -204,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        # Called with the layer's index after every layer but the last (engine.urgent_step
+        # Called with the layer's index after every layer but the last (engine.core.urgent_step
         # pauses a step there); the forward pass's state is all in its own locals, so the hook
         # may run other forward passes on this model. None: no call.
         self.layer_hook: Callable[[int], None] | None = None

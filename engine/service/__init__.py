@@ -5,7 +5,7 @@
   (`GenerateOutput`, `EngineLoad`, `StepProgress`).
 - `output_text`: the engine's own incremental detokenization of each request's tokens.
 - `redis_publisher.RedisPublisher`: keeps the engine's registry entry, load and block index
-  in Redis (layout: `kvfleet.redis_schema`).
+  in Redis (layout: `kvfleet.contracts.redis_schema`).
 - `servicer.EngineServicer`: kvfleet.v1.Engine over an `AsyncEngine`.
 - `step_watchdog.StepWatchdog`: gRPC health NOT_SERVING while the step loop is stalled or dead.
 - `keepalive`: the keep-alive messages a caller may ask Generate for (slow vs. stalled).

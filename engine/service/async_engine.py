@@ -25,8 +25,8 @@ Invariants:
   a cancelled stream never receives the old request's tokens.
 - `progress` (a `StepProgress` snapshot, replaced at the start of every iteration and before
   idling) is what `step_watchdog` judges; `generate(keepalive_s=...)` yields empty outputs
-  while the loop advances without tokens for the request (`engine.service.keepalive`).
-- Urgent steps (engine.urgent_step, when on): between the layers of a step the engine thread
+  while the loop advances without tokens for the request (`kvfleet.contracts.keepalive`).
+- Urgent steps (engine.core.urgent_step, when on): between the layers of a step the engine thread
   takes the queued adds out of the command queue, adds them, and serves those that qualify
   at once; the other commands keep their order and wait for the step's end. Before each
   ordinary step, the waiting requests that are due (`UrgentSteps.due`) get a step of their own.
@@ -49,18 +49,18 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheEvents
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import TenantShare
 from engine.core.scheduler import RequestUpdate
-from engine.llm_engine import LLMEngine
-from engine.request import TenantShare
-from engine.sampling_params import SamplingParams
 from engine.service.engine_commands import Add as _Add
 from engine.service.engine_commands import Call as _Call
 from engine.service.engine_commands import Command as _Command
 from engine.service.engine_state import EngineLoad, GenerateOutput, StepProgress
 from engine.service.engine_thread import EngineThread
-from kvfleet.errors import OverloadedError, UnavailableError
+from kvfleet.contracts.block_hash import BlockHash
+from kvfleet.contracts.errors import OverloadedError, UnavailableError
+from kvfleet.contracts.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class AsyncEngine:
         self._live: dict[str, int] = {}
         self._stored: list[BlockHash] = []
         self._removed: list[BlockHash] = []
-        # Host-tier events (engine.core.host_kv_tier); stay empty without a host tier.
+        # Host-tier events (engine.kv_tiers.host_tier); stay empty without a host tier.
         self._stored_host: list[BlockHash] = []
         self._removed_host: list[BlockHash] = []
         self._load = EngineLoad.of(engine)
@@ -372,7 +372,7 @@ class AsyncEngine:
         self._deliver(deliveries)
 
     def _poll_new_requests(self, layer: int) -> None:
-        """Between two layers of a step (engine.urgent_step): queued adds leave the command
+        """Between two layers of a step (engine.core.urgent_step): queued adds leave the command
         queue and are added now; those that qualify are served in an urgent step at once."""
         if not self._commands:  # the common case, without taking the lock
             return
@@ -384,7 +384,7 @@ class AsyncEngine:
         self._run_urgent(self._engine.urgent.qualifying(added))
 
     def _run_urgent(self, request_ids: Sequence[str]) -> None:
-        """An urgent step (engine.urgent_step) for these waiting requests: inside the paused
+        """An urgent step (engine.core.urgent_step) for these waiting requests: inside the paused
         step, or before the next ordinary step, which would otherwise put them in one step
         with the prompt chunks they are ranked ahead of."""
         if not request_ids:

@@ -1,5 +1,5 @@
 """The commands the engine thread of `AsyncEngine` drains from its queue between steps (and,
-for adds, between the layers of a paused step: engine.urgent_step).
+for adds, between the layers of a paused step: engine.core.urgent_step).
 
 Invariant: a command never raises into the loop on behalf of its caller: a `Call` hands its
 result or exception to its Future; an `Add` reports whether the request is now in the engine.
@@ -34,7 +34,7 @@ class Call(Generic[T]):
 @dataclass(frozen=True)
 class Add:
     """The command adding one request: a type of its own, so that a step paused between
-    layers can pick out the adds that qualify for an urgent step (engine.urgent_step)."""
+    layers can pick out the adds that qualify for an urgent step (engine.core.urgent_step)."""
 
     request_id: str
     add: Callable[[], bool]  # True: the request is in the engine

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import Request, RequestTiming
 from engine.logprobs import TokenLogprobs
-from engine.request import Request, RequestTiming
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Role: the engine holds the model's tokenizer, so it detokenizes its own output (as vLLM's
 output processor does) and the router relays text without a per-token round trip to the
 tokenizer service. `StreamText` is one Generate stream's incremental detokenizer
-(`tokenizer_svc.incremental`, the same one DetokenizeStream uses); `TokenTexts` decodes
+(`kvfleet.text.incremental`, the same one DetokenizeStream uses); `TokenTexts` decodes
 single tokens for logprobs.
 
 Invariants:
@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
 from engine.service.engine_state import GenerateOutput
-from tokenizer_svc.incremental import Decoder, IncrementalDetokenizer
+from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.text.incremental import Decoder, IncrementalDetokenizer
 
 
 class TokenTexts:

@@ -1,6 +1,6 @@
 """`RedisPublisher`: keeps one engine's registry entry, load and block index in Redis.
 
-Role: the engine side of `kvfleet.redis_schema` (read it for the key layout). The engine
+Role: the engine side of `kvfleet.contracts.redis_schema` (read it for the key layout). The engine
 thread hands over each iteration's KV events through `on_step` (a dict update under a lock,
 never I/O); a background thread turns them into Redis writes:
 
@@ -26,7 +26,7 @@ Invariants:
   set), logs the first failure and then at most every `LOG_EVERY_S`, retries every heartbeat,
   and never raises into the engine.
 - The id joins the engines set only on a resync. Routers prune ids whose registry hash has
-  expired (kvfleet/redis_schema.py); an expired hash always leads to a resync (EXISTS = 0),
+  expired (kvfleet/contracts/redis_schema.py); an expired hash always leads to a resync (EXISTS = 0),
   which adds the id again, so a live engine is never left out for more than one flush.
 - `updated_at` is written on every flush: routers treat an engine whose last one is older
   than their `--engine-stale-after` as not live (a hung engine stops heartbeating).
@@ -51,10 +51,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.block_hash import BlockHash
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.service.engine_state import EngineLoad
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 

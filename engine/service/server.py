@@ -1,7 +1,7 @@
 """Run an engine: `python -m engine.service.server --model DIR --engine-id ID --redis-url URL`.
 
 Role: process entry point. `EngineServer` wires the parts: `LLMEngine` (model + KV cache) →
-`AsyncEngine` (step thread) → `EngineServicer` on a `kvfleet.grpc_server.GrpcServer`
+`AsyncEngine` (step thread) → `EngineServicer` on a `kvfleet.runtime.grpc_server.GrpcServer`
 (health, reflection, error mapping, drain) and a `RedisPublisher` (registry, load, block
 index). Engine flags carry vLLM's names.
 
@@ -39,11 +39,11 @@ import grpc.aio
 from redis.connection import parse_url
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
+from engine.kv_tiers.flags import add_kv_tier_arguments, kv_tier_config
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
 from engine.service.engine_thread import EngineThread
-from engine.service.kv_tier_flags import add_kv_tier_arguments, kv_tier_config
 from engine.service.lora_flags import add_lora_arguments, lora_config, lora_modules
 from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
@@ -51,12 +51,12 @@ from engine.service.servicer import EngineIdentity, EngineServicer
 from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_TIMEOUT_S
 from engine.service.step_watchdog import StepWatchdog
 from engine.spec_decode.spec_config import speculative_config_arg
-from kvfleet import event_loop
-from kvfleet.grpc_server import GrpcServer, format_address, write_port_file
-from kvfleet.metrics import MetricsEndpoint, start_metrics_endpoint
-from kvfleet.options import ServerOptions, add_server_arguments, start_service_process
-from kvfleet.service_auth import RouterCredentialInterceptor, read_secret
-from kvfleet.tracing import init_tracing
+from kvfleet.runtime import event_loop
+from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
+from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
+from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
+from kvfleet.runtime.service_auth import RouterCredentialInterceptor, read_secret
+from kvfleet.runtime.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,7 +82,7 @@ class EngineServerOptions:
     # Seconds the step loop may go without a new iteration, with work in flight, before
     # health turns NOT_SERVING (0: never; a dead engine thread always does).
     watchdog_timeout_s: float = DEFAULT_WATCHDOG_TIMEOUT_S
-    # File of the secret routers must present (kvfleet.service_auth), read at start; None:
+    # File of the secret routers must present (kvfleet.runtime.service_auth), read at start; None:
     # anyone may call.
     router_secret_file: Path | None = None
     # Adapters served from the start (--lora-modules), loaded before registering.

@@ -1,7 +1,7 @@
 """`EngineServicer`: the kvfleet.v1.Engine gRPC service over an `AsyncEngine`.
 
 Role: a thin adapter. It converts protos to engine types and back; every problem with a
-request is raised as ValueError naming the field, and `kvfleet.interceptors` maps it to
+request is raised as ValueError naming the field, and `kvfleet.runtime.interceptors` maps it to
 INVALID_ARGUMENT (UnavailableError -> UNAVAILABLE, anything else -> INTERNAL).
 
 Invariants:
@@ -35,19 +35,19 @@ from dataclasses import dataclass
 import grpc.aio
 from opentelemetry import trace
 
+from engine.core.request import TenantShare
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.lora.request import LoRARequest
-from engine.request import TenantShare
-from engine.sampling_params import SamplingParams
-from engine.sampling_proto import to_sampling_params
-from engine.service import keepalive
 from engine.service.async_engine import AsyncEngine
 from engine.service.engine_state import GenerateOutput
 from engine.service.output_text import StreamText, TextDelta, TokenTexts
-from kvfleet.errors import UnavailableError
-from kvfleet.grpc_server import Service
-from kvfleet.logs import request_context
-from kvfleet.tracing import wall_time_ns
+from kvfleet.contracts import keepalive
+from kvfleet.contracts.errors import UnavailableError
+from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.contracts.sampling_proto import to_sampling_params
+from kvfleet.runtime.grpc_server import Service
+from kvfleet.runtime.logs import request_context
+from kvfleet.runtime.tracing import wall_time_ns
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -106,7 +106,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             share=_share(request),
             lora_name=_lora_name(request.lora_id),
         )
-        span = trace.get_current_span()  # the RPC's server span (kvfleet.tracing)
+        span = trace.get_current_span()  # the RPC's server span (kvfleet.runtime.tracing)
         traced = span.is_recording()
         if traced:
             _start_span(span, request, params)
@@ -276,7 +276,7 @@ def _lora_name(lora_id: str) -> str | None:
 
 
 def _share(request: engine_pb2.GenerateRequest) -> TenantShare | None:
-    """The request's tenant for fair share; only routers can call (kvfleet.service_auth)."""
+    """The request's tenant for fair share; only routers can call (kvfleet.runtime.service_auth)."""
     name = request.tenant or request.cache_salt
     if not name:
         return None

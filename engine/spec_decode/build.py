@@ -10,7 +10,7 @@ from engine.spec_decode.spec_config import SpeculativeConfig
 from engine.spec_decode.speculator import NgramRequestProposer, Proposer, Speculator
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
 
 def build_speculator(config: SpeculativeConfig, engine: LLMEngine) -> Speculator:

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request
 from engine.core.scheduler import ScheduledRequest
-from engine.input_batch import build_model_input
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
-from engine.request import Request
 from engine.spec_decode.speculator import max_drafts
+from engine.worker.input_batch import build_model_input
 
 
 def check_draft_vocabulary(draft_dir: Path, target: ModelConfig) -> ModelConfig:

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.core.request import Request
 from engine.logprobs import TokenLogprobs
-from engine.request import Request
 
 if TYPE_CHECKING:
     from engine.core.kv_cache_manager import KVCacheManager

@@ -2,7 +2,7 @@
 
 A verifying request's 1 + k flat rows (its last known token, then its drafts) all get logits;
 row j is processed exactly as a plain decode step would process the logits of that position
-(engine.sampler: penalties over the tokens before it, which include drafts 1..j; EOS and stop
+(engine.worker.sampler: penalties over the tokens before it, which include drafts 1..j; EOS and stop
 tokens banned while the output would still be shorter than min_tokens), then:
 - greedy requests keep the drafts that equal the argmax and add the argmax after them, so
   their output is plain greedy decoding's, token for token;
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler, SamplingRow, gather_logprobs, plain_greedy
+from engine.core.request import Request
 from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from engine.spec_decode.spec_scheduling import VerifiedTokens
+from engine.worker.sampler import Sampler, SamplingRow, gather_logprobs, plain_greedy
 
 if TYPE_CHECKING:
     from engine.core.scheduler import ScheduledRequest

@@ -75,10 +75,9 @@ def test_engine_command_line_parses(scenario: str) -> None:
 
 def test_init_container_runs_the_default_model_preparation(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from engine import default_model
-
+    from engine.models import default_model
     (init,) = render().pod_spec("engine")["initContainers"]
-    assert init["command"][:3] == ["python", "-m", "engine.default_model"]
+    assert init["command"][:3] == ["python", "-m", "engine.models.default_model"]
     with pytest.raises(SystemExit) as exited:
         default_model.main([*init["command"][3:], "--help"])
     assert exited.value.code == 0

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from router.auth import load_api_keys
+from router.tenancy.api_keys import load_api_keys
 from tests.chart.chart_harness import (
     COMPONENTS,
     FULLNAME,
@@ -230,7 +230,7 @@ def test_api_key_secret_holds_a_key_file_the_router_accepts(tmp_path: Path) -> N
 
 def test_auth_off_mounts_no_secret_and_passes_no_key_file() -> None:
     rendered = render()
-    # Only the router credential engines require (generated, kvfleet/service_auth.py).
+    # Only the router credential engines require (generated, kvfleet/runtime/service_auth.py).
     assert [s["metadata"]["name"] for s in rendered.all("Secret")] == [
         "kv-kvfleet-router-secret"]
     assert _flag(command_line(rendered, "router"), "api-keys") is None
@@ -252,7 +252,7 @@ def test_init_source_prepares_the_default_model_in_each_pod() -> None:
     for component in ("engine", "tokenizer"):
         (init,) = rendered.pod_spec(component)["initContainers"]
         model_path = "/models/SmolLM2-135M-Instruct"
-        assert init["command"] == ["python", "-m", "engine.default_model", "--out", model_path]
+        assert init["command"] == ["python", "-m", "engine.models.default_model", "--out", model_path]
         assert _model_volume(rendered, component) == {"name": "model", "emptyDir": {}}
         assert _flag(command_line(rendered, component), "model") == model_path
         mount = next(m for m in rendered.container(component)["volumeMounts"]

@@ -30,7 +30,7 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
 from kvfleet.redis_server import find_redis_server, free_port, ping
 from tests.chart.chart_harness import FULLNAME, Rendered, container_env, expand, render
 

@@ -15,9 +15,9 @@ import transformers
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheEvents
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
 from engine.service.async_engine import AsyncEngine
+from kvfleet.contracts.sampling_params import SamplingParams
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

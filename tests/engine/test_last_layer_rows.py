@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.core.llm_engine import LLMEngine
+from kvfleet.contracts.sampling_params import SamplingParams
 
 PROMPT_LEN = 40  # a chunked prefill below: chunks of 16, 16, 8
 NEW_TOKENS = 6

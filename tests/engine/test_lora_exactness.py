@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.lora.ops import cpu_kernel_available
 from tests.fixtures.lora_adapters import ADAPTERS, peft_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.attention import PagedAttention
-from engine.input_batch import build_model_input
+from engine.worker.input_batch import build_model_input
 from kernels.cpu import load
 
 BLOCK_SIZE = 16

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from engine import LLM, SamplingParams
-from engine.block_hash import hash_token_blocks
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheEvents
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
+from kvfleet.contracts.block_hash import hash_token_blocks
 
 ONE = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-import engine.model_runner
+import engine.worker.model_runner
 from engine import LLM, SamplingParams
 from engine.core.scheduler import RequestUpdate
 

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.parallel_sampling import fan_out
+from kvfleet.contracts.parallel_sampling import fan_out
 
 NEW_TOKENS = 24
 PROMPT_LENGTHS = [1, 7, 17, 40, 100]
@@ -100,7 +100,7 @@ def test_frequency_penalty_reduces_repeats(llm, prompts):
 
 
 def test_batches_without_penalties_never_reach_the_penalty_code(llm, prompts, monkeypatch):
-    import engine.sampler
+    import engine.worker.sampler
 
     def fail(*args, **kwargs):
         raise AssertionError("penalties applied to a batch that has none")
@@ -198,7 +198,7 @@ def test_n_seeded_samples_are_reproducible_and_differ(llm, prompts):
         assert samples == [c.token_ids for c in b.outputs]
         assert len({tuple(s) for s in samples}) == 3
         assert a.prompt_token_ids == prompt
-    # Sample i is the request with seed + i (engine.parallel_sampling).
+    # Sample i is the request with seed + i (kvfleet.contracts.parallel_sampling).
     single = SamplingParams(seed=8, temperature=1.0, max_tokens=12, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": prompts[0]}, single, use_tqdm=False)[0]
     assert alone.outputs[0].token_ids == first[0].outputs[1].token_ids

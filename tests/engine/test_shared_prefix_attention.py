@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.input_batch
+import engine.worker.input_batch
 from engine import LLM, SamplingParams
 from engine.attention.shared_prefix import MIN_SHARED_BLOCKS, find_shared_prefixes
 from kernels.cpu import load

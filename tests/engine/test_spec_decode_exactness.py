@@ -19,8 +19,8 @@ import pytest
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
-from engine.request import Request
+from engine.core.llm_engine import LLMEngine
+from engine.core.request import Request
 from engine.spec_decode.speculator import max_drafts
 from tests.fixtures.greedy import run_checked as run_to_completion
 from tests.fixtures.greedy import transformers_greedy

@@ -1,4 +1,4 @@
-"""`engine.tokenizer.Tokenizer` against transformers' AutoTokenizer on the tiny tokenizer.
+"""`kvfleet.text.tokenizer.Tokenizer` against transformers' AutoTokenizer on the tiny tokenizer.
 
 Encode (with and without special tokens), decode (skipping special tokens or not), the chat
 template, special-token ids and vocab size must all equal transformers'. Variants check the
@@ -21,7 +21,7 @@ import transformers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
-from engine.tokenizer import Tokenizer, load_generation_eos_ids
+from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
 from tests.fixtures.tiny_model import CORPUS
 
 TEXTS = [

@@ -1,4 +1,4 @@
-"""Urgent steps (engine.urgent_step) keep every request's greedy output equal to transformers'.
+"""Urgent steps (engine.core.urgent_step) keep every request's greedy output equal to transformers'.
 
 Tenant A's long prompts run in chunks (budget 32); at chosen steps the test's poll, called
 between layers exactly as the engine service's is, adds requests of new tenants and runs an
@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.request import TenantShare
+from engine.core.request import TenantShare
 from engine.service.async_engine import AsyncEngine
 from tests.fixtures.greedy import random_prompts, transformers_greedy
 

@@ -21,8 +21,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.gpu_memory import GpuMemoryError
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
+from engine.worker.gpu_memory import GpuMemoryError
 from tests.fixtures.greedy import random_prompts, transformers_greedy
 from tests.fixtures.greedy import run_checked as run_to_completion
 

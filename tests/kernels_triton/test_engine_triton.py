@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from kernels.triton import runtime
 from tests.fixtures.greedy import random_prompts, transformers_greedy
 from tests.fixtures.greedy import run_checked as run_to_completion

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess
-from router.client import build_request
+from kvfleet.router_client import build_request
 from tests.services.router_fleet import RouterClient, greedy, tenant_prefix
 
 pytestmark = pytest.mark.timeout(180)

@@ -14,9 +14,9 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CollectorRegistry, Counter
 
-from kvfleet.logs import JsonFormatter, request_context
-from kvfleet.metrics import start_metrics_endpoint
-from kvfleet.options import DEFAULT_METRICS_PORT, ServerOptions, add_server_arguments
+from kvfleet.runtime.logs import JsonFormatter, request_context
+from kvfleet.runtime.metrics import start_metrics_endpoint
+from kvfleet.runtime.options import DEFAULT_METRICS_PORT, ServerOptions, add_server_arguments
 
 
 def parse(argv: list[str]) -> ServerOptions:

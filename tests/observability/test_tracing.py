@@ -23,9 +23,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from kvfleet.fleet import Fleet, FleetConfig
-from kvfleet.tracing import tracing_enabled
+from kvfleet.router_client import build_request
+from kvfleet.runtime.tracing import tracing_enabled
 from kvfleet.v1 import router_pb2_grpc
-from router.client import build_request
 from tests.services.router_fleet import greedy, wait_until
 
 pytestmark = pytest.mark.timeout(180)

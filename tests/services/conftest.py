@@ -1,6 +1,6 @@
 """Fixtures for service tests: real gRPC servers on loopback, no mocks.
 
-`ThreadedServer` runs a `kvfleet.grpc_server.GrpcServer` on its own event-loop thread, so
+`ThreadedServer` runs a `kvfleet.runtime.grpc_server.GrpcServer` on its own event-loop thread, so
 tests stay plain synchronous functions that talk to it with the generated sync stubs over a
 real channel (pytest-asyncio is not needed). Every client call in these tests passes a
 timeout so a regression fails instead of hanging.
@@ -18,8 +18,8 @@ from typing import TypeVar
 import grpc
 import pytest
 
-from kvfleet.grpc_server import GrpcServer
 from kvfleet.redis_server import RedisServer
+from kvfleet.runtime.grpc_server import GrpcServer
 from tokenizer_svc.server import build_server
 
 T = TypeVar("T")

@@ -20,8 +20,8 @@ import redis
 
 from engine.config import EngineConfig
 from engine.service.server import EngineServer, EngineServerOptions
-from kvfleet import redis_schema
-from kvfleet.options import ServerOptions
+from kvfleet.contracts import redis_schema
+from kvfleet.runtime.options import ServerOptions
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.services.polling import wait_until  # noqa: F401 - re-exported
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import grpc
 
+from kvfleet.router_client import Completion, auth_metadata, build_request
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
-from router.client import Completion, auth_metadata, build_request
 from tests.services.polling import wait_until  # noqa: F401 - re-exported
 
 CALL_TIMEOUT_S = 60.0

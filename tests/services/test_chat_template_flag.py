@@ -12,11 +12,11 @@ import grpc
 import pytest
 
 from kvfleet.fleet import FleetConfig, engine_command, tokenizer_command
-from kvfleet.grpc_server import GrpcServer
+from kvfleet.runtime.grpc_server import GrpcServer
+from kvfleet.text.chat_template import resolve_chat_template
 from kvfleet.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.services.conftest import ThreadedServer
 from tokenizer_svc import server as tokenizer_server
-from tokenizer_svc.chat_template import resolve_chat_template
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")

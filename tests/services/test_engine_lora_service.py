@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from engine import LLM, LoRARequest, SamplingParams
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
 from tests.services.engine_harness import (
     TIMEOUT_S,

@@ -1,7 +1,7 @@
 """The engine service end to end: real gRPC over loopback, real Redis, the tiny model.
 
 Covers: streamed tokens equal the offline greedy output; prefix-cache hits are reported;
-the Redis registry hash and block set follow kvfleet.redis_schema exactly (members are the
+the Redis registry hash and block set follow kvfleet.contracts.redis_schema exactly (members are the
 prompt's block hashes, evictions shrink the set, a restart takes a new epoch and drops the
 old set); cancelling a stream frees its blocks; bad requests get INVALID_ARGUMENT naming
 the field without disturbing a request in flight; Redis outages never stop serving and the
@@ -25,10 +25,10 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.block_hash import hash_token_blocks
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
+from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.redis_server import RedisServer
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
 from tests.services.engine_harness import (

@@ -18,11 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.sampling_params import SamplingParams
 from engine.service.engine_state import GenerateOutput
 from engine.service.output_text import StreamText
-from engine.tokenizer import Tokenizer
+from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.redis_server import RedisServer
+from kvfleet.text.incremental import REPLACEMENT_CHAR
+from kvfleet.text.tokenizer import Tokenizer
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.services.engine_harness import (
     EngineHarness,
@@ -31,7 +32,6 @@ from tests.services.engine_harness import (
     run,
     tokens_of,
 )
-from tokenizer_svc.incremental import REPLACEMENT_CHAR
 
 PROMPT = "Once upon a time there was a small village by the sea"
 

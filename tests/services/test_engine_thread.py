@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 import engine.service.server as server_module
-from engine.llm_engine import LLMEngine
+from engine.core.llm_engine import LLMEngine
 from engine.service.engine_thread import EngineThread
 from kvfleet.redis_server import RedisServer
 from kvfleet.v1 import engine_pb2_grpc

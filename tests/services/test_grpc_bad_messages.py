@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from kvfleet.fleet import Fleet, FleetConfig
-from kvfleet.service_auth import CREDENTIAL_HEADER
+from kvfleet.router_client import build_request
+from kvfleet.runtime.service_auth import CREDENTIAL_HEADER
 from kvfleet.v1 import tokenizer_pb2
-from router.client import build_request
 from tests.services.router_fleet import RouterClient, greedy
 
 pytestmark = pytest.mark.timeout(180)

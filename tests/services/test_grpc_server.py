@@ -1,4 +1,4 @@
-"""kvfleet.grpc_server plumbing over real gRPC: error mapping, health, drain, shutdown.
+"""kvfleet.runtime.grpc_server plumbing over real gRPC: error mapping, health, drain, shutdown.
 
 The servicer under test is a scripted kvfleet.v1.Engine whose behaviour is chosen by the
 request (which exception to raise, how many tokens to stream and how slowly), so every path
@@ -20,8 +20,8 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvfleet.errors import INTERNAL_ERROR_MESSAGE, OverloadedError, UnavailableError
-from kvfleet.grpc_server import GrpcServer, Service
+from kvfleet.contracts.errors import INTERNAL_ERROR_MESSAGE, OverloadedError, UnavailableError
+from kvfleet.runtime.grpc_server import GrpcServer, Service
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.server import build_server
 

@@ -1,5 +1,5 @@
 """Host-tier blocks in Redis and in routing: the lookup script counts device and host
-matches separately (real Redis, keys written per kvfleet/redis_schema.py), and the prefix
+matches separately (real Redis, keys written per kvfleet/contracts/redis_schema.py), and the prefix
 policy ranks a host hit between a device hit and no hit, by the documented weight.
 """
 
@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from engine.block_hash import hash_token_blocks
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
 from kvfleet.redis_server import RedisServer
-from router.policy import EngineView, PrefixPolicyConfig, rank_prefix
-from router.prefix_index import HOST_BLOCKS_KEY_PREFIX, MATCH_CHUNK, PrefixIndex
+from router.routing.prefix_index import HOST_BLOCKS_KEY_PREFIX, MATCH_CHUNK, PrefixIndex
+from router.routing.ranking import EngineView, PrefixPolicyConfig, rank_prefix
 from tests.services.test_router_prefix_index import register
 
 PROMPT = list(range(5000, 5000 + 16 * 150))  # 150 blocks: several SMISMEMBER chunks

@@ -12,9 +12,9 @@ from typing import cast
 import pytest
 import redis
 
-from engine.block_hash import hash_token_blocks
-from engine.sampling_params import SamplingParams
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
+from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.redis_server import RedisServer
 from tests.services.engine_harness import EngineHarness, engine_options, wait_until
 

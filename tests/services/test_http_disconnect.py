@@ -24,7 +24,7 @@ import pytest
 from openai import OpenAI
 
 from kvfleet.fleet import Fleet, FleetConfig
-from kvfleet.service_auth import CREDENTIAL_HEADER
+from kvfleet.runtime.service_auth import CREDENTIAL_HEADER
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.services.router_fleet import API_KEYS, engine_load, wait_until, write_api_keys
 

@@ -19,9 +19,9 @@ import jsonschema
 import pytest
 from openapi_spec_validator import validate
 
-from engine.tokenizer import Tokenizer
 from kvfleet.fleet import Fleet, FleetConfig
-from router.http_extras import kvfleet_version
+from kvfleet.text.tokenizer import Tokenizer
+from router.http.vllm_endpoints import kvfleet_version
 from tests.services.router_fleet import API_KEYS, write_api_keys
 
 pytestmark = pytest.mark.timeout(240)

@@ -22,9 +22,9 @@ from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess
+from kvfleet.router_client import build_request
 from kvfleet.v1 import common_pb2
-from router.client import build_request
-from router.limits import RequestLimits
+from router.request_limits import RequestLimits
 from tests.services.router_fleet import API_KEYS, RouterClient, write_api_keys
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,13 +11,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.engine_pool import EnginePool
-from router.http_api import OpenAIApi
-from router.http_server import HttpServer
+from router.engines.pool import EnginePool
+from router.http.app import OpenAIApi
+from router.http.uvicorn_server import HttpServer
 from router.metrics import RouterMetrics
 from router.pipeline import GenerationPipeline
-from router.policy_reload import PolicyStore
-from router.routing import EngineSelector, RoutingConfig
+from router.routing.decision import EngineSelector, RoutingConfig
+from router.tenancy.policy_reload import PolicyStore
 from router.tokenizer_client import TokenizerClient
 
 

@@ -17,8 +17,8 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.tokenizer import Tokenizer
-from tokenizer_svc.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
+from kvfleet.text.incremental import REPLACEMENT_CHAR, IncrementalDetokenizer
+from kvfleet.text.tokenizer import Tokenizer
 
 # Multi-byte UTF-8 of every length: accents (2 bytes), CJK (3), emoji and math letters (4),
 # plus ZWJ sequences, skin tones and flags (several code points per visible glyph).

@@ -28,11 +28,11 @@ import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, LoRARequest, SamplingParams
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
 from kvfleet.fleet import Fleet, FleetConfig
-from kvfleet.service_auth import credential_metadata, read_secret
+from kvfleet.router_client import build_request
+from kvfleet.runtime.service_auth import credential_metadata, read_secret
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc, router_pb2
-from router.client import build_request
 from tests.services.router_fleet import API_KEYS, RouterClient, greedy, wait_until
 
 pytestmark = pytest.mark.timeout(300)

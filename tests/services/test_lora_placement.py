@@ -1,5 +1,5 @@
 """Loading a LoRA adapter on another engine when its holders are saturated
-(router/lora_placement.py): the pure choice with exact expected engines, then the placer's
+(router/routing/lora_placement.py): the pure choice with exact expected engines, then the placer's
 concurrency, failure and bookkeeping rules with an in-process loader (the real RPC and fleet
 are in tests/services/test_lora_fleet.py)."""
 
@@ -9,14 +9,14 @@ import asyncio
 
 import pytest
 
-from router.lora_placement import (
+from router.metrics import RouterMetrics
+from router.routing.lora_placement import (
     LoRAPlacementConfig,
     LoRAPlacer,
     choose_load_target,
     is_saturated,
 )
-from router.metrics import RouterMetrics
-from router.policy import EngineView, rendezvous_weight
+from router.routing.ranking import EngineView, rendezvous_weight
 
 ADAPTER = "sql"
 PATH = "/adapters/sql"

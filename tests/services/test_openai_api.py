@@ -17,8 +17,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from engine.tokenizer import Tokenizer
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.text.tokenizer import Tokenizer
 from tests.services.router_fleet import API_KEYS, engine_load, wait_until, write_api_keys
 
 pytestmark = pytest.mark.timeout(240)

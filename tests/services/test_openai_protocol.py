@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.errors import NotFoundError, OverloadedError, UnavailableError
+from kvfleet.contracts.errors import NotFoundError, OverloadedError, UnavailableError
 from kvfleet.v1 import router_pb2
-from router.auth import AuthenticationError
-from router.http_api import status_of
-from router.openai_format import Choices
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.http.app import status_of
+from router.openai.render import Choices
+from router.openai.requests import ChatCompletionRequest, CompletionRequest
+from router.tenancy.api_keys import AuthenticationError
 
 
 def test_completion_defaults_and_extra_fields() -> None:

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import pytest
 
 from kvfleet.redis_server import RedisServer
-from router.local_rate_limit import LocalRateLimiter
 from router.metrics import RouterMetrics
-from router.rate_limit import RateLimitConfig, TenantRateLimiter
-from router.rate_limit_types import Admission, Rates, format_duration
-from router.tenant_policy import Tenant, TenantLimits
+from router.tenancy.local_rate_limit import LocalRateLimiter
+from router.tenancy.rate_limit import RateLimitConfig, TenantRateLimiter
+from router.tenancy.rate_limit_types import Admission, Rates, format_duration
+from router.tenancy.tenant_policy import Tenant, TenantLimits
 
 
 class Clock:

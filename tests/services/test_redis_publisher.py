@@ -16,12 +16,12 @@ from typing import cast
 import pytest
 import redis
 
-from engine.block_hash import hash_token_blocks
 from engine.core.kv_cache_manager import KVCacheEvents
-from engine.sampling_params import SamplingParams
 from engine.service.async_engine import AsyncEngine
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
+from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.redis_server import RedisServer, find_redis_server, ping
 from tests.services.engine_harness import EngineHarness, engine_options, wait_until
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet.errors import InvalidFieldError
+from kvfleet.contracts.errors import InvalidFieldError
 from kvfleet.v1 import common_pb2, router_pb2
-from router.context_window import check_fits
-from router.http_body import decode_json
-from router.http_errors import error_body, status_of
-from router.limits import TOKENIZER_MAX_MESSAGE_BYTES, RequestLimits
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from router.engines.context_window import check_fits
+from router.http.body import decode_json
+from router.http.errors import error_body, status_of
+from router.openai.requests import ChatCompletionRequest, CompletionRequest, parse_body
+from router.request_limits import TOKENIZER_MAX_MESSAGE_BYTES, RequestLimits
 from router.server import RouterConfig, parse_args
 
 SMALL = RequestLimits(max_input_chars=10, max_input_tokens=5, max_messages=2,

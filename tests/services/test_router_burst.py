@@ -25,11 +25,11 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.block_hash import hash_token_blocks
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.router_client import auth_metadata, build_request
 from kvfleet.v1 import router_pb2, router_pb2_grpc
-from router.client import auth_metadata, build_request
 from tests.services.router_fleet import (
     API_KEYS,
     NUM_TENANTS,

@@ -25,10 +25,10 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
 from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess, wait_until_serving
 from kvfleet.redis_server import free_port
-from router.client import Completion, build_request
+from kvfleet.router_client import Completion, build_request
 from tests.services.router_fleet import (
     API_KEYS,
     RouterClient,

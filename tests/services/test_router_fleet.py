@@ -17,15 +17,15 @@ import grpc
 import pytest
 import redis
 
-from engine.block_hash import hash_token_blocks
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.router_client import build_request
 from kvfleet.v1 import common_pb2
 from kvfleet.v1.router_pb2 import RouterGenerateRequest
-from router.client import build_request
-from router.engine_pool import EnginePool
-from router.prefix_index import PrefixIndex
-from router.routing import EngineSelector, RoutingConfig
+from router.engines.pool import EnginePool
+from router.routing.decision import EngineSelector, RoutingConfig
+from router.routing.prefix_index import PrefixIndex
 from tests.services.router_fleet import (
     API_KEYS,
     NUM_TENANTS,

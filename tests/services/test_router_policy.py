@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvfleet.stop_strings import StopStringMatcher
-from router.auth import ANONYMOUS_TENANT, AuthenticationError, Authenticator, load_api_keys
-from router.policy import (
+from kvfleet.text.stop_strings import StopStringMatcher
+from router.routing.ranking import (
     EngineView,
     Policy,
     PrefixPolicyConfig,
@@ -18,6 +17,12 @@ from router.policy import (
     rank_prefix,
     rank_round_robin,
     rendezvous_weight,
+)
+from router.tenancy.api_keys import (
+    ANONYMOUS_TENANT,
+    AuthenticationError,
+    Authenticator,
+    load_api_keys,
 )
 
 BOUND = PrefixPolicyConfig(load_slack_abs=4, load_slack_rel=0.5)

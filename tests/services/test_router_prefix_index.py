@@ -1,7 +1,7 @@
 """The one-round-trip Lua lookup against a real Redis server, written as engines write it.
 
 The registry and block sets are written here with plain Redis commands following
-kvfleet/redis_schema.py, so the script is checked against the schema, not against itself.
+kvfleet/contracts/redis_schema.py, so the script is checked against the schema, not against itself.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from engine.block_hash import hash_token_blocks
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
 from kvfleet.redis_server import RedisServer
-from router.prefix_index import (
+from router.routing.prefix_index import (
     BLOCKS_KEY_PREFIX,
     ENGINE_KEY_PREFIX,
     MATCH_CHUNK,

@@ -1,6 +1,6 @@
 """The engine registry as routers read it, against a real Redis server: expiry, heartbeats, pool.
 
-Registry entries are written with plain Redis commands following kvfleet/redis_schema.py.
+Registry entries are written with plain Redis commands following kvfleet/contracts/redis_schema.py.
 `CLIENT PAUSE ... WRITE` holds other clients' scripts server-side for a set time (connection
 handshakes still go through), which is how these tests make lookups pile up (a burst) or hold
 a connection (a busy pool) without timing races: the lookups are issued while Redis is
@@ -16,19 +16,19 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
 from kvfleet.redis_server import RedisServer
-from router.engine_discovery import DiscoveryConfig, EngineDiscovery
-from router.engine_pool import EnginePool
+from router.engines.discovery import DiscoveryConfig, EngineDiscovery
+from router.engines.pool import EnginePool
 from router.metrics import RouterMetrics
-from router.policy import Policy
-from router.prefix_index import (
+from router.routing.decision import EngineSelector, RoutingConfig
+from router.routing.prefix_index import (
     EngineRecord,
     PrefixIndex,
     PrefixIndexBusy,
     PrefixIndexConfig,
 )
-from router.routing import EngineSelector, RoutingConfig
+from router.routing.ranking import Policy
 from router.server import RouterConfig, parse_args
 
 PAUSE_MS = 300
@@ -206,7 +206,7 @@ def test_discovery_addresses_are_normalised_and_survive_a_dns_failure(
     async def twice() -> tuple[list[str], list[str]]:
         return await discovery.addresses(), await discovery.addresses()
 
-    with caplog.at_level("WARNING", logger="router.engine_discovery"):
+    with caplog.at_level("WARNING", logger="router.engines.discovery"):
         first, second = asyncio.run(twice())
     assert first == second == ["10.0.0.1:6", "[::1]:5"]
     assert len([r for r in caplog.records if "could not resolve" in r.message]) == 1

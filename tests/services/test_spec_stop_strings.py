@@ -21,12 +21,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.tokenizer import Tokenizer
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.router_client import build_request
+from kvfleet.text.incremental import IncrementalDetokenizer
+from kvfleet.text.tokenizer import Tokenizer
 from kvfleet.v1 import common_pb2, router_pb2
-from router.client import build_request
 from tests.services.router_fleet import RouterClient
-from tokenizer_svc.incremental import IncrementalDetokenizer
 
 pytestmark = pytest.mark.timeout(240)
 

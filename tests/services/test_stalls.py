@@ -31,15 +31,15 @@ import grpc
 import pytest
 import redis
 
-from engine.block_hash import hash_token_blocks
-from kvfleet import redis_schema
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
 from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess
 from kvfleet.redis_server import RedisServer
+from kvfleet.router_client import build_request
 from kvfleet.v1 import router_pb2
-from router.client import build_request
-from router.engine_pool import EnginePool
-from router.forward import StreamDeadlines, open_engine_stream
-from router.policy import EngineView
+from router.engines.dispatch import StreamDeadlines, open_engine_stream
+from router.engines.pool import EnginePool
+from router.routing.ranking import EngineView
 from router.server import RouterConfig, parse_args
 from tests.services.engine_harness import EngineHarness, engine_options, gen_request, make_prompt
 from tests.services.router_fleet import (

@@ -28,10 +28,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.service import keepalive
 from engine.service.async_engine import StepProgress
 from engine.service.step_watchdog import assess
-from kvfleet import redis_schema
+from kvfleet.contracts import keepalive, redis_schema
 from kvfleet.redis_server import RedisServer
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
 from tests.services.engine_harness import (

@@ -17,9 +17,9 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess
-from kvfleet.service_auth import CREDENTIAL_HEADER
+from kvfleet.router_client import build_request
+from kvfleet.runtime.service_auth import CREDENTIAL_HEADER
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
-from router.client import build_request
 from tests.services.router_fleet import RouterClient, greedy, wait_until
 
 pytestmark = pytest.mark.timeout(300)

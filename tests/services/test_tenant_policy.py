@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.sampling_params import SamplingParams
-from kvfleet.errors import InvalidFieldError, NotFoundError
+from kvfleet.contracts.errors import InvalidFieldError, NotFoundError
+from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.v1 import router_pb2
-from router.policy_reload import PolicyStore
-from router.tenant_policy import PriorityRange, TenantLimits, load_policy
-from router.tenant_rules import TenantRules
+from router.tenancy.policy_reload import PolicyStore
+from router.tenancy.request_rules import TenantRules
+from router.tenancy.tenant_policy import PriorityRange, TenantLimits, load_policy
 
 POLICY_YAML = """\
 defaults:

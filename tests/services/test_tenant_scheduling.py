@@ -34,8 +34,8 @@ import grpc.aio
 import pytest
 
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.router_client import auth_metadata, build_request
 from kvfleet.v1 import router_pb2, router_pb2_grpc
-from router.client import auth_metadata, build_request
 from tests.services.router_fleet import CALL_TIMEOUT_S, engine_load, greedy
 
 pytestmark = pytest.mark.timeout(300)

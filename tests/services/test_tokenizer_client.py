@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import Tokenizer
-from kvfleet.errors import UnavailableError
-from router.client import build_request
+from kvfleet.contracts.errors import UnavailableError
+from kvfleet.router_client import build_request
+from kvfleet.text.tokenizer import Tokenizer
 from router.tokenizer_client import TokenizerClient
 from tokenizer_svc.server import build_server
 

@@ -23,8 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.router_client import build_request
 from kvfleet.v1 import router_pb2_grpc
-from router.client import build_request
 from tests.services.engine_harness import SMALL_WINDOW
 from tests.services.router_fleet import CALL_TIMEOUT_S, RouterClient, greedy
 

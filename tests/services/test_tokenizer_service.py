@@ -1,6 +1,6 @@
 """The tokenizer service over real gRPC on loopback (tiny model; SmolLM2 in the slow tier).
 
-Results must equal `engine.tokenizer.Tokenizer` exactly; bad input must come back as
+Results must equal `kvfleet.text.tokenizer.Tokenizer` exactly; bad input must come back as
 INVALID_ARGUMENT with a message naming the field, and the server must keep serving.
 """
 
@@ -20,9 +20,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from engine.tokenizer import Tokenizer, load_generation_eos_ids
+from kvfleet.text.incremental import REPLACEMENT_CHAR
+from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
 from kvfleet.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.incremental import REPLACEMENT_CHAR
 from tokenizer_svc.server import build_server
 
 TIMEOUT_S = 30
@@ -66,7 +66,7 @@ def stream_one_at_a_time(
     return [r.text_delta for r in responses]
 
 
-# -- results equal engine.tokenizer -------------------------------------------------------
+# -- results equal kvfleet.text.tokenizer -------------------------------------------------------
 
 
 @pytest.mark.parametrize("add_special_tokens", [None, True, False])

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.tokenizer import Tokenizer
+from kvfleet.text.tokenizer import Tokenizer
 from kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ import torch
 import transformers
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment
-from engine.default_model import MARKER_FILE, default_model_dir, prepare_default_model
 from engine.models import LlamaForCausalLM, ModelConfig, load_model
-from engine.tokenizer import Tokenizer, load_generation_eos_ids
+from engine.models.default_model import MARKER_FILE, default_model_dir, prepare_default_model
+from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
 
 pytestmark = pytest.mark.slow
 
@@ -192,7 +192,7 @@ def test_default_model_dir_reads_env_when_called(monkeypatch, tmp_path: Path) ->
 
 
 def test_install_is_atomic_and_replaces_only_stale_copies(tmp_path: Path) -> None:
-    from engine.default_model import CONVERSION_VERSION, _install
+    from engine.models.default_model import CONVERSION_VERSION, _install
 
     def staged(name: str, version: int = CONVERSION_VERSION) -> Path:
         path = tmp_path / name

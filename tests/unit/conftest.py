@@ -12,18 +12,18 @@ from collections.abc import Callable, Iterable
 import pytest
 
 from engine.core.fair_share import FairShare
-from engine.core.host_kv_tier import HostKVTier
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_transfer import TransferPlan
+from engine.core.request import Request, TenantShare
 from engine.core.scheduler import (
     RequestUpdate,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from engine.core.swap_space import SwapSpace
-from engine.request import Request, TenantShare
-from engine.sampling_params import SamplingParams
+from engine.kv_tiers.host_tier import HostKVTier
+from engine.kv_tiers.swap_space import SwapSpace
+from engine.kv_tiers.transfer import TransferPlan
+from kvfleet.contracts.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 DEFAULT_TOKEN = 500

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.block_hash import DIGEST_SIZE, ROOT_HASH, hash_block, hash_token_blocks
+from kvfleet.contracts.block_hash import DIGEST_SIZE, ROOT_HASH, hash_block, hash_token_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 4
@@ -43,7 +43,7 @@ def test_deterministic_across_calls():
 def test_deterministic_across_processes():
     # Python's hash() is randomised per process; ours must not be.
     code = (
-        "from engine.block_hash import hash_token_blocks;"
+        "from kvfleet.contracts.block_hash import hash_token_blocks;"
         "print(','.join(h.hex() for h in hash_token_blocks(list(range(1, 13)), 4)))"
     )
     outputs = set()
@@ -170,7 +170,7 @@ def test_block_length_is_part_of_the_hash():
 
 
 def test_import_does_not_pull_in_torch():
-    code = "import sys, engine.block_hash; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvfleet.contracts.block_hash; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
     )
@@ -179,7 +179,7 @@ def test_import_does_not_pull_in_torch():
 
 def test_engine_core_imports_do_not_pull_in_torch():
     code = (
-        "import sys, engine.core.scheduler, engine.core.kv_cache_manager, engine.request;"
+        "import sys, engine.core.scheduler, engine.core.kv_cache_manager, engine.core.request;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     result = subprocess.run(

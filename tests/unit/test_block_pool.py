@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.block_hash import hash_token_blocks
 from engine.core.block_pool import BlockPool
+from kvfleet.contracts.block_hash import hash_token_blocks
 
 H = hash_token_blocks(list(range(40)), 4)  # ten distinct chained hashes
 

@@ -1,4 +1,4 @@
-"""Device and attention-backend resolution (engine.device), without needing a GPU: CUDA's
+"""Device and attention-backend resolution (engine.worker.device), without needing a GPU: CUDA's
 presence is injected."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.device import (
+from engine.service.server import build_parser, options_from_args
+from engine.worker.device import (
     DeviceUnavailableError,
     resolve_attention_backend,
     resolve_device,
 )
-from engine.service.server import build_parser, options_from_args
 
 
 def yes() -> bool:
@@ -77,7 +77,7 @@ def test_engine_flags_reach_the_config():
 
 
 def test_cpu_linear_backends_are_refused_on_cuda(tmp_path, monkeypatch):
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     (tmp_path / "config.json").write_text("{}")  # never read: the checks come first
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -86,7 +86,7 @@ def test_cpu_linear_backends_are_refused_on_cuda(tmp_path, monkeypatch):
 
 
 def test_llm_engine_reports_missing_gpu_before_loading(tmp_path, monkeypatch):
-    from engine.llm_engine import LLMEngine
+    from engine.core.llm_engine import LLMEngine
 
     (tmp_path / "config.json").write_text("{}")  # never read: the device check comes first
     monkeypatch.setattr(torch.cuda, "is_available", no)

@@ -1,4 +1,4 @@
-"""kvfleet.event_loop: which loop a service runs on, and that gRPC serves on uvloop."""
+"""kvfleet.runtime.event_loop: which loop a service runs on, and that gRPC serves on uvloop."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvfleet.event_loop import loop_factory, run
-from kvfleet.options import ServerOptions, add_server_arguments
+from kvfleet.runtime.event_loop import loop_factory, run
+from kvfleet.runtime.options import ServerOptions, add_server_arguments
 
 
 async def _loop_module() -> str:

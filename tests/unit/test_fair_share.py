@@ -5,7 +5,7 @@ schedule beside them where the two differ.
 """
 
 from engine.core.fair_share import FairShare
-from engine.request import TenantShare
+from engine.core.request import TenantShare
 
 
 def toks(start, n):

@@ -10,7 +10,7 @@ that a bad request is refused before it reaches the scheduler.
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from kvfleet.contracts.sampling_params import SamplingParams
 
 
 def test_nan_temperature_is_rejected():

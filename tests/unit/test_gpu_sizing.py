@@ -1,14 +1,14 @@
 """The CPU-testable arithmetic of the CUDA engine: which decode batch sizes are captured as
-CUDA graphs and how a step pads to them (engine.cuda_graphs), and how the KV cache is sized
-from gpu_memory_utilization (engine.gpu_memory)."""
+CUDA graphs and how a step pads to them (engine.worker.cuda_graphs), and how the KV cache is sized
+from gpu_memory_utilization (engine.worker.gpu_memory)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import DEFAULT_CAPTURE_SIZES, capture_sizes, padded_size
-from engine.gpu_memory import GpuMemoryError, GpuMemoryProfile, plan_kv_blocks
+from engine.worker.cuda_graphs import DEFAULT_CAPTURE_SIZES, capture_sizes, padded_size
+from engine.worker.gpu_memory import GpuMemoryError, GpuMemoryProfile, plan_kv_blocks
 
 GIB = 2**30
 

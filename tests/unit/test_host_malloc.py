@@ -1,4 +1,4 @@
-"""engine.host_malloc: glibc takes the settings (the engine calls this once at start)."""
+"""engine.worker.host_malloc: glibc takes the settings (the engine calls this once at start)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from engine.host_malloc import tune_for_reuse
+from engine.worker.host_malloc import tune_for_reuse
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")

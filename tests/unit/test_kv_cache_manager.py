@@ -6,8 +6,8 @@ Style follows vLLM's tests/v1/core/test_prefix_caching.py.
 import pytest
 
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request
+from kvfleet.contracts.sampling_params import SamplingParams
 
 BS = 4
 

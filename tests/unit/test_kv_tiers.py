@@ -6,9 +6,9 @@ engine runs before the step) into `h.last_plan` and checks integrity, both host 
 included, before and after.
 """
 
-from engine.core.host_kv_tier import HostKVTier
-from engine.core.kv_transfer import TransferPlan
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
+from engine.kv_tiers.host_tier import HostKVTier
+from engine.kv_tiers.transfer import TransferPlan
 
 
 def toks(start, n):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.completion_tracker import CompletionTracker
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import RequestUpdate
 from engine.logprobs import Logprob, TokenLogprobs
-from engine.output_processor import CompletionTracker
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from kvfleet.contracts.sampling_params import SamplingParams
 
 
 class LetterTokenizer:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.block_hash import hash_token_blocks
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.core.request import Request, RequestStatus
+from kvfleet.contracts.block_hash import hash_token_blocks
+from kvfleet.contracts.sampling_params import SamplingParams
 
 BS = 4
 

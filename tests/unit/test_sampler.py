@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from engine.penalties import apply_penalties, token_counts
-from engine.sampler import Sampler, SamplingRow
-from engine.sampling_params import SamplingParams
+from engine.worker.penalties import apply_penalties, token_counts
+from engine.worker.sampler import Sampler, SamplingRow
+from kvfleet.contracts.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0.0}
 

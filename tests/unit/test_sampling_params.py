@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from kvfleet.contracts.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():

@@ -6,7 +6,7 @@ schedule() and after update_from_output().
 
 import pytest
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 
 
 def toks(start, n):

@@ -4,7 +4,7 @@ Block size 4 and a 4-block pool: two 7-token prompts fill it, and both need a th
 their 9th token (position 8) is scheduled, in the third step.
 """
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 
 
 def toks(start, n):

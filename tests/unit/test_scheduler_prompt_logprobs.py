@@ -7,10 +7,10 @@ delivered list shows at once whether any position is missing, repeated or out of
 
 from __future__ import annotations
 
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import RequestUpdate, SchedulerOutput
-from engine.input_batch import build_model_input
 from engine.logprobs import Logprob, TokenLogprobs
-from engine.request import Request, RequestStatus
+from engine.worker.input_batch import build_model_input
 
 TOKEN = 500  # what the stand-in sampler always returns
 

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 
 BS = 4
 SHARED_PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [20, 21, 22, 23]]

@@ -3,8 +3,8 @@ strings matched by the caller; logprobs carried in the updates."""
 
 import pytest
 
+from engine.core.request import RequestStatus
 from engine.logprobs import Logprob, TokenLogprobs
-from engine.request import RequestStatus
 
 
 def tokens_from(sequence):

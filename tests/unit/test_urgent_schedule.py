@@ -7,8 +7,8 @@ between layers; the paused step's update comes after. Exact orders and blocks ar
 
 import pytest
 
+from engine.core.request import TenantShare
 from engine.core.urgent_schedule import schedule_urgent
-from engine.request import TenantShare
 
 
 def toks(start, n):

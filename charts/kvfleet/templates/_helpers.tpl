@@ -89,7 +89,7 @@ app.kubernetes.io/part-of: kvfleet
 {{- printf "%s-router-secret" (include "kvfleet.fullname" .) }}
 {{- end }}
 
-{{/* The router credential (kvfleet/service_auth.py), mounted read-only in routers and engines. */}}
+{{/* The router credential (kvfleet/runtime/service_auth.py), mounted read-only in routers and engines. */}}
 {{- define "kvfleet.routerSecretMount" -}}
 - name: router-secret
   mountPath: /etc/kvfleet/router-secret
@@ -273,7 +273,7 @@ lifecycle:
 - name: prepare-model
   image: {{ include "kvfleet.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  command: ["python", "-m", "engine.default_model", "--out", {{ include "kvfleet.modelPath" . | quote }}]
+  command: ["python", "-m", "engine.models.default_model", "--out", {{ include "kvfleet.modelPath" . | quote }}]
   env:
     - name: HOME
       value: /tmp

@@ -1,0 +1,159 @@
+"""One sample of the offline API as it is generated: text, stop strings and logprobs.
+
+Role: `LLM` feeds every engine update of a request to its `CompletionTracker`; when the
+tracker reports a stop string, `LLM` stops the engine request (freeing its blocks); at the end
+the tracker builds the `CompletionOutput`.
+
+Invariants:
+- Without stop strings the text is decode(output ids), taken once at the end: requests that
+  need no stop-string matching pay no per-token detokenization.
+- The EOS or stop token that ends generation stays in token_ids but not in the text, unless
+  include_stop_str_in_output (vLLM).
+- With stop strings the text is detokenized incrementally (no prompt context, so it adds up to
+  decode(output ids)) and fed to `StopStringMatcher`, which checks only once min_tokens tokens
+  exist (vLLM). On a match: finish_reason "stop", stop_reason the string, text ends before it
+  (after it with include_stop_str_in_output), token ids and logprobs are those generated up
+  to the match. A match on the request's last token wins over finish_reason "length" (vLLM).
+- logprobs: one dict per token, the sampled token first (with its own rank), then the top-k
+  not already in it; cumulative_logprob sums the sampled logprobs. Both None unless asked.
+- prompt logprobs: kept from the request's first update (the only one carrying them) and
+  shaped the same way, the prompt token in place of the sampled one; the first prompt token's
+  entry stays None. None unless asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import RequestUpdate
+from engine.logprobs import Logprob, TokenLogprobs
+from engine.outputs import CompletionOutput
+from kvfleet.text.incremental import Decoder, IncrementalDetokenizer
+from kvfleet.text.stop_strings import StopStringMatcher
+
+
+class CompletionTracker:
+    def __init__(self, request: Request, tokenizer: Decoder) -> None:
+        self.request = request
+        self._tokenizer = tokenizer
+        params = request.sampling_params
+        self._logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        self._prompt_logprobs: list[TokenLogprobs | None] | None = None
+        self._matcher: StopStringMatcher | None = None
+        self._detokenizer: IncrementalDetokenizer | None = None
+        if params.stop:
+            self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+        self._text: list[str] = []
+        self.stop_string: str | None = None
+        # Output tokens when a stop string matched (tokens after it in the same update are
+        # not part of the output).
+        self._num_output_at_stop: int | None = None
+        self.finished = False
+        self._token_texts: dict[int, str] = {}
+
+    def on_update(self, update: RequestUpdate) -> str | None:
+        """Record one engine update; returns the stop string if this update completed one."""
+        if self.finished:
+            return None
+        if self._logprobs is not None and update.new_logprobs is not None:
+            self._logprobs.extend(update.new_logprobs)
+        if update.prompt_logprobs is not None:
+            self._prompt_logprobs = update.prompt_logprobs
+        self.finished = update.finished
+        if self._matcher is not None:
+            self.stop_string = self._match_each(update)
+            self.finished = self.finished or self.stop_string is not None
+        return self.stop_string
+
+    def _match_each(self, update: RequestUpdate) -> str | None:
+        """Match token by token, so a stop string completed by a token inside a several-token
+        update (speculative decoding) ends the output at that token, as one-token updates
+        would have; the later tokens are dropped from the output."""
+        ids = update.new_token_ids
+        num_before = self.request.num_output_tokens - len(ids)
+        for index, token in enumerate(ids):
+            last = index == len(ids) - 1
+            matched = self._match([token], update.finished and last, num_before + index + 1)
+            if matched is not None:
+                self._num_output_at_stop = num_before + index + 1
+                return matched
+        return None
+
+    def _match(self, token_ids: list[int], finished: bool, num_output: int) -> str | None:
+        assert self._matcher is not None and self._detokenizer is not None
+        text = self._detokenizer.add_tokens(self._text_ids(token_ids, finished))
+        if finished:
+            text += self._detokenizer.flush()
+        check = num_output >= self.request.sampling_params.min_tokens
+        self._text.append(self._matcher.add(text, check))
+        if self._matcher.matched is None and finished:
+            self._text.append(self._matcher.flush())
+        return self._matcher.matched
+
+    def _text_ids(self, token_ids: list[int], last: bool) -> list[int]:
+        # vLLM: the EOS or stop token that ended generation is in token_ids, not in the text
+        # (unless include_stop_str_in_output).
+        stopped = self.request.status == RequestStatus.FINISHED_STOPPED
+        keep = self.request.sampling_params.include_stop_str_in_output
+        if last and stopped and token_ids and not keep:
+            return token_ids[:-1]
+        return token_ids
+
+    def to_output(self, index: int) -> CompletionOutput:
+        request = self.request
+        token_ids = list(request.output_token_ids[: self._num_output_at_stop])
+        if self._matcher is None:
+            text = self._tokenizer.decode(
+                self._text_ids(token_ids, True),
+                skip_special_tokens=request.sampling_params.skip_special_tokens,
+            )
+        else:
+            text = "".join(self._text)
+        finish_reason = request.status.finish_reason
+        stop_reason = request.stop_reason
+        if self.stop_string is not None:
+            finish_reason, stop_reason = "stop", self.stop_string
+        logprobs, cumulative = self._logprob_dicts()
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative,
+        )
+
+    def prompt_logprob_dicts(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's RequestOutput.prompt_logprobs: None first, then one dict per prompt token."""
+        if self._prompt_logprobs is None:
+            return None
+        return [None if token is None else self._dict(token) for token in self._prompt_logprobs]
+
+    def _logprob_dicts(self) -> tuple[list[dict[int, Logprob]] | None, float | None]:
+        if self._logprobs is None:
+            return None, None
+        kept = self._logprobs[: self._num_output_at_stop]
+        dicts = [self._dict(token) for token in kept]
+        return dicts, sum(token.sampled.logprob for token in kept)
+
+    def _dict(self, token: TokenLogprobs) -> dict[int, Logprob]:
+        # The scored token first (with its own rank), then the top-k not already in it (vLLM).
+        entry = {token.sampled.token_id: self._decoded(token.sampled)}
+        for alternative in token.top:
+            if alternative.token_id not in entry:
+                entry[alternative.token_id] = self._decoded(alternative)
+        return entry
+
+    def _decoded(self, logprob: Logprob) -> Logprob:
+        return dataclasses.replace(logprob, decoded_token=self._token_text(logprob.token_id))
+
+    def _token_text(self, token_id: int) -> str:
+        # vLLM's decoded_token: the token decoded on its own, special tokens kept.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text

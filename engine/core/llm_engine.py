@@ -1,0 +1,473 @@
+"""The engine: one step = schedule -> run the model -> update requests.
+
+`LLMEngine` validates and queues requests, sizes the KV cache, and after each step reports the
+KV events (block hashes cached / evicted) to an optional hook, which the engine service publishes
+to Redis. It is synchronous; the async service runs `step()` off the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.core.fair_share import FairShare
+from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
+from engine.core.request import Request, TenantShare
+from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.urgent_step import UrgentSteps
+from engine.kv_tiers.host_tier import HostKVTier
+from engine.kv_tiers.offload import HostKVBuffer, plan_host_layout
+from engine.kv_tiers.swap_space import SwapSpace
+from engine.kv_tiers.transfer import HostLayout
+from engine.lora.admission import LoRAAdmission
+from engine.lora.config import LoRAConfig
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import load_model, resolve_dtype
+from engine.spec_decode.build import build_speculator
+from engine.worker.cuda_graphs import capture_sizes
+from engine.worker.device import resolve_attention_backend, resolve_device
+from engine.worker.gpu_memory import (
+    GpuMemoryProfile,
+    memory_in_use,
+    out_of_memory,
+    plan_kv_blocks,
+    profile_peak_activations,
+)
+from engine.worker.host_malloc import tune_for_reuse
+from engine.worker.model_runner import ModelRunner, RunnerOutput, kv_cache_bytes_per_block
+from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
+
+logger = logging.getLogger("kvfleet.engine")
+
+KVEventHook = Callable[[KVCacheEvents], None]
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_blocks: int
+    bytes_per_block: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, kv_event_hook: KVEventHook | None = None) -> None:
+        model_dir = Path(config.model)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(
+                f"model {config.model!r} is not a Hugging Face-format directory with config.json"
+            )
+        self.config = config
+        # Before anything heavy: a missing GPU is reported at once.
+        self.device = resolve_device(config.device)
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device)
+        if self.device.type == "cuda" and config.linear_backend not in ("auto", "dense"):
+            raise ValueError(
+                f"linear_backend={config.linear_backend!r} is a CPU path; on {self.device} "
+                "use auto or dense"
+            )
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        torch.manual_seed(config.seed)
+        if self.device.type == "cuda":
+            if self.device.index is not None:
+                torch.cuda.set_device(self.device)
+            self._gpu_in_use_at_start = memory_in_use(self.device)
+        tune_for_reuse()  # before the model's buffers exist (engine.worker.host_malloc)
+        self.model = self._load_model(model_dir)
+        self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
+        self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
+        self.max_model_len = self._resolve_max_model_len()
+        self.kv_layout = self._size_kv_cache()
+        self.host_layout = self._size_host_kv()
+        self.kv = KVCacheManager(
+            self.kv_layout.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            host_tier=(
+                HostKVTier(self.host_layout.num_tier_blocks, self.host_layout.tier_offset)
+                if self.host_layout.num_tier_blocks else None
+            ),
+            swap=(
+                SwapSpace(self.host_layout.num_swap_blocks)
+                if self.host_layout.num_swap_blocks else None
+            ),
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                preemption_mode=config.preemption_mode,
+                swap_min_computed_tokens=config.swap_min_computed_tokens,
+                spec_disable_by_batch_size=(
+                    config.speculative_config.disable_by_batch_size
+                    if config.speculative_config is not None else None
+                ),
+            ),
+            self.kv,
+            FairShare() if config.scheduling_policy == "fair" else None,
+            LoRAAdmission(config.max_loras) if config.enable_lora else None,
+        )
+        self.runner = self._make_runner()
+        # Host memory of the KV tiers; None (the default) keeps the step free of tier work.
+        self.host_kv = (
+            HostKVBuffer(self.runner.kv_caches, self.host_layout.num_blocks)
+            if self.host_layout.num_blocks else None
+        )
+        # After the runner packed the projections: the wrappers reuse the packed Linear.
+        self.lora = (
+            LoRAManager(
+                LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras),
+                self.model, self.model_config, self.dtype,
+                use_triton=self.attention_backend == "triton",
+                # The PyTorch attention backend keeps LoRA on PyTorch ops too (the reference).
+                cpu_kernel=self.attention_backend != "torch",
+            ) if config.enable_lora else None
+        )
+        # The LoRA delta reads per-step row maps that a captured graph would freeze: with
+        # adapters on, decode steps run eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora:
+            self.runner.enable_decode_graphs(
+                capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+                -(-self.max_model_len // config.block_size),
+            )
+        self.speculator = (
+            build_speculator(config.speculative_config, self)
+            if config.speculative_config is not None else None
+        )
+        self.kv_event_hook = kv_event_hook
+        # Steps paused between layers for a newly arrived tenant (engine.core.urgent_step).
+        self.urgent = UrgentSteps.for_engine(self, config)
+        self._arrival_seq = 0
+        self.last_step_num_tokens = 0
+        self.last_step_preempted: list[str] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self._log_kv_cache()
+
+    # ------------------------------------------------------------------ start-up
+    def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
+        try:
+            return load_model(model_dir, self.dtype, self.device)[0]
+        except torch.OutOfMemoryError as exc:
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            raise out_of_memory(
+                "weights", self.model_config.num_parameters * itemsize, self.device
+            ) from exc
+
+    def _resolve_max_model_len(self) -> int:
+        derived = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            # Sliding-window attention is not implemented; stay inside the window.
+            derived = min(derived, self.model_config.sliding_window)
+        requested = self.config.max_model_len
+        if requested is not None and requested > derived:
+            raise ValueError(
+                f"max_model_len ({requested}) is larger than the model allows ({derived})"
+            )
+        max_len = requested or derived
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < max_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({max_len}); enable chunked prefill or raise the budget"
+            )
+        return max_len
+
+    def _size_kv_cache(self) -> KVCacheLayout:
+        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
+            num_blocks = self._gpu_kv_blocks(per_block)
+        else:
+            budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes ({budget}) is smaller than one KV block "
+                    f"({per_block} bytes)"
+                )
+        return KVCacheLayout(num_blocks, per_block)
+
+    def _make_runner(self) -> ModelRunner:
+        config = self.config
+        try:
+            return ModelRunner(
+                self.model, self.model_config, self.kv_layout.num_blocks, config.block_size,
+                self.dtype, config.seed, self.attention_backend, config.linear_backend,
+                self.device, config.max_num_batched_tokens,
+            )
+        except torch.OutOfMemoryError as exc:
+            asked = self.kv_layout.num_blocks * self.kv_layout.bytes_per_block
+            raise out_of_memory("KV cache", asked, self.device) from exc
+
+    def _gpu_kv_blocks(self, bytes_per_block: int) -> int:
+        """vLLM's gpu_memory_utilization: what is left after the weights and a profiled
+        largest step (engine.worker.gpu_memory)."""
+        config = self.config
+        other, total = self._gpu_in_use_at_start
+        weights = torch.cuda.memory_allocated(self.device)
+        num_tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        try:
+            peak = profile_peak_activations(
+                self.model, self.device, self.dtype, num_tokens, config.max_num_seqs,
+                config.block_size,
+            )
+        except torch.OutOfMemoryError as exc:
+            hidden = self.model_config.intermediate_size * 4 * num_tokens
+            raise out_of_memory("activations", hidden, self.device) from exc
+        profile = GpuMemoryProfile(total, other, weights, peak)
+        num_blocks = plan_kv_blocks(profile, config.gpu_memory_utilization, bytes_per_block)
+        gib = 2**30
+        logger.info(
+            "GPU memory: %.2f GiB total x utilization %.2f; in use before start %.2f GiB, "
+            "weights %.2f GiB, peak activations %.2f GiB -> KV cache %.2f GiB",
+            total / gib, config.gpu_memory_utilization, other / gib, weights / gib,
+            peak / gib, num_blocks * bytes_per_block / gib,
+        )
+        return num_blocks
+
+    def _size_host_kv(self) -> HostLayout:
+        config = self.config
+        return plan_host_layout(
+            preemption_mode=config.preemption_mode,
+            swap_space_gib=config.swap_space,
+            num_swap_blocks=config.num_swap_blocks,
+            kv_offloading_size_gib=config.kv_offloading_size,
+            num_host_tier_blocks=config.num_host_kv_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            bytes_per_block=self.kv_layout.bytes_per_block,
+        )
+
+    def _log_kv_cache(self) -> None:
+        blocks = self.kv_layout.num_blocks
+        tokens = blocks * self.config.block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
+            "max concurrency %.2fx at max_model_len %d",
+            blocks,
+            self.config.block_size,
+            tokens,
+            blocks * self.kv_layout.bytes_per_block / 2**20,
+            str(self.dtype).removeprefix("torch."),
+            tokens / self.max_model_len,
+            self.max_model_len,
+        )
+        host = self.host_layout
+        if host.num_blocks:
+            logger.info(
+                "host KV memory: %d swap blocks (preemption_mode=%s), %d host-tier blocks, "
+                "%.1f MiB", host.num_swap_blocks, self.config.preemption_mode,
+                host.num_tier_blocks, host.num_blocks * self.kv_layout.bytes_per_block / 2**20,
+            )
+
+    # ------------------------------------------------------------------ requests
+    def validate_request(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> int:
+        """Check a request before it is queued; returns its resolved max_tokens."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - num_prompt
+        if max_tokens < 1 or num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if not self.kv.can_fit(num_prompt + max_tokens):
+            needed = -(-(num_prompt + max_tokens) // self.config.block_size)
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} "
+                f"KV blocks but the cache has only {self.kv.num_blocks}"
+            )
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary")
+        return max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        share: TenantShare | None = None,
+        lora_request: LoRARequest | str | None = None,
+    ) -> Request:
+        """Queue a request; `lora_request` is a LoRARequest (loaded on first use) or the
+        name of a loaded adapter; None runs the base model."""
+        max_tokens = self.validate_request(prompt_token_ids, params)
+        lora_id = self.resolve_lora(lora_request)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            max_tokens=max_tokens,
+            block_size=self.config.block_size,
+            arrival_seq=self._arrival_seq,
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            lora_id=lora_id,
+            share=share,
+        )
+        self._arrival_seq += 1
+        self.scheduler.add_request(request)
+        self.runner.add_request(request_id, params.seed)
+        return request
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def resolve_lora(self, lora_request: LoRARequest | str | None) -> str | None:
+        """The adapter's block-hash key (None: base model); ValueError if it cannot be served."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise ValueError(
+                "LoRA adapters are not enabled on this engine (start it with enable_lora=True, "
+                "--enable-lora)"
+            )
+        return self.lora.resolve(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load and serve an adapter under its name (ValueError if bad)."""
+        self.resolve_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Stop serving an adapter; requests already using it run to completion."""
+        return self.lora is not None and self.lora.unload(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora is None else self.lora.list_adapters()
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort a waiting or running request; returns it (for its usage), or None if unknown."""
+        request = self.scheduler.abort_request(request_id)
+        if request is not None:
+            self.runner.remove_request(request_id)
+            self._emit_kv_events()
+        return request
+
+    def stop_request(self, request_id: str, stop_string: str) -> Request | None:
+        """Finish a request whose text reached `stop_string` (finish_reason "stop"), freeing
+        its blocks; returns it, or None if it already finished or is unknown."""
+        request = self.scheduler.stop_request(request_id, stop_string)
+        if request is not None:
+            self.runner.remove_request(request_id)
+            self._emit_kv_events()
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestUpdate]:
+        out = self.scheduler.schedule()
+        if self.host_kv is not None and self.kv.transfers:
+            # Block copies of this schedule (swap, host tier) land before the forward pass.
+            self.host_kv.apply(self.kv.transfers.take())
+        # What the last step did, for metrics and tracing (engine thread only).
+        self.last_step_num_tokens = out.total_num_scheduled_tokens
+        self.last_step_preempted = [r.request_id for r in out.preempted]
+        if not out.scheduled:
+            if self.scheduler.has_unfinished_requests() and not out.preempted:
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        with self.urgent.pausable(out):
+            sampled = self.execute_scheduled(out)
+        return self.apply_step_output(out, sampled)
+
+    def execute_scheduled(self, out: SchedulerOutput) -> RunnerOutput:
+        """The forward pass and sampling of a scheduled step."""
+        block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
+                     for s in out.scheduled}
+        if self.lora is not None:
+            self.lora.begin_step(out.scheduled)
+        try:
+            return self.runner.execute(out.scheduled, block_ids)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
+
+    def apply_step_output(self, out: SchedulerOutput, sampled: RunnerOutput) -> list[RequestUpdate]:
+        """The requests' side of a computed step: tokens appended, finished ones freed."""
+        updates = self.scheduler.update_from_output(
+            out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs, sampled.verified
+        )
+        if self.speculator is not None:
+            self.speculator.after_step(
+                out.scheduled, sampled.verified, updates, self.scheduler.num_running
+            )
+        for update in updates:
+            request = update.request
+            if request.num_output_tokens == 1:
+                self.prompt_tokens += request.num_prompt_tokens
+            self.generation_tokens += len(update.new_token_ids)
+            if update.finished:
+                self.runner.remove_request(request.request_id)
+        self._emit_kv_events()
+        return updates
+
+    def _emit_kv_events(self) -> None:
+        events = self.kv.take_events()
+        if self.kv_event_hook is not None and (events.stored or events.removed):
+            self.kv_event_hook(events)
+
+    # ------------------------------------------------------------------ introspection
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset_prefix_cache()
+        self._emit_kv_events()
+        return ok
+
+    def get_stats(self) -> dict[str, int | float]:
+        return {
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_cache_usage": self.kv.usage,
+            "num_requests_running": self.scheduler.num_running,
+            "num_requests_waiting": self.scheduler.num_waiting,
+            "prefix_cache_queries": self.kv.stats.queries,
+            "prefix_cache_hits": self.kv.stats.hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "generation_tokens": self.generation_tokens,
+            **self._kv_tier_stats(),
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
+        }
+
+    def _kv_tier_stats(self) -> dict[str, int | float]:
+        """Swap and host-tier figures (zeros when a tier is off), for metrics."""
+        swap, tier, host = self.kv.swap, self.kv.host_tier, self.host_kv
+        return {
+            "num_requests_swapped": self.scheduler.num_swapped,
+            "swap_blocks_total": 0 if swap is None else swap.num_blocks,
+            "swap_space_usage": 0.0 if swap is None else swap.usage,
+            "swapped_out_blocks": 0 if swap is None else swap.stats.swapped_out_blocks,
+            "swapped_in_blocks": 0 if swap is None else swap.stats.swapped_in_blocks,
+            "host_cache_blocks_total": 0 if tier is None else tier.num_blocks,
+            "host_cache_usage": 0.0 if tier is None else tier.usage,
+            "host_cache_hits": 0 if tier is None else tier.stats.hits,
+            "host_cache_misses": 0 if tier is None else tier.stats.misses,
+            "host_cache_evictions": 0 if tier is None else tier.stats.evictions,
+            "host_cache_stored": 0 if tier is None else tier.stats.stored,
+            "prefix_cache_host_hits": self.kv.stats.host_hits,
+            "kv_transfer_bytes_to_host": 0 if host is None else host.stats.bytes_to_host,
+            "kv_transfer_bytes_to_device": 0 if host is None else host.stats.bytes_to_device,
+        }

@@ -1,0 +1,71 @@
+"""The Redis key layout shared by engines (writers) and routers (readers).
+
+Redis holds only rebuildable state; everything expires unless an engine keeps it alive.
+
+- `kvfleet:engines` — SET of registered engine ids. An engine is live only while its
+  registry hash exists and its heartbeat is fresh. Members whose hash has expired (a crashed
+  engine) are removed by the routers' lookup script the first time it meets them, so the set
+  only holds engines that registered within the last `REGISTRY_TTL_S` seconds (plus gone
+  ones no router has looked up since) and a lookup's cost follows the live fleet, not every
+  id that ever registered. An engine re-adds its id on every (re)registration.
+- `kvfleet:engine:{engine_id}` — HASH, TTL `REGISTRY_TTL_S`, refreshed by the engine's heartbeat
+  and on every load update. Fields: address (host:port), epoch, block_size, model,
+  max_model_len, num_running, num_waiting, kv_cache_usage, kv_blocks_free, kv_blocks_total,
+  max_num_seqs, max_loras (0: LoRA disabled),
+  lora_adapters (JSON list of the LoRA adapter names it serves; their parent is `model`),
+  lora_paths (JSON object: each of those names -> the adapter directory it was loaded from),
+  updated_at (unix seconds, float: the engine's clock at its last write).
+- `kvfleet:blocks:{engine_id}:{epoch}` — SET of block hashes (raw 16-byte digests from
+  `kvfleet.contracts.block_hash`) that the engine holds in its prefix cache in that epoch. TTL
+  `BLOCKS_TTL_S`, refreshed with the heartbeat. A restarted engine takes a new epoch and deletes
+  every `kvfleet:blocks:{engine_id}:*` key of its old epochs before registering.
+- `kvfleet:host_blocks:{engine_id}:{epoch}` — SET of the block hashes the engine holds in the
+  host tier of its prefix cache (`--kv-offloading-size`), same TTL and clean-up. A hash may be
+  in both sets (reloaded to the device, still on the host); routers count a block as a device
+  hit when it is in the first set, else as a host hit (worth less: it must be copied back).
+
+Liveness, as routers judge it: the hash exists, and `updated_at` is at most the router's
+`--engine-stale-after` bound (default `DEFAULT_STALE_AFTER_S`, a few heartbeats) older than
+Redis' own clock (`TIME`), so every router replica judges by the same clock. An engine whose
+heartbeat stopped while its hash has not expired yet (a hung process) is skipped, not removed:
+it comes back with its next heartbeat. The bound must exceed the clock skew between engines
+and Redis (NTP keeps it to milliseconds) and stay below `REGISTRY_TTL_S` to matter.
+
+Engines write each step's KV events (stored / removed hashes) as one pipelined SADD/SREM.
+Routers answer "how many leading blocks does each live engine hold" in one round trip
+(a Lua script reading every live engine's hash and running SMISMEMBER on its blocks set).
+
+This module must stay free of redis/torch imports: it only names things.
+"""
+
+from __future__ import annotations
+
+PREFIX = "kvfleet"
+ENGINES_SET = f"{PREFIX}:engines"
+REGISTRY_TTL_S = 5
+HEARTBEAT_INTERVAL_S = 1.0
+BLOCKS_TTL_S = 30
+# Heartbeat age beyond which routers stop choosing an engine (router flag --engine-stale-after).
+DEFAULT_STALE_AFTER_S = 3 * HEARTBEAT_INTERVAL_S
+
+
+def engine_key(engine_id: str) -> str:
+    return f"{PREFIX}:engine:{engine_id}"
+
+
+def blocks_key(engine_id: str, epoch: str) -> str:
+    return f"{PREFIX}:blocks:{engine_id}:{epoch}"
+
+
+def blocks_key_pattern(engine_id: str) -> str:
+    """Matches the block sets of every epoch of one engine (for clean-up on restart)."""
+    return f"{PREFIX}:blocks:{engine_id}:*"
+
+
+def host_blocks_key(engine_id: str, epoch: str) -> str:
+    return f"{PREFIX}:host_blocks:{engine_id}:{epoch}"
+
+
+def host_blocks_key_pattern(engine_id: str) -> str:
+    """Matches the host-tier block sets of every epoch of one engine."""
+    return f"{PREFIX}:host_blocks:{engine_id}:*"

@@ -1,0 +1,262 @@
+"""The routing question, answered by Redis in one round trip (a Lua script).
+
+Input: the router's block size hint and the prompt's chained block hashes. Output, for every
+*live* engine (its registry hash exists and its heartbeat is fresh; see
+kvfleet/contracts/redis_schema.py): how many leading blocks of the prompt its current epoch's block set
+holds, the size of that set, and every registry field (address, epoch, block_size, load...).
+
+Invariants:
+- One EVALSHA per lookup (redis-py's Script falls back to EVAL once after a Redis restart).
+- Only the current epoch's block set counts: a restarted engine's stale blocks never match.
+- An engine whose block_size differs from the hint gets 0 matched blocks (its hashes would
+  differ); the caller sees its block size in the result and re-asks with the right one.
+- A prompt block counts as a device match when the engine's device set holds it, else as a
+  host match when its host-tier set does (`matched_host_blocks`); matching stops at the
+  first block in neither, in chunks, so a long prompt that misses early
+  costs little and no Lua `unpack` limit is hit.
+- The registry cleans itself: the script SREMs from the engines set every id whose hash has
+  expired. An engine whose `updated_at` is older than `stale_after_s` by Redis' clock is
+  left out of the answer (but stays registered: its next heartbeat brings it back).
+- Connections are a bounded, blocking pool (`max_connections`): a burst of decisions waits
+  for a connection instead of failing. A lookup that waited `pool_timeout_s` without getting
+  one raises `PrefixIndexBusy` (Redis is up, this router is busy); any Redis failure
+  (refused, timeout, script error) raises `PrefixIndexUnavailable` quickly (short socket
+  timeouts, no client-side retries). Either way the caller routes without the index.
+- Redis Cluster is not supported: the script touches keys it derives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.maint_notifications import MaintNotificationsConfig
+
+from kvfleet.contracts import redis_schema
+
+logger = logging.getLogger(__name__)
+
+ENGINE_KEY_PREFIX = redis_schema.engine_key("")
+# blocks_key(id, epoch) == BLOCKS_KEY_PREFIX + id + ":" + epoch (checked by the tests).
+BLOCKS_KEY_PREFIX = redis_schema.blocks_key("", "").removesuffix(":")
+HOST_BLOCKS_KEY_PREFIX = redis_schema.host_blocks_key("", "").removesuffix(":")
+# Blocks checked per SMISMEMBER call inside the script.
+MATCH_CHUNK = 64
+
+# KEYS[1] = engines set; ARGV = engine key prefix, blocks key prefix, block size, chunk,
+# max heartbeat age in seconds (0: no bound), host blocks key prefix, hashes...
+LOOKUP_SCRIPT = """
+local engine_prefix, blocks_prefix = ARGV[1], ARGV[2]
+local block_size, chunk = tonumber(ARGV[3]), tonumber(ARGV[4])
+local max_age = tonumber(ARGV[5])
+local host_prefix = ARGV[6]
+local first_hash, last_hash = 7, #ARGV
+local now = 0
+if max_age > 0 then
+  local time = redis.call('TIME')
+  now = tonumber(time[1]) + tonumber(time[2]) / 1000000
+end
+local result, gone = {}, {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local fields = redis.call('HGETALL', engine_prefix .. id)
+  if #fields == 0 then
+    table.insert(gone, id)
+  else
+    local info = {}
+    for i = 1, #fields, 2 do info[fields[i]] = fields[i + 1] end
+    local updated = tonumber(info['updated_at'])
+    if max_age <= 0 or updated == nil or now - updated <= max_age then
+      local matched, host_matched, cached = 0, 0, 0
+      if info['epoch'] then
+        local bkey = blocks_prefix .. id .. ':' .. info['epoch']
+        local hkey = host_prefix .. id .. ':' .. info['epoch']
+        cached = redis.call('SCARD', bkey)
+        local host_cached = redis.call('SCARD', hkey)
+        if cached + host_cached > 0 and tonumber(info['block_size']) == block_size then
+          local i, done = first_hash, false
+          while i <= last_hash and not done do
+            local j = math.min(i + chunk - 1, last_hash)
+            local hits, host_hits = {}, {}
+            if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j)) end
+            if host_cached > 0 then
+              host_hits = redis.call('SMISMEMBER', hkey, unpack(ARGV, i, j))
+            end
+            for k = 1, j - i + 1 do
+              if hits[k] == 1 then matched = matched + 1
+              elseif host_hits[k] == 1 then host_matched = host_matched + 1
+              else done = true; break end
+            end
+            i = j + 1
+          end
+        end
+      end
+      table.insert(result, {id, matched, cached, fields, host_matched})
+    end
+  end
+end
+for _, id in ipairs(gone) do redis.call('SREM', KEYS[1], id) end
+return result
+"""
+
+
+class PrefixIndexUnavailable(Exception):
+    """Redis could not answer; route by load alone."""
+
+
+class PrefixIndexBusy(PrefixIndexUnavailable):
+    """Every connection stayed in use for the pool timeout: Redis is up, this router is busy."""
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    """How the router talks to Redis (router flags --redis-*, --engine-stale-after)."""
+
+    # Beyond these Redis counts as unreachable. A refused connection fails at once; the
+    # read timeout leaves room for a busy router's event loop to get to the reply.
+    connect_timeout_s: float = 0.5
+    read_timeout_s: float = 1.0
+    # Connections this router opens at most; further lookups wait for a free one.
+    max_connections: int = 64
+    # How long a lookup waits for a free connection before routing goes without the index.
+    pool_timeout_s: float = 2.0
+    # Heartbeat age (seconds, Redis' clock) beyond which an engine is not live; 0: no bound.
+    stale_after_s: float = redis_schema.DEFAULT_STALE_AFTER_S
+
+    def __post_init__(self) -> None:
+        if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("Redis timeouts must be positive")
+        if self.max_connections < 1:
+            raise ValueError(
+                f"--redis-max-connections must be at least 1, got {self.max_connections}"
+            )
+        if self.pool_timeout_s <= 0:
+            raise ValueError(
+                f"--redis-pool-timeout must be positive, got {self.pool_timeout_s}"
+            )
+        if self.stale_after_s < 0:
+            raise ValueError(
+                f"--engine-stale-after must be >= 0 (0: off), got {self.stale_after_s}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """One live engine as Redis (or its own GetLoad) reports it, plus its match for the prompt."""
+
+    engine_id: str
+    matched_blocks: int
+    num_cached_blocks: int
+    fields: Mapping[str, str]
+    # Leading prompt blocks after the device matches that the engine's host tier holds.
+    matched_host_blocks: int = 0
+
+    @property
+    def address(self) -> str:
+        return self.fields.get("address", "")
+
+    @property
+    def epoch(self) -> str:
+        return self.fields.get("epoch", "")
+
+    @property
+    def block_size(self) -> int | None:
+        return _int(self.fields.get("block_size"))
+
+    @property
+    def model(self) -> str:
+        return self.fields.get("model", "")
+
+    def int_field(self, name: str) -> int:
+        return _int(self.fields.get(name)) or 0
+
+    def float_field(self, name: str) -> float:
+        try:
+            return float(self.fields.get(name, 0.0))
+        except ValueError:
+            return 0.0
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+# A burst of requests opens pool connections, and by default redis-py 8 spends each one's
+# set-up on CLIENT SETINFO (after looking its own version up in the installed packages'
+# metadata, ~1 ms of CPU) and CLIENT MAINT_NOTIFICATIONS (for Redis Enterprise), two round
+# trips that Redis before 7.2 answers with errors. Neither is of use to the router.
+LEAN_CONNECTIONS: dict[str, Any] = {
+    "driver_info": None,
+    "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+}
+
+
+class PrefixIndex:
+    """Async reader of the engines' registry and block index."""
+
+    def __init__(self, redis_url: str, config: PrefixIndexConfig | None = None) -> None:
+        self.config = config if config is not None else PrefixIndexConfig()
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            redis_url,
+            max_connections=self.config.max_connections,
+            timeout=self.config.pool_timeout_s,
+            socket_timeout=self.config.read_timeout_s,
+            socket_connect_timeout=self.config.connect_timeout_s,
+            # Fail fast: the fallback (load-only routing) beats waiting for Redis.
+            retry=Retry(NoBackoff(), 0),
+            **LEAN_CONNECTIONS,
+        )
+        self._client = redis.asyncio.Redis.from_pool(pool)
+        self._script = self._client.register_script(LOOKUP_SCRIPT)
+        # One slot per connection, taken before the pool is asked: waiting for a slot is
+        # "busy", anything the pool or Redis raises after it is "unavailable".
+        self._slots = asyncio.Semaphore(self.config.max_connections)
+
+    async def lookup(self, block_size: int, hashes: Sequence[bytes]) -> list[EngineRecord]:
+        """Every live engine with its leading-block match.
+
+        PrefixIndexBusy when no connection freed up in time, PrefixIndexUnavailable when
+        Redis failed.
+        """
+        args: list[Any] = [ENGINE_KEY_PREFIX, BLOCKS_KEY_PREFIX, block_size, MATCH_CHUNK,
+                           self.config.stale_after_s, HOST_BLOCKS_KEY_PREFIX]
+        args.extend(hashes)
+        try:
+            async with asyncio.timeout(self.config.pool_timeout_s):
+                await self._slots.acquire()
+        except TimeoutError as e:
+            raise PrefixIndexBusy(
+                f"all {self.config.max_connections} Redis connections stayed busy for "
+                f"{self.config.pool_timeout_s}s"
+            ) from e
+        try:
+            raw = await self._script(keys=[redis_schema.ENGINES_SET], args=args)
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise PrefixIndexUnavailable(f"redis: {e}") from e
+        finally:
+            self._slots.release()
+        return [_record(item) for item in raw]
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _record(item: Sequence[Any]) -> EngineRecord:
+    engine_id, matched, cached, flat, host_matched = item
+    fields = {
+        _text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)
+    }
+    return EngineRecord(_text(engine_id), int(matched), int(cached), fields, int(host_matched))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
