@@ -1,7 +1,13 @@
 """kvfleet's engine: paged KV cache, continuous batching, and the offline `LLM` API.
 
-Public names are imported lazily so that light modules (e.g. `kvfleet.contracts.block_hash`, which the
-router uses) can be imported without pulling in torch.
+Layout: the public API at this level (`llm.LLM`, `outputs`, `config`, `logprobs`,
+`completion_tracker`); the loop in `core/` (`llm_engine`, scheduler, KV cache manager, block
+pool, urgent steps); the worker in `worker/` (inputs, model runner, sampler); `models/`,
+`attention/`, `lora/`, `spec_decode/` and `kv_tiers/` beside them; `service/` runs the engine
+as a gRPC service. `SamplingParams` lives in `kvfleet.contracts` (the router shares it) and is
+re-exported here.
+
+Public names are imported lazily, so `import engine` pulls in no torch.
 """
 
 from __future__ import annotations

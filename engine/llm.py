@@ -1,13 +1,13 @@
 """Offline API with vLLM's names: `LLM(...).generate(prompts, sampling_params)` and `.chat()`.
 
 All prompts of a call are validated before any is queued, so a bad prompt raises ValueError and
-leaves the engine untouched and serving. Outputs come back in input order, one RequestOutput
-per prompt. A prompt with n > 1 becomes n engine requests (kvfleet.contracts.parallel_sampling.fan_out)
-that share the prompt's KV blocks through the prefix cache; its RequestOutput lists the n
-samples in index order. Stop strings and logprobs are tracked per sample
-(engine.completion_tracker); a sample whose text reaches a stop string is stopped in the engine
-at once, so its blocks are freed. Prompt logprobs are the first sample's (only it computes
-them; see kvfleet.contracts.parallel_sampling).
+leaves the engine untouched and serving. Outputs come back in input order, one RequestOutput per
+prompt. A prompt with n > 1 becomes n engine requests
+(kvfleet.contracts.parallel_sampling.fan_out) that share the prompt's KV blocks through the
+prefix cache; its RequestOutput lists the n samples in index order. Stop strings and logprobs
+are tracked per sample (engine.completion_tracker); a sample whose text reaches a stop string is
+stopped in the engine at once, so its blocks are freed. Prompt logprobs are the first sample's
+(only it computes them; see kvfleet.contracts.parallel_sampling).
 """
 
 from __future__ import annotations

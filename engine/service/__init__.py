@@ -8,6 +8,7 @@
   in Redis (layout: `kvfleet.contracts.redis_schema`).
 - `servicer.EngineServicer`: kvfleet.v1.Engine over an `AsyncEngine`.
 - `step_watchdog.StepWatchdog`: gRPC health NOT_SERVING while the step loop is stalled or dead.
-- `keepalive`: the keep-alive messages a caller may ask Generate for (slow vs. stalled).
+- `lora_flags`: the LoRA flags (KV tier flags are `engine.kv_tiers.flags`; keep-alives are
+  a contract, `kvfleet.contracts.keepalive`).
 - `server`: `python -m engine.service.server` wires them together.
 """

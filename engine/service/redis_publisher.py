@@ -26,8 +26,8 @@ Invariants:
   set), logs the first failure and then at most every `LOG_EVERY_S`, retries every heartbeat,
   and never raises into the engine.
 - The id joins the engines set only on a resync. Routers prune ids whose registry hash has
-  expired (kvfleet/contracts/redis_schema.py); an expired hash always leads to a resync (EXISTS = 0),
-  which adds the id again, so a live engine is never left out for more than one flush.
+  expired (kvfleet/contracts/redis_schema.py); an expired hash always leads to a resync
+  (EXISTS = 0), which adds the id again, so a live engine is never left out for more than one flush.
 - `updated_at` is written on every flush: routers treat an engine whose last one is older
   than their `--engine-stale-after` as not live (a hung engine stops heartbeating).
 - Engine ids are restricted to `[A-Za-z0-9._-]` so the SCAN pattern of one engine can never

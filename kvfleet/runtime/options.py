@@ -3,7 +3,8 @@
 Role: `add_server_arguments` puts --host/--port/--grace-period/--port-file/--log-level and
 --metrics-port/--metrics-port-file/--no-metrics (Prometheus /metrics, on by default on
 port 9090, like vLLM's always-on /metrics) on a service's argparse parser, with
---log-format (text | json lines, see kvfleet.runtime.logs) and --event-loop (kvfleet.runtime.event_loop);
+--log-format (text | json lines, see kvfleet.runtime.logs) and --event-loop
+(kvfleet.runtime.event_loop);
 `ServerOptions.from_args` turns them into config. The only environment read (when a
 service starts, never on import) is the logging fallback: KVFLEET_LOG_LEVEL /
 KVFLEET_LOG_FORMAT when --log-level / --log-format are not given.

@@ -1,1 +1,9 @@
-"""TODO package docstring."""
+"""Text handling shared by the engine, the tokenizer service and the router.
+
+- `tokenizer`: a model directory's tokenizer.json and chat template, EOS ids.
+- `chat_template`: `--chat-template` given as a file or inline (vLLM's flag).
+- `incremental`: incremental detokenization that never splits a character.
+- `stop_strings`: stop strings matched on streamed text.
+
+Invariant: imports no service; torch-free.
+"""

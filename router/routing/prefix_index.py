@@ -1,9 +1,9 @@
 """The routing question, answered by Redis in one round trip (a Lua script).
 
-Input: the router's block size hint and the prompt's chained block hashes. Output, for every
-*live* engine (its registry hash exists and its heartbeat is fresh; see
-kvfleet/contracts/redis_schema.py): how many leading blocks of the prompt its current epoch's block set
-holds, the size of that set, and every registry field (address, epoch, block_size, load...).
+Input: the router's block size hint and the prompt's chained block hashes. Output, for every *live*
+engine (its registry hash exists and its heartbeat is fresh; see kvfleet/contracts/redis_schema.py):
+how many leading blocks of the prompt its current epoch's block set holds, the size of that set, and
+every registry field (address, epoch, block_size, load...).
 
 Invariants:
 - One EVALSHA per lookup (redis-py's Script falls back to EVAL once after a Redis restart).

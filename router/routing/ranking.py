@@ -1,8 +1,9 @@
 """Routing policies as pure functions: engines in, engines ranked best-first out.
 
 Role: the decision logic, free of I/O so it is unit-testable with exact expected choices.
-`router.routing.decision` feeds it what Redis (or the engines themselves) reported plus this router's
-own in-flight counts; `router.engines.dispatch` tries the ranking in order (retry = next entry).
+`router.routing.decision` feeds it what Redis (or the engines themselves) reported plus this
+router's own in-flight counts; `router.engines.dispatch` tries the ranking in order (retry = next
+entry).
 
 Policies:
 
@@ -61,7 +62,8 @@ class EngineView:
     in_flight: int = 0
     # Blocks continuing that run which the engine holds in its host tier.
     matched_host_blocks: int = 0
-    # Sequences the engine runs at once at most (0: not published); see router.routing.lora_placement.
+    # Sequences the engine runs at once at most (0: not published); see
+    # router.routing.lora_placement.
     max_num_seqs: int = 0
 
     @property

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 ANONYMOUS_TENANT = "anonymous"
 BEARER_PREFIX = "bearer "
@@ -78,9 +77,3 @@ def api_key_from_metadata(metadata: Iterable[tuple[str, str | bytes]]) -> str | 
             header_key = value.strip()
     return bearer or header_key or None
 
-
-def load_api_keys(path: str | Path) -> Authenticator:
-    """The keys of a key or policy file (`router.tenancy.tenant_policy`); ValueError says what is wrong."""
-    from router.tenancy.tenant_policy import load_policy  # the policy module builds on this one
-
-    return load_policy(path).auth

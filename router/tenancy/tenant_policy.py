@@ -242,3 +242,8 @@ def _priority(value: Any, base: PriorityRange, at: FieldPath, where: Locator) ->
     if not low <= default <= high:
         raise where.error((*at, "default"), f"must be within [{low}, {high}], got {default}")
     return PriorityRange(low, high, default)
+
+
+def load_api_keys(path: str | Path) -> Authenticator:
+    """The keys of a key or policy file; ValueError says what is wrong."""
+    return load_policy(path).auth

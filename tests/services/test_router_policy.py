@@ -22,8 +22,8 @@ from router.tenancy.api_keys import (
     ANONYMOUS_TENANT,
     AuthenticationError,
     Authenticator,
-    load_api_keys,
 )
+from router.tenancy.tenant_policy import load_api_keys
 
 BOUND = PrefixPolicyConfig(load_slack_abs=4, load_slack_rel=0.5)
 KEY = b"tie-key"
