@@ -108,7 +108,7 @@ def test_prompt_logprobs_match_transformers_over_chunked_prefill(tiny_model_dir,
 
 def test_pieces_of_logits_are_bounded(llm, hf_model, prompts, monkeypatch):
     """Logits are computed a few rows at a time, and pieces that end mid-chunk lose nothing."""
-    monkeypatch.setattr(engine.model_runner, "PROMPT_LOGPROBS_MAX_ROWS", 5)
+    monkeypatch.setattr(engine.worker.model_runner, "PROMPT_LOGPROBS_MAX_ROWS", 5)
     model = llm.engine.model
     compute_logits = model.compute_logits
     sizes: list[int] = []
