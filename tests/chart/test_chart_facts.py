@@ -252,7 +252,8 @@ def test_init_source_prepares_the_default_model_in_each_pod() -> None:
     for component in ("engine", "tokenizer"):
         (init,) = rendered.pod_spec(component)["initContainers"]
         model_path = "/models/SmolLM2-135M-Instruct"
-        assert init["command"] == ["python", "-m", "engine.models.default_model", "--out", model_path]
+        assert init["command"] == [
+            "python", "-m", "engine.models.default_model", "--out", model_path]
         assert _model_volume(rendered, component) == {"name": "model", "emptyDir": {}}
         assert _flag(command_line(rendered, component), "model") == model_path
         mount = next(m for m in rendered.container(component)["volumeMounts"]

@@ -170,7 +170,8 @@ def test_block_length_is_part_of_the_hash():
 
 
 def test_import_does_not_pull_in_torch():
-    code = "import sys, kvfleet.contracts.block_hash; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, kvfleet.contracts.block_hash; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
     )
