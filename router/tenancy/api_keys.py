@@ -23,12 +23,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfleet.contracts.errors import UnauthenticatedError
+
 ANONYMOUS_TENANT = "anonymous"
 BEARER_PREFIX = "bearer "
 
 
-class AuthenticationError(Exception):
-    """The request carries no valid API key (gRPC UNAUTHENTICATED)."""
+class AuthenticationError(UnauthenticatedError):
+    """The request carries no valid API key (gRPC UNAUTHENTICATED, HTTP 401)."""
 
 
 def _digest(key: str) -> bytes:
@@ -80,7 +82,8 @@ def api_key_from_metadata(metadata: Iterable[tuple[str, str | bytes]]) -> str | 
 
 
 def load_api_keys(path: str | Path) -> Authenticator:
-    """The keys of a key or policy file (`router.tenancy.tenant_policy`); ValueError says what is wrong."""
+    """The keys of a key or policy file (`router.tenancy.tenant_policy`); ValueError says
+    what is wrong."""
     from router.tenancy.tenant_policy import load_policy  # the policy module builds on this one
 
     return load_policy(path).auth
