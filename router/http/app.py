@@ -48,7 +48,14 @@ from kvfleet.runtime.tracing import tracer
 from kvfleet.v1 import router_pb2
 from router.engines.merge import merge_tagged
 from router.http.body import BodyReader, decode_json
-from router.http.errors import error_body, error_response, install_handlers, status_of
+from router.http.errors import (
+    error_body,
+    error_response,
+    failure_response,
+    install_handlers,
+    logged_failure,
+    status_of,
+)
 from router.http.lora_endpoints import LoRAEndpoints
 from router.http.openapi_doc import install_openapi
 from router.http.vllm_endpoints import ServingExtras, kvfleet_version
@@ -59,7 +66,7 @@ from router.openai.responses import StreamRenderer
 from router.pipeline import GenerationPipeline
 from router.tenancy.api_keys import AuthenticationError
 from router.tenancy.policy_reload import PolicyStore
-from router.tenancy.rate_limit_types import Admission, RateLimitedError
+from router.tenancy.rate_limit_types import Admission
 from router.tenancy.tenant_policy import Tenant
 
 logger = logging.getLogger(__name__)
@@ -113,7 +120,7 @@ class OpenAIApi:
         try:
             self._tenant(request)
         except AuthenticationError as e:
-            return error_response(401, str(e))
+            return error_response(*status_of(e))
         names = await self._pipeline.served_models()
         adapters = await self._pipeline.served_adapters()
         return JSONResponse({"object": "list", "data": [
@@ -273,10 +280,9 @@ class OpenAIApi:
         return texts
 
     def _failed(self, tenant: str, exc: BaseException) -> JSONResponse:
-        status, message, param = status_of(exc)
-        self._count(tenant, str(status))
-        headers = exc.headers if isinstance(exc, RateLimitedError) else None
-        return error_response(status, message, param, headers)
+        failure = logged_failure(exc)  # status, body and headers: kvfleet.contracts.errors
+        self._count(tenant, str(failure.http_status))
+        return failure_response(failure)
 
     def _count(self, tenant: str, code: str) -> None:
         self._metrics.http_requests.labels(tenant, code).inc()
