@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import RequestUpdate
+from engine.core.scheduler_output import RequestUpdate
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.outputs import CompletionOutput
 from kvfleet.text.incremental import Decoder

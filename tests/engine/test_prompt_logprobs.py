@@ -17,7 +17,7 @@ import transformers
 
 import engine.worker.model_runner
 from engine import LLM, SamplingParams
-from engine.core.scheduler import RequestUpdate
+from engine.core.scheduler_output import RequestUpdate
 
 PROMPT_LENGTHS = [1, 2, 7, 17, 40, 100]
 BUDGET = 32  # max_num_batched_tokens: the 40- and 100-token prompts take several steps
