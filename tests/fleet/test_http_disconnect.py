@@ -15,7 +15,6 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import openai
@@ -95,11 +94,11 @@ def _bodies(model: str) -> list[tuple[str, dict[str, object]]]:
 
 
 def test_clients_gone_while_queued_leave_the_engine_queue(
-    fleet: Fleet, blocker: grpc.Call, long_context_model: Path
+    fleet: Fleet, blocker: grpc.Call
 ) -> None:
     address = fleet.engines[0].address
     assert fleet.router is not None
-    bodies = _bodies(long_context_model.name)
+    bodies = _bodies(fleet.config.model_dir.name)
     sockets = [_post(fleet.router.http_port, path, body) for path, body in bodies]
     queued = len(bodies) + 1  # the last body has two prompts
     try:
@@ -115,10 +114,10 @@ def test_clients_gone_while_queued_leave_the_engine_queue(
 
 
 def test_sdk_clients_that_time_out_before_the_first_token_cancel(
-    fleet: Fleet, blocker: grpc.Call, long_context_model: Path
+    fleet: Fleet, blocker: grpc.Call
 ) -> None:
     address = fleet.engines[0].address
-    model = long_context_model.name
+    model = fleet.config.model_dir.name
     failures: list[BaseException] = []
 
     def client(stream: bool, chat: bool) -> None:
