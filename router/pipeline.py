@@ -187,14 +187,16 @@ class GenerationPipeline:
             streams.append(
                 await open_engine_stream(
                     decision.ranking, self._pool, samples[0].engine_request, self._max_attempts,
-                    self._deadlines, on_retry=self._metrics.record_retry,
+                    self._deadlines, on_retry=self._metrics.record_retry, claims=decision.claims,
                 )
             )
             chosen = streams[0].engine
             # Engines count host-tier reloads as cached tokens too.
-            matched = chosen.matched_blocks + chosen.matched_host_blocks
-            predicted = min(matched * decision.block_size, len(prompt_ids) - 1)
-            self._metrics.record_decision(decision.policy.value, chosen.engine_id, predicted)
+            predicted = decision.predicted_cached_tokens(chosen)
+            reason = decision.reason_for(chosen.engine_id)
+            self._metrics.record_decision(decision.policy.value, chosen.engine_id, predicted,
+                                          reason)
+            span.set_attribute("kvfleet.routing.reason", reason)
             span.set_attribute("kvfleet.routing.policy", decision.policy.value)
             span.set_attribute("kvfleet.routing.engine_id", chosen.engine_id)
             span.set_attribute("kvfleet.routing.predicted_cached_tokens", predicted)
@@ -259,6 +261,8 @@ class GenerationPipeline:
         self._metrics.record_cached(engine_id, predicted, response.num_cached_tokens)
         if response.index == 0:
             span.set_attribute("kvfleet.cached_tokens", response.num_cached_tokens)
+            span.set_attribute("kvfleet.routing.prediction_error_tokens",
+                               predicted - response.num_cached_tokens)
             span.set_attribute("gen_ai.usage.completion_tokens", response.usage.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [response.finish_reason])
 

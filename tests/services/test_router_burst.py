@@ -7,9 +7,9 @@ served from its cache, and the router's own metrics must show that every decisio
 prefix index (policy `prefix`, no Redis error, no pool timeout) and that no engine was
 taken for failed.
 
-The router runs with a load slack larger than the burst, so the load bound never moves a
-prefix off its engine: any request off its prefix's engine then means a decision made
-without the index (the bound itself is tested in test_router_policy.py).
+The router runs with a spill margin far above any wait the burst causes, so the cost model
+never moves a prefix off its engine: any request off its prefix's engine then means a
+decision made without the index (spilling itself is tested in tests/router/test_ttft_routing.py).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         model_dir=tiny_model_dir,
         num_engines=2,
         api_keys=write_api_keys(work / "keys.json"),
-        router_args=("--load-slack-abs", str(10 * NUM_REQUESTS)),
+        router_args=("--spill-margin", "1000"),
         engine_threads=1,
         log_dir=work / "logs",
         metrics=True,
