@@ -81,7 +81,7 @@ class RouterConfig:
         prefix = PrefixPolicyConfig(
             host_hit_weight=args.host_hit_weight,
             kv_pressure_start=args.kv_pressure_start,
-            spill_margin_s=args.spill_margin,
+            duplicate_weight=args.duplicate_weight,
         )
         return cls(
             tokenizer_address=args.tokenizer,
@@ -272,10 +272,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="ignored (the old prefix policy's load bound)")
     parser.add_argument("--load-slack-rel", type=float, default=None,
                         help="ignored (the old prefix policy's load bound)")
-    parser.add_argument("--spill-margin", type=float, default=defaults.spill_margin_s,
-                        help="seconds of estimated time to first token a hot prefix must "
-                             "gain before it is computed on another engine (default: "
-                             "%(default)s)")
+    parser.add_argument("--duplicate-weight", type=float, default=defaults.duplicate_weight,
+                        help="prefix policy: extra share of the compute charged for prompt "
+                             "tokens another engine already holds, when estimating an engine "
+                             "that would compute them again (0: time to first token alone; "
+                             "default: %(default)s)")
     parser.add_argument("--kv-pressure-start", type=float, default=defaults.kv_pressure_start,
                         help="KV cache usage (0-1) from which the prefix policy charges an "
                              "engine more for computing new blocks (default: %(default)s)")

@@ -121,6 +121,12 @@ class PendingClaims:
         return self._hashes[engine.matched_blocks + engine.matched_host_blocks:]
 
 
+async def drain() -> None:
+    """Wait for every pending write started so far (tests, orderly shutdown)."""
+    while _TASKS:
+        await asyncio.wait(list(_TASKS))
+
+
 def _spawn(work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
     async def logged() -> None:
         try:

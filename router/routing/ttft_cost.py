@@ -8,6 +8,7 @@ The estimate for engine e, in seconds:
 
     queued_e   = max(queued_prefill_tokens_e, own_prefill_tokens_e)
     own_e      = prompt - (device + host + pending matched tokens) + (1 - host_hit_weight) * host
+                 + duplicate_weight * (most matched tokens of any engine - matched tokens here)
     pressure_e = clamp((kv_cache_usage_e - kv_pressure_start) / (1 - kv_pressure_start), 0, 1)
     ttft_e     = (queued_e + own_e * (1 + kv_pressure_weight * pressure_e)) / prefill_rate_e
                  + decoding_e * decode_s_per_seq_e
@@ -24,8 +25,13 @@ The estimate for engine e, in seconds:
 - decoding: requests past their prompt share each step with the prefill; one decode step
   of them costs decoding x decode_s_per_seq (`max(published, this router's in-flight
   streams past their first token)`).
-- `spill_margin_s` (default 0) is added for engines holding less of the prompt than the best
-  holder: hysteresis for operators who want a hot prefix to move only for a clear gain.
+- duplicate: prompt tokens another engine already holds (or is computing) cost more than
+  their compute time when computed here again: the duplicate takes that much capacity from
+  the requests behind it, which a per-request time to first token does not see. Without this
+  term, a second request of a prefix whose first is still queued would go to an idle engine
+  for a one-suffix gain, and each prefix would end up computed everywhere: exactly the
+  round-robin hit rate the policy exists to beat. `duplicate_weight` 0.5 charges half the
+  compute again; 0 ranks by time alone (spill whenever the estimate elsewhere is shorter).
 
 Defaults, for engines that publish none of this yet (older engines, the first seconds): a
 missing rate is the mean of the rates the other engines of the decision publish, else the
@@ -37,7 +43,7 @@ before, and a mixed one compares like with like.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from router.routing.engine_view import UNKNOWN, EngineView
 
@@ -61,9 +67,9 @@ class PrefixPolicyConfig:
     kv_pressure_weight: float = 2.0
     # Estimates this close count as equal: the rendezvous hash decides, so replicas agree.
     cost_quantum_s: float = 0.01
-    # Added to the estimate of every engine holding less of the prompt than the best holder:
-    # a hot prefix spills only for a gain above it (0: whenever the estimate is shorter).
-    spill_margin_s: float = 0.0
+    # Extra share of the compute charged for prompt tokens another engine already holds or
+    # is computing (the capacity a duplicate takes from later requests); 0: time alone.
+    duplicate_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.host_hit_weight <= 1.0:
@@ -74,8 +80,8 @@ class PrefixPolicyConfig:
             raise ValueError("kv pressure start must be in [0, 1) and its weight >= 0")
         if self.cost_quantum_s <= 0:
             raise ValueError(f"cost quantum must be positive, got {self.cost_quantum_s}")
-        if self.spill_margin_s < 0:
-            raise ValueError(f"spill margin must be >= 0, got {self.spill_margin_s}")
+        if self.duplicate_weight < 0:
+            raise ValueError(f"duplicate weight must be >= 0, got {self.duplicate_weight}")
 
     def score(self, engine: EngineView) -> float:
         """Cached-prefix score of an engine for this prompt, in device blocks."""
@@ -120,13 +126,8 @@ def estimate_all(
 ) -> dict[str, Estimate]:
     """{engine id: its estimate} for every engine (module docstring)."""
     rates = _fleet_rates(engines, config)
-    estimates = {e.engine_id: _estimate(e, shape, config, rates) for e in engines}
-    if config.spill_margin_s > 0:
-        most = max(e.matched_tokens for e in estimates.values())
-        estimates = {i: e if e.matched_tokens >= most
-                     else replace(e, ttft_s=e.ttft_s + config.spill_margin_s)
-                     for i, e in estimates.items()}
-    return estimates
+    most = max((_matched_tokens(e, shape) for e in engines), default=0)
+    return {e.engine_id: _estimate(e, shape, config, rates, most) for e in engines}
 
 
 def cost_key(estimate: Estimate, config: PrefixPolicyConfig) -> int:
@@ -135,7 +136,8 @@ def cost_key(estimate: Estimate, config: PrefixPolicyConfig) -> int:
 
 
 def _estimate(
-    e: EngineView, shape: RequestShape, config: PrefixPolicyConfig, fleet: _FleetRates
+    e: EngineView, shape: RequestShape, config: PrefixPolicyConfig, fleet: _FleetRates,
+    most_matched: int,
 ) -> Estimate:
     rate = e.prefill_tokens_per_s if e.prefill_tokens_per_s > 0 else fleet.prefill_tokens_per_s
     step = e.decode_s_per_seq if e.decode_s_per_seq > 0 else fleet.decode_s_per_seq
@@ -144,16 +146,20 @@ def _estimate(
     queued = max(published_queue, e.own_prefill_tokens)
     published_decoding = e.num_decoding if e.num_decoding != UNKNOWN else e.num_running
     decoding = max(published_decoding, e.in_flight - e.own_prefilling)
-    bs = shape.block_size
-    # The engine always computes the last prompt token, so at most prompt - 1 are matched.
-    matched = min(_matched_blocks(e) * bs, max(shape.prompt_tokens - 1, 0))
-    host = min(e.matched_host_blocks * bs, matched)
+    matched = _matched_tokens(e, shape)
+    host = min(e.matched_host_blocks * shape.block_size, matched)
     own = shape.prompt_tokens - matched
-    work = own + (1.0 - config.host_hit_weight) * host
+    duplicate = most_matched - matched
+    work = own + (1.0 - config.host_hit_weight) * host + config.duplicate_weight * duplicate
     pressure = (e.kv_cache_usage - config.kv_pressure_start) / (1.0 - config.kv_pressure_start)
     work *= 1.0 + config.kv_pressure_weight * min(max(pressure, 0.0), 1.0)
     ttft = (queued + work) / rate + decoding * step
     return Estimate(e.engine_id, ttft, matched, own)
+
+
+def _matched_tokens(e: EngineView, shape: RequestShape) -> int:
+    # The engine always computes the last prompt token, so at most prompt - 1 are matched.
+    return min(_matched_blocks(e) * shape.block_size, max(shape.prompt_tokens - 1, 0))
 
 
 def _matched_blocks(e: EngineView) -> int:

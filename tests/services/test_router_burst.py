@@ -7,8 +7,8 @@ served from its cache, and the router's own metrics must show that every decisio
 prefix index (policy `prefix`, no Redis error, no pool timeout) and that no engine was
 taken for failed.
 
-The router runs with a spill margin far above any wait the burst causes, so the cost model
-never moves a prefix off its engine: any request off its prefix's engine then means a
+The router charges recomputing a prefix another engine holds 1000 times its compute time
+(`--duplicate-weight`), so the cost model never moves a prefix off its engine: any request off its prefix's engine then means a
 decision made without the index (spilling itself is tested in tests/router/test_ttft_routing.py).
 """
 
@@ -55,7 +55,7 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         model_dir=tiny_model_dir,
         num_engines=2,
         api_keys=write_api_keys(work / "keys.json"),
-        router_args=("--spill-margin", "1000"),
+        router_args=("--duplicate-weight", "1000"),
         engine_threads=1,
         log_dir=work / "logs",
         metrics=True,
