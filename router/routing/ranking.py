@@ -19,9 +19,11 @@ Policies:
   the prefix elsewhere, and spills to another engine exactly when the estimate there,
   recompute included, is shorter; a second request of a prefix follows the first before the
   engine has published it (pending entries, `router.routing.pending`).
-  Estimates in the same `cost_quantum_s` are ties, broken by the highest rendezvous weight of
-  (tenant + prompt start, engine id): every replica, and every concurrent request of a new
-  prefix on an idle fleet, picks the same engine without talking.
+  Estimates within the tie tolerance of the best (20% + 10 ms: measured rates of alike
+  engines differ by noise) come first, the one holding most of the prompt first, then by the
+  highest rendezvous weight of (tenant + prompt start, engine id): every replica, and every
+  concurrent request of a new prefix, picks the same engine without talking, and new
+  prefixes spread over a balanced fleet. The other engines follow, cheapest first.
 - `least_load`: lowest load, then lowest KV usage, then the rendezvous hash.
 - `round_robin`: engines sorted by id, rotated by a counter the caller owns (per replica;
   replicas need not agree for round robin to be fair overall).
@@ -46,9 +48,9 @@ from router.routing.engine_view import EngineView
 from router.routing.ttft_cost import (
     PrefixPolicyConfig,
     RequestShape,
-    cost_key,
     estimate_all,
     infer_shape,
+    near_best,
 )
 
 __all__ = [
@@ -90,11 +92,17 @@ def rank_prefix(
     if not engines:
         return []
     costs = estimate_all(engines, shape or infer_shape(engines), config)
-    return sorted(
-        engines,
-        key=lambda e: (cost_key(costs[e.engine_id], config),
-                       -rendezvous_weight(tie_key, e.engine_id)),
-    )
+    near = near_best(costs, config)
+
+    def preference(e: EngineView) -> tuple[bool, float, float, int]:
+        # Among near-equal estimates the cache decides (a hit is work saved for everyone
+        # after this request too), then the hash; beyond them, the estimate itself.
+        tied = e.engine_id in near
+        return (not tied, -config.score(e) if tied else 0.0,
+                0.0 if tied else costs[e.engine_id].ttft_s,
+                -rendezvous_weight(tie_key, e.engine_id))
+
+    return sorted(engines, key=preference)
 
 
 def choice_reason(
@@ -115,8 +123,7 @@ def choice_reason(
             return "spill"
         return "pending" if best.matched_pending_blocks else "cached"
     costs = estimate_all(ranking, shape or infer_shape(ranking), config)
-    first = cost_key(costs[best.engine_id], config)
-    tied = any(cost_key(costs[e.engine_id], config) == first for e in rest)
+    tied = any(e.engine_id in near_best(costs, config) for e in rest)
     return "hash" if tied else "least_load"
 
 

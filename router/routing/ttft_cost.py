@@ -33,6 +33,11 @@ The estimate for engine e, in seconds:
   round-robin hit rate the policy exists to beat. `duplicate_weight` 0.5 charges half the
   compute again; 0 ranks by time alone (spill whenever the estimate elsewhere is shorter).
 
+Ties: estimates within `tie_rel` (20%) of the best plus `tie_abs_s` (10 ms) are equal; the
+ranking then prefers, among them, the engine holding most of the prompt, then the rendezvous
+hash (`router.routing.ranking`). Rates measured on alike engines differ by noise, and a new
+prefix must spread over them by the hash rather than all go to whichever measured fastest.
+
 Defaults, for engines that publish none of this yet (older engines, the first seconds): a
 missing rate is the mean of the rates the other engines of the decision publish, else the
 config default; missing queued tokens are `num_waiting` prompts as long as this one; missing
@@ -42,7 +47,7 @@ before, and a mixed one compares like with like.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from router.routing.engine_view import UNKNOWN, EngineView
@@ -65,8 +70,10 @@ class PrefixPolicyConfig:
     # KV usage from which an engine is penalised for new blocks, and the penalty at 100%.
     kv_pressure_start: float = 0.9
     kv_pressure_weight: float = 2.0
-    # Estimates this close count as equal: the rendezvous hash decides, so replicas agree.
-    cost_quantum_s: float = 0.01
+    # Estimates within tie_rel of the best plus tie_abs_s are ties (`near_best`): measured
+    # rates of alike engines differ by noise, which must not decide where a new prefix goes.
+    tie_rel: float = 0.2
+    tie_abs_s: float = 0.01
     # Extra share of the compute charged for prompt tokens another engine already holds or
     # is computing (the capacity a duplicate takes from later requests); 0: time alone.
     duplicate_weight: float = 0.5
@@ -78,8 +85,8 @@ class PrefixPolicyConfig:
             raise ValueError("default rates must be positive")
         if not 0.0 <= self.kv_pressure_start < 1.0 or self.kv_pressure_weight < 0:
             raise ValueError("kv pressure start must be in [0, 1) and its weight >= 0")
-        if self.cost_quantum_s <= 0:
-            raise ValueError(f"cost quantum must be positive, got {self.cost_quantum_s}")
+        if self.tie_rel < 0 or self.tie_abs_s < 0:
+            raise ValueError("tie tolerances must be >= 0")
         if self.duplicate_weight < 0:
             raise ValueError(f"duplicate weight must be >= 0, got {self.duplicate_weight}")
 
@@ -130,9 +137,13 @@ def estimate_all(
     return {e.engine_id: _estimate(e, shape, config, rates, most) for e in engines}
 
 
-def cost_key(estimate: Estimate, config: PrefixPolicyConfig) -> int:
-    """The estimate in quanta: engines with equal keys are ties (the hash decides)."""
-    return round(estimate.ttft_s / config.cost_quantum_s)
+def near_best(estimates: Mapping[str, Estimate], config: PrefixPolicyConfig) -> set[str]:
+    """Engines whose estimate is within the tie tolerance of the best one."""
+    if not estimates:
+        return set()
+    best = min(e.ttft_s for e in estimates.values())
+    limit = best * (1.0 + config.tie_rel) + config.tie_abs_s
+    return {i for i, e in estimates.items() if e.ttft_s <= limit}
 
 
 def _estimate(

@@ -28,8 +28,9 @@ from router.routing.ttft_cost import estimate_all
 KEY = b"tie-key"
 SHAPE = RequestShape(prompt_tokens=544, block_size=16)
 PREFIX_BLOCKS = 32
-DEFAULT = PrefixPolicyConfig()  # duplicate_weight 0.5
-TIME_ONLY = PrefixPolicyConfig(duplicate_weight=0.0)
+DEFAULT = PrefixPolicyConfig()  # duplicate_weight 0.5, ties within 20% + 10 ms
+EXACT = PrefixPolicyConfig(tie_rel=0.0, tie_abs_s=0.0)  # the duplicate charge, no tolerance
+TIME_ONLY = PrefixPolicyConfig(duplicate_weight=0.0, tie_rel=0.0, tie_abs_s=0.0)
 
 
 def engine(engine_id: str, *, rate: float = 1000.0, step: float = 0.01, **fields: object
@@ -94,9 +95,34 @@ def test_a_hot_prefix_spills_exactly_when_waiting_costs_more_than_recomputing(
     # h holds the prefix: queued + 32 own tokens. o recomputes: 544 + 0.5 x 512 = 800.
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, queued_prefill_tokens=queued),
                engine("o")]
-    assert ttft(engines) == {"h": (queued + 32) / 1000, "o": 0.8}
+    assert ttft(engines, EXACT) == {"h": (queued + 32) / 1000, "o": 0.8}
+    assert ranked(engines, EXACT)[0] == expected
+    assert reason(engines, EXACT) == ("cached" if expected == "h" else "spill")
+
+
+@pytest.mark.parametrize(
+    ("queued", "expected"),
+    [(758, "h"), (930, "h"), (950, "o")],
+)
+def test_by_default_the_holder_keeps_near_ties(queued: int, expected: str) -> None:
+    # Within 20% + 10 ms of o's 0.8 s (0.97 s) the holder wins the tie on its cache.
+    engines = [engine("h", matched_blocks=PREFIX_BLOCKS, queued_prefill_tokens=queued),
+               engine("o")]
     assert ranked(engines)[0] == expected
     assert reason(engines) == ("cached" if expected == "h" else "spill")
+
+
+def test_a_new_prefix_spreads_by_the_hash_despite_rate_noise() -> None:
+    # Alike engines whose measured rates differ by 10%: a tie, the hash decides.
+    engines = [engine(HASH_FIRST, rate=900.0), engine(HASH_SECOND, rate=1000.0)]
+    assert ranked(engines) == [HASH_FIRST, HASH_SECOND]
+    assert reason(engines) == "hash"
+    # By time alone the faster one would take every new prefix.
+    assert ranked(engines, TIME_ONLY) == [HASH_SECOND, HASH_FIRST]
+    # A real difference in queued work is no tie: 300 queued tokens is 55% more.
+    engines = [engine(HASH_FIRST, queued_prefill_tokens=300), engine(HASH_SECOND)]
+    assert ranked(engines) == [HASH_SECOND, HASH_FIRST]
+    assert reason(engines) == "least_load"
 
 
 def test_by_time_alone_the_spill_point_is_the_recompute_time() -> None:
@@ -126,7 +152,7 @@ def test_this_routers_unpublished_requests_count() -> None:
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, own_prefilling=2,
                       own_prefill_tokens=900, in_flight=2), engine("o")]
     assert ttft(engines) == {"h": 0.932, "o": 0.8}
-    assert ranked(engines) == ["o", "h"]
+    assert ranked(engines, EXACT) == ["o", "h"]
     # Streams past their first token are decodes: 6 in flight, 2 of them prefilling.
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, in_flight=6, own_prefilling=2)]
     assert ttft(engines) == {"h": 0.072}  # 32 tokens + 4 decodes
