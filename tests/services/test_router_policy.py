@@ -25,11 +25,11 @@ from router.tenancy.api_keys import (
 )
 from router.tenancy.tenant_policy import load_api_keys
 
-# The cost model by time alone (no duplicate charge, no tie tolerance): engines here publish no rates, so the
-# defaults apply, 1000 prompt tokens/s and 10 ms per decoding request; queued work is
-# num_waiting prompts like this one. (The count-based load bound these tests once pinned is
-# gone; its cases below now state what the cost model decides. The defaults and the rest:
-# tests/router/test_ttft_routing.py.)
+# The cost model by time alone (no duplicate charge, no tie tolerance): engines here publish
+# no rates, so the defaults apply, 1000 prompt tokens/s and 10 ms per decoding request;
+# queued work is num_waiting prompts like this one. (The count-based load bound these tests
+# once pinned is gone; its cases below now state what the cost model decides. The defaults
+# and the rest: tests/router/test_ttft_routing.py.)
 BOUND = PrefixPolicyConfig(duplicate_weight=0.0, tie_rel=0.0, tie_abs_s=0.0)
 KEY = b"tie-key"
 
