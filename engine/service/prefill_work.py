@@ -22,7 +22,9 @@ kvfleet/contracts/redis_schema.py).
 
 Invariants: engine thread only (it walks the scheduler's queues and the block pool); reads,
 never changes, the cache or the queues. Draft tokens of speculative decoding count as prompt
-tokens of their step (a slight overestimate of the prefill rate while drafting).
+tokens of their step (a slight overestimate of the prefill rate while drafting); an urgent
+step run inside a step (engine.core.urgent_step) adds its time but not its tokens to that step
+(a slight underestimate). Both only shift the rate routers divide by, alike for all engines.
 """
 
 from __future__ import annotations
