@@ -191,7 +191,7 @@ class GenerationPipeline:
                 )
             )
             chosen = streams[0].engine
-            # Engines count host-tier reloads as cached tokens too.
+            # Held on the device, in the host tier (engines count reloads as cached) or pending.
             predicted = decision.predicted_cached_tokens(chosen)
             reason = decision.reason_for(chosen.engine_id)
             self._metrics.record_decision(decision.policy.value, chosen.engine_id, predicted,
