@@ -8,8 +8,9 @@ prefix index (policy `prefix`, no Redis error, no pool timeout) and that no engi
 taken for failed.
 
 The router charges recomputing a prefix another engine holds 1000 times its compute time
-(`--duplicate-weight`), so the cost model never moves a prefix off its engine: any request off its prefix's engine then means a
-decision made without the index (spilling itself is tested in tests/router/test_ttft_routing.py).
+(`--duplicate-weight`), so the cost model never moves a prefix off its engine: any request
+off its prefix's engine then means a decision made without the index (spilling itself is
+tested in tests/router/test_ttft_routing.py).
 """
 
 from __future__ import annotations
