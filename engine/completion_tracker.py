@@ -9,11 +9,13 @@ Invariants:
   need no stop-string matching pay no per-token detokenization.
 - The EOS or stop token that ends generation stays in token_ids but not in the text, unless
   include_stop_str_in_output (vLLM).
-- With stop strings the text is detokenized incrementally (no prompt context, so it adds up to
-  decode(output ids)) and fed to `StopStringMatcher`, which checks only once min_tokens tokens
-  exist (vLLM). On a match: finish_reason "stop", stop_reason the string, text ends before it
+- With stop strings the text is built by the shared output rules (`kvfleet.text.output_rules`:
+  `SampleText` detokenizes incrementally, without prompt context so it adds up to
+  decode(output ids), and `StopStringFilter` matches token by token once min_tokens tokens
+  exist). On a match: finish_reason "stop", stop_reason the string, text ends before it
   (after it with include_stop_str_in_output), token ids and logprobs are those generated up
-  to the match. A match on the request's last token wins over finish_reason "length" (vLLM).
+  to the token completing it, even inside a several-token update (speculative decoding). A
+  match on the request's last token wins over finish_reason "length" (vLLM).
 - logprobs: one dict per token, the sampled token first (with its own rank), then the top-k
   not already in it; cumulative_logprob sums the sampled logprobs. Both None unless asked.
 - prompt logprobs: kept from the request's first update (the only one carrying them) and
@@ -26,10 +28,11 @@ from __future__ import annotations
 import dataclasses
 
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import RequestUpdate
+from engine.core.scheduler_output import RequestUpdate
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.outputs import CompletionOutput
-from kvfleet.text.incremental import Decoder, IncrementalDetokenizer
+from kvfleet.text.incremental import Decoder
+from kvfleet.text.output_rules import SampleText, StopStringFilter, text_token_ids
 from kvfleet.text.stop_strings import StopStringMatcher
 
 
@@ -40,11 +43,18 @@ class CompletionTracker:
         params = request.sampling_params
         self._logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         self._prompt_logprobs: list[TokenLogprobs | None] | None = None
-        self._matcher: StopStringMatcher | None = None
-        self._detokenizer: IncrementalDetokenizer | None = None
+        # Only with stop strings is the text built as tokens arrive (else decoded at the end).
+        self._sample_text: SampleText | None = None
+        self._filter: StopStringFilter | None = None
         if params.stop:
-            self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-            self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+            self._sample_text = SampleText(
+                tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                split_by_token=True,
+            )
+            matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+            self._filter = StopStringFilter(matcher, params.min_tokens)
         self._text: list[str] = []
         self.stop_string: str | None = None
         # Output tokens when a stop string matched (tokens after it in the same update are
@@ -62,52 +72,34 @@ class CompletionTracker:
         if update.prompt_logprobs is not None:
             self._prompt_logprobs = update.prompt_logprobs
         self.finished = update.finished
-        if self._matcher is not None:
-            self.stop_string = self._match_each(update)
-            self.finished = self.finished or self.stop_string is not None
+        if self._sample_text is not None and self._filter is not None:
+            delta = self._sample_text.add(
+                update.new_token_ids, finished=update.finished, ends_on_stop_token=self._stopped
+            )
+            kept = self._filter.add(
+                delta.text, delta.token_ends, len(update.new_token_ids), update.finished
+            )
+            self._text.append(kept.text)
+            self.stop_string = self._filter.stop_string
+            if self.stop_string is not None:
+                self._num_output_at_stop = self._filter.num_tokens
+                self.finished = True
         return self.stop_string
 
-    def _match_each(self, update: RequestUpdate) -> str | None:
-        """Match token by token, so a stop string completed by a token inside a several-token
-        update (speculative decoding) ends the output at that token, as one-token updates
-        would have; the later tokens are dropped from the output."""
-        ids = update.new_token_ids
-        num_before = self.request.num_output_tokens - len(ids)
-        for index, token in enumerate(ids):
-            last = index == len(ids) - 1
-            matched = self._match([token], update.finished and last, num_before + index + 1)
-            if matched is not None:
-                self._num_output_at_stop = num_before + index + 1
-                return matched
-        return None
-
-    def _match(self, token_ids: list[int], finished: bool, num_output: int) -> str | None:
-        assert self._matcher is not None and self._detokenizer is not None
-        text = self._detokenizer.add_tokens(self._text_ids(token_ids, finished))
-        if finished:
-            text += self._detokenizer.flush()
-        check = num_output >= self.request.sampling_params.min_tokens
-        self._text.append(self._matcher.add(text, check))
-        if self._matcher.matched is None and finished:
-            self._text.append(self._matcher.flush())
-        return self._matcher.matched
-
-    def _text_ids(self, token_ids: list[int], last: bool) -> list[int]:
-        # vLLM: the EOS or stop token that ended generation is in token_ids, not in the text
-        # (unless include_stop_str_in_output).
-        stopped = self.request.status == RequestStatus.FINISHED_STOPPED
-        keep = self.request.sampling_params.include_stop_str_in_output
-        if last and stopped and token_ids and not keep:
-            return token_ids[:-1]
-        return token_ids
+    @property
+    def _stopped(self) -> bool:
+        # An EOS or stop token ended generation (LLM sets this status for stop strings only
+        # after this tracker reported one).
+        return self.request.status == RequestStatus.FINISHED_STOPPED
 
     def to_output(self, index: int) -> CompletionOutput:
         request = self.request
         token_ids = list(request.output_token_ids[: self._num_output_at_stop])
-        if self._matcher is None:
+        if self._sample_text is None:
+            params = request.sampling_params
             text = self._tokenizer.decode(
-                self._text_ids(token_ids, True),
-                skip_special_tokens=request.sampling_params.skip_special_tokens,
+                text_token_ids(token_ids, self._stopped, params.include_stop_str_in_output),
+                skip_special_tokens=params.skip_special_tokens,
             )
         else:
             text = "".join(self._text)

@@ -1,11 +1,12 @@
 """Run the router: `kvfleet serve router --tokenizer HOST:PORT --redis-url URL` (or
 `python -m router.server ...`).
 
-Role: process entry point. Parses arguments once into `RouterConfig`, builds the servicer
-(tenant policy store, rate limiter, tokenizer client, Redis prefix index, engine discovery,
-engine pool, selector) on a
-`kvfleet.runtime.grpc_server.GrpcServer` (health, reflection, error mapping, graceful drain) and
-serves until SIGTERM/SIGINT; exits 0 after a graceful shutdown.
+Role: process entry point. Parses arguments once into `RouterConfig`, builds the
+`GenerationPipeline` (tokenizer client, Redis prefix index, engine discovery, engine pool,
+selector, rate limiter) and the two front doors sharing it with the tenant policy store: the
+gRPC servicer on a `kvfleet.runtime.grpc_server.GrpcServer` (health, reflection, error
+mapping, graceful drain) and the OpenAI HTTP app; serves until SIGTERM/SIGINT; exits 0 after
+a graceful shutdown.
 
 Invariants: configuration comes from arguments only (no environment reads); the port file is
 written only once the server accepts RPCs (its existence means ready); client channels and

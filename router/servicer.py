@@ -5,11 +5,10 @@ Role: authenticate (the API key in gRPC metadata, against the current tenant pol
 `pipeline.GenerationPipeline`, which the HTTP API shares.
 
 Invariants:
-- Errors are raised, not set: ValueError -> INVALID_ARGUMENT, UnavailableError ->
-  UNAVAILABLE, a tenant over its limits -> RESOURCE_EXHAUSTED with `retry-after` and a
-  RetryInfo detail (`kvfleet.runtime.interceptors`), downstream statuses relayed (kvfleet.contracts.errors);
-  only UNAUTHENTICATED is set here with `context.abort`, as kvfleet.contracts.errors has no
-  exception for it.
+- Errors are raised, never set here: the error table (`kvfleet.contracts.errors`, applied by
+  `kvfleet.runtime.interceptors`) answers a bad API key UNAUTHENTICATED, ValueError
+  INVALID_ARGUMENT, UnavailableError UNAVAILABLE, a tenant over its limits
+  RESOURCE_EXHAUSTED with `retry-after` and a RetryInfo detail, and relays downstream statuses.
 - A client that goes away closes the pipeline at once, which cancels its engine calls.
 """
 
@@ -27,9 +26,7 @@ from kvfleet.runtime.metrics import status_label
 from kvfleet.v1 import router_pb2, router_pb2_grpc
 from router.metrics import RouterMetrics
 from router.pipeline import GenerationPipeline
-from router.tenancy.api_keys import AuthenticationError
 from router.tenancy.policy_reload import PolicyStore
-from router.tenancy.tenant_policy import Tenant
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
@@ -69,16 +66,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context: grpc.aio.ServicerContext,
         tenant_out: list[str],
     ) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
-        tenant = await self._authenticate(context)
+        # AuthenticationError: UNAUTHENTICATED, through the error table.
+        tenant = self._policies.current.identify(context.invocation_metadata())
         tenant_out[0] = tenant.name
         set_tenant(tenant.name)
         async with contextlib.aclosing(self._pipeline.generate(request, tenant)) as stream:
             async for response in stream:
                 yield response
-
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
-        try:
-            return self._policies.current.identify(context.invocation_metadata())
-        except AuthenticationError as e:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
-            raise  # unreachable: abort raises

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from kvfleet.contracts.errors import UnavailableError
+from kvfleet.contracts.errors import InvalidFieldError, UnavailableError
 from kvfleet.runtime.tracing import trace_metadata
 from kvfleet.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -69,15 +69,15 @@ class TokenizerClient:
         return self._info
 
     async def tokenize(self, request: router_pb2.RouterGenerateRequest) -> list[int]:
-        """Token ids of a prompt or a chat; ValueError for an empty input."""
+        """Token ids of a prompt or a chat; InvalidFieldError for an empty input."""
         kind = request.WhichOneof("input")
         if kind == "prompt":
             if not request.prompt:
-                raise ValueError("prompt must not be empty")
+                raise InvalidFieldError("prompt", "prompt must not be empty")
             tokenize = tokenizer_pb2.TokenizeRequest(text=request.prompt)
         elif kind == "messages":
             if not request.messages.messages:
-                raise ValueError("messages must not be empty")
+                raise InvalidFieldError("messages", "messages must not be empty")
             tokenize = tokenizer_pb2.TokenizeRequest(messages=request.messages)
         else:
             raise ValueError(f"tokenize() got input {kind!r}; expected prompt or messages")

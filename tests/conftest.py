@@ -3,6 +3,9 @@
 Both are built once per session. `tiny_model_dir` is a seeded random Llama plus a trained
 byte-level BPE tokenizer (builders in tests/fixtures/tiny_model.py); `smollm2_dir` converts
 the default model's GGUF on first use and reuses the cached directory afterwards.
+`redis_server` (a real redis-server per module) and `threaded_server` (in-process gRPC servers)
+come from tests/fixtures/servers.py; fleets (real service processes) from
+tests/fixtures/fleets.py, through the conftest of each directory that starts them.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.lora_adapters import ADAPTERS, build_adapter_dir
+from tests.fixtures.servers import redis_server, threaded_server  # noqa: F401 - fixtures
 from tests.fixtures.tiny_model import build_tiny_model_dir
 
 

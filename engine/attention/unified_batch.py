@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.core.scheduler import ScheduledRequest
+from engine.core.scheduler_output import ScheduledRequest
 
 
 @dataclass(frozen=True, eq=False)

@@ -3,27 +3,37 @@
 `LLMEngine` validates and queues requests, sizes the KV cache, and after each step reports the
 KV events (block hashes cached / evicted) to an optional hook, which the engine service publishes
 to Redis. It is synchronous; the async service runs `step()` off the event loop.
+
+Role: the root of the engine loop, and the only module that holds all of its parts. The loop
+is a tree: the scheduler, the runner, speculation (engine.spec_decode) and urgent steps
+(engine.core.urgent_step) each receive the parts they use (the scheduler, the KV manager, the
+model, a callable running a scheduled step, sizes and config) and never import this module.
+Start-up sizing lives in engine.core.kv_sizing; the last step's figures in
+engine.core.step_report.
+
+Invariants: a step's block copies (swap, host tier) land before its forward pass; a step's
+requests are updated (tokens appended, finished ones freed) only after its forward pass
+completed; the KV event hook hears of every cache change, after each step, abort, stop
+and prefix-cache reset.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.config import EngineConfig
 from engine.core.fair_share import FairShare
-from engine.core.kv_cache_manager import KVCacheEvents, KVCacheManager
+from engine.core.kv_cache_manager import KVCacheEvents
+from engine.core.kv_sizing import log_kv_cache, make_kv_manager, size_host_kv, size_kv_cache
 from engine.core.request import Request, TenantShare
-from engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.core.urgent_step import UrgentSteps
-from engine.kv_tiers.host_tier import HostKVTier
-from engine.kv_tiers.offload import HostKVBuffer, plan_host_layout
-from engine.kv_tiers.swap_space import SwapSpace
-from engine.kv_tiers.transfer import HostLayout
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import RequestUpdate, SchedulerConfig, SchedulerOutput
+from engine.core.step_report import StepReport
+from engine.core.urgent_step import UrgentStepParts, UrgentSteps
+from engine.kv_tiers.offload import HostKVBuffer
 from engine.lora.admission import LoRAAdmission
 from engine.lora.config import LoRAConfig
 from engine.lora.manager import LoRAManager
@@ -32,29 +42,16 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
 from engine.spec_decode.build import build_speculator
+from engine.spec_decode.speculator import Speculator
 from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.device import resolve_attention_backend, resolve_device
-from engine.worker.gpu_memory import (
-    GpuMemoryProfile,
-    memory_in_use,
-    out_of_memory,
-    plan_kv_blocks,
-    profile_peak_activations,
-)
+from engine.worker.gpu_memory import memory_in_use, out_of_memory
 from engine.worker.host_malloc import tune_for_reuse
-from engine.worker.model_runner import ModelRunner, RunnerOutput, kv_cache_bytes_per_block
+from engine.worker.model_runner import ModelRunner, RunnerOutput
 from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
 
-logger = logging.getLogger("kvfleet.engine")
-
 KVEventHook = Callable[[KVCacheEvents], None]
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    num_blocks: int
-    bytes_per_block: int
 
 
 class LLMEngine:
@@ -76,31 +73,57 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         torch.manual_seed(config.seed)
+        gpu_in_use: tuple[int, int] | None = None
         if self.device.type == "cuda":
             if self.device.index is not None:
                 torch.cuda.set_device(self.device)
-            self._gpu_in_use_at_start = memory_in_use(self.device)
+            gpu_in_use = memory_in_use(self.device)
         tune_for_reuse()  # before the model's buffers exist (engine.worker.host_malloc)
         self.model = self._load_model(model_dir)
         self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
         self.max_model_len = self._resolve_max_model_len()
-        self.kv_layout = self._size_kv_cache()
-        self.host_layout = self._size_host_kv()
-        self.kv = KVCacheManager(
-            self.kv_layout.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            host_tier=(
-                HostKVTier(self.host_layout.num_tier_blocks, self.host_layout.tier_offset)
-                if self.host_layout.num_tier_blocks else None
-            ),
-            swap=(
-                SwapSpace(self.host_layout.num_swap_blocks)
-                if self.host_layout.num_swap_blocks else None
-            ),
+        self.kv_layout = size_kv_cache(
+            config, self.model, self.model_config, self.dtype, self.device,
+            self.max_model_len, gpu_in_use,
         )
-        self.scheduler = Scheduler(
+        self.host_layout = size_host_kv(config, self.kv_layout.bytes_per_block)
+        self.kv = make_kv_manager(config, self.kv_layout, self.host_layout)
+        self.scheduler = self._make_scheduler()
+        self.runner = self._make_runner()
+        # Host memory of the KV tiers; None (the default) keeps the step free of tier work.
+        self.host_kv = (
+            HostKVBuffer(self.runner.kv_caches, self.host_layout.num_blocks)
+            if self.host_layout.num_blocks else None
+        )
+        # After the runner packed the projections: the wrappers reuse the packed Linear.
+        self.lora = self._make_lora()
+        # The LoRA delta reads per-step row maps that a captured graph would freeze: with
+        # adapters on, decode steps run eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora:
+            self.runner.enable_decode_graphs(
+                capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
+                -(-self.max_model_len // config.block_size),
+            )
+        self.speculator = self._make_speculator()
+        self.kv_event_hook = kv_event_hook
+        # What the last step did, for metrics and tracing (engine thread only).
+        self.last_step = StepReport()
+        # Steps paused between layers for a newly arrived tenant (engine.core.urgent_step).
+        self.urgent = UrgentSteps.from_config(
+            config,
+            self.device,
+            UrgentStepParts(self.scheduler, self.model, self._run_unpaused, self.last_step),
+        )
+        self._arrival_seq = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        log_kv_cache(config, self.dtype, self.max_model_len, self.kv_layout, self.host_layout)
+
+    # ------------------------------------------------------------------ start-up
+    def _make_scheduler(self) -> Scheduler:
+        config = self.config
+        return Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -117,44 +140,32 @@ class LLMEngine:
             FairShare() if config.scheduling_policy == "fair" else None,
             LoRAAdmission(config.max_loras) if config.enable_lora else None,
         )
-        self.runner = self._make_runner()
-        # Host memory of the KV tiers; None (the default) keeps the step free of tier work.
-        self.host_kv = (
-            HostKVBuffer(self.runner.kv_caches, self.host_layout.num_blocks)
-            if self.host_layout.num_blocks else None
-        )
-        # After the runner packed the projections: the wrappers reuse the packed Linear.
-        self.lora = (
-            LoRAManager(
-                LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras),
-                self.model, self.model_config, self.dtype,
-                use_triton=self.attention_backend == "triton",
-                # The PyTorch attention backend keeps LoRA on PyTorch ops too (the reference).
-                cpu_kernel=self.attention_backend != "torch",
-            ) if config.enable_lora else None
-        )
-        # The LoRA delta reads per-step row maps that a captured graph would freeze: with
-        # adapters on, decode steps run eagerly.
-        if self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora:
-            self.runner.enable_decode_graphs(
-                capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
-                -(-self.max_model_len // config.block_size),
-            )
-        self.speculator = (
-            build_speculator(config.speculative_config, self)
-            if config.speculative_config is not None else None
-        )
-        self.kv_event_hook = kv_event_hook
-        # Steps paused between layers for a newly arrived tenant (engine.core.urgent_step).
-        self.urgent = UrgentSteps.for_engine(self, config)
-        self._arrival_seq = 0
-        self.last_step_num_tokens = 0
-        self.last_step_preempted: list[str] = []
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self._log_kv_cache()
 
-    # ------------------------------------------------------------------ start-up
+    def _make_lora(self) -> LoRAManager | None:
+        config = self.config
+        if not config.enable_lora:
+            return None
+        return LoRAManager(
+            LoRAConfig(config.max_loras, config.max_lora_rank, config.max_cpu_loras),
+            self.model, self.model_config, self.dtype,
+            use_triton=self.attention_backend == "triton",
+            # The PyTorch attention backend keeps LoRA on PyTorch ops too (the reference).
+            cpu_kernel=self.attention_backend != "torch",
+        )
+
+    def _make_speculator(self) -> Speculator | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        return build_speculator(
+            spec,
+            target_config=self.model_config,
+            num_blocks=self.kv_layout.num_blocks,
+            block_size=self.config.block_size,
+            dtype=self.dtype,
+            linear_backend=self.runner.linear_backend,
+        )
+
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         try:
             return load_model(model_dir, self.dtype, self.device)[0]
@@ -182,22 +193,6 @@ class LLMEngine:
             )
         return max_len
 
-    def _size_kv_cache(self) -> KVCacheLayout:
-        per_block = kv_cache_bytes_per_block(self.model_config, self.config.block_size, self.dtype)
-        if self.config.num_kv_blocks is not None:
-            num_blocks = self.config.num_kv_blocks
-        elif self.device.type == "cuda" and self.config.kv_cache_memory_bytes is None:
-            num_blocks = self._gpu_kv_blocks(per_block)
-        else:
-            budget = self.config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-            num_blocks = budget // per_block
-            if num_blocks < 1:
-                raise ValueError(
-                    f"kv_cache_memory_bytes ({budget}) is smaller than one KV block "
-                    f"({per_block} bytes)"
-                )
-        return KVCacheLayout(num_blocks, per_block)
-
     def _make_runner(self) -> ModelRunner:
         config = self.config
         try:
@@ -209,66 +204,6 @@ class LLMEngine:
         except torch.OutOfMemoryError as exc:
             asked = self.kv_layout.num_blocks * self.kv_layout.bytes_per_block
             raise out_of_memory("KV cache", asked, self.device) from exc
-
-    def _gpu_kv_blocks(self, bytes_per_block: int) -> int:
-        """vLLM's gpu_memory_utilization: what is left after the weights and a profiled
-        largest step (engine.worker.gpu_memory)."""
-        config = self.config
-        other, total = self._gpu_in_use_at_start
-        weights = torch.cuda.memory_allocated(self.device)
-        num_tokens = min(config.max_num_batched_tokens, self.max_model_len)
-        try:
-            peak = profile_peak_activations(
-                self.model, self.device, self.dtype, num_tokens, config.max_num_seqs,
-                config.block_size,
-            )
-        except torch.OutOfMemoryError as exc:
-            hidden = self.model_config.intermediate_size * 4 * num_tokens
-            raise out_of_memory("activations", hidden, self.device) from exc
-        profile = GpuMemoryProfile(total, other, weights, peak)
-        num_blocks = plan_kv_blocks(profile, config.gpu_memory_utilization, bytes_per_block)
-        gib = 2**30
-        logger.info(
-            "GPU memory: %.2f GiB total x utilization %.2f; in use before start %.2f GiB, "
-            "weights %.2f GiB, peak activations %.2f GiB -> KV cache %.2f GiB",
-            total / gib, config.gpu_memory_utilization, other / gib, weights / gib,
-            peak / gib, num_blocks * bytes_per_block / gib,
-        )
-        return num_blocks
-
-    def _size_host_kv(self) -> HostLayout:
-        config = self.config
-        return plan_host_layout(
-            preemption_mode=config.preemption_mode,
-            swap_space_gib=config.swap_space,
-            num_swap_blocks=config.num_swap_blocks,
-            kv_offloading_size_gib=config.kv_offloading_size,
-            num_host_tier_blocks=config.num_host_kv_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            bytes_per_block=self.kv_layout.bytes_per_block,
-        )
-
-    def _log_kv_cache(self) -> None:
-        blocks = self.kv_layout.num_blocks
-        tokens = blocks * self.config.block_size
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
-            "max concurrency %.2fx at max_model_len %d",
-            blocks,
-            self.config.block_size,
-            tokens,
-            blocks * self.kv_layout.bytes_per_block / 2**20,
-            str(self.dtype).removeprefix("torch."),
-            tokens / self.max_model_len,
-            self.max_model_len,
-        )
-        host = self.host_layout
-        if host.num_blocks:
-            logger.info(
-                "host KV memory: %d swap blocks (preemption_mode=%s), %d host-tier blocks, "
-                "%.1f MiB", host.num_swap_blocks, self.config.preemption_mode,
-                host.num_tier_blocks, host.num_blocks * self.kv_layout.bytes_per_block / 2**20,
-            )
 
     # ------------------------------------------------------------------ requests
     def validate_request(
@@ -383,9 +318,7 @@ class LLMEngine:
         if self.host_kv is not None and self.kv.transfers:
             # Block copies of this schedule (swap, host tier) land before the forward pass.
             self.host_kv.apply(self.kv.transfers.take())
-        # What the last step did, for metrics and tracing (engine thread only).
-        self.last_step_num_tokens = out.total_num_scheduled_tokens
-        self.last_step_preempted = [r.request_id for r in out.preempted]
+        self.last_step.record(out)
         if not out.scheduled:
             if self.scheduler.has_unfinished_requests() and not out.preempted:
                 raise RuntimeError("scheduler made no progress with requests pending")
@@ -393,6 +326,10 @@ class LLMEngine:
         with self.urgent.pausable(out):
             sampled = self.execute_scheduled(out)
         return self.apply_step_output(out, sampled)
+
+    def _run_unpaused(self, out: SchedulerOutput) -> list[RequestUpdate]:
+        """A whole scheduled step outside `urgent.pausable` (an urgent step's own)."""
+        return self.apply_step_output(out, self.execute_scheduled(out))
 
     def execute_scheduled(self, out: SchedulerOutput) -> RunnerOutput:
         """The forward pass and sampling of a scheduled step."""
@@ -431,6 +368,14 @@ class LLMEngine:
             self.kv_event_hook(events)
 
     # ------------------------------------------------------------------ introspection
+    @property
+    def last_step_num_tokens(self) -> int:
+        return self.last_step.num_tokens
+
+    @property
+    def last_step_preempted(self) -> list[str]:
+        return self.last_step.preempted
+
     def reset_prefix_cache(self) -> bool:
         ok = self.kv.reset_prefix_cache()
         self._emit_kv_events()

@@ -27,8 +27,8 @@ next ordinary step, as before.
 Why nesting is sound (on the configurations `unsupported_reason` lets through):
 - The paused forward pass keeps all of its state in its own locals: the step's inputs and
   attention metadata (block tables, slot mapping, positions, prefill/decode batches) are built
-  fresh per step by engine.worker.input_batch, nothing persistent is shared between steps on CPU, and
-  the decode-kernel choice is fixed at start-up. The urgent step builds its own.
+  fresh per step by engine.worker.input_batch, nothing persistent is shared between steps on
+  CPU, and the decode-kernel choice is fixed at start-up. The urgent step builds its own.
 - The urgent step's requests get their own blocks (engine.core.urgent_schedule): no shared
   block, no hit on a block the paused step is computing, no preemption, so neither step writes
   KV the other reads. The scheduler's queues, block reference counts and fair-share counters
@@ -38,32 +38,56 @@ Why nesting is sound (on the configurations `unsupported_reason` lets through):
   per-step row maps are step-global state), speculative decoding (per-step drafter state),
   and KV tiers (swap and host-tier copies are planned per step).
 Metrics: the urgent step is reported as a step of its own (`last_step_num_tokens`), and the
-paused step's figures are restored before it resumes.
+paused step's figures are restored before it resumes (engine.core.step_report).
+
+Wiring: the engine hands over what an urgent step uses (`UrgentStepParts`: the scheduler, the
+model whose layer hook pauses a step, a callable running a scheduled step, the step report),
+not itself, so this module sits below the engine loop and never imports it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core.fair_share import tenant_of
+from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import RequestUpdate, SchedulerOutput
+from engine.core.step_report import StepReport
 from engine.core.urgent_schedule import schedule_urgent
-
-if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
 
 logger = logging.getLogger("kvfleet.engine")
 
 # Called on the engine thread between two layers of a paused step, with the index of the layer
 # just computed; it may add requests and call `UrgentSteps.run` for them.
 LayerPoll = Callable[[int], None]
+
+
+class PausableModel(Protocol):
+    """A model whose forward pass calls `layer_hook` (when set) after each layer."""
+
+    layer_hook: Callable[[int], None] | None
+
+
+@dataclass(frozen=True)
+class UrgentStepParts:
+    """What urgent steps use of the engine loop; the engine builds it from its own parts."""
+
+    scheduler: Scheduler
+    model: PausableModel
+    # The forward pass, sampling and the requests' update of a scheduled step (which never
+    # pauses: the hook is off while an urgent step runs).
+    run_step: Callable[[SchedulerOutput], list[RequestUpdate]]
+    # Shared with the engine: the urgent step reports itself there.
+    report: StepReport
 
 
 def unsupported_reason(config: EngineConfig, device: torch.device) -> str | None:
@@ -88,8 +112,8 @@ def unsupported_reason(config: EngineConfig, device: torch.device) -> str | None
 class UrgentSteps:
     """The engine's urgent-step state: whether it is on, the paused step, the poll."""
 
-    def __init__(self, engine: LLMEngine, enabled: bool) -> None:
-        self._engine = engine
+    def __init__(self, parts: UrgentStepParts, enabled: bool) -> None:
+        self._parts = parts
         self.enabled = enabled
         # Set by the driver (engine.service.async_engine, or a test); None: steps never pause.
         self.poll: LayerPoll | None = None
@@ -97,19 +121,21 @@ class UrgentSteps:
         self.num_urgent_steps = 0
 
     @classmethod
-    def for_engine(cls, engine: LLMEngine, config: EngineConfig) -> UrgentSteps:
+    def from_config(
+        cls, config: EngineConfig, device: torch.device, parts: UrgentStepParts
+    ) -> UrgentSteps:
         enabled = config.preempt_steps_for_new_tenants
         if enabled:
-            reason = unsupported_reason(config, engine.device)
+            reason = unsupported_reason(config, device)
             if reason is not None:
                 logger.info("preempt_steps_for_new_tenants is off: %s", reason)
                 enabled = False
-        return cls(engine, enabled)
+        return cls(parts, enabled)
 
     @contextlib.contextmanager
     def pausable(self, out: SchedulerOutput) -> Iterator[None]:
         """Around the forward pass of the step `out`: between its layers, `poll` is called."""
-        model = self._engine.model
+        model = self._parts.model
         if not self.enabled or self.poll is None or self._paused is not None:
             yield
             return
@@ -131,7 +157,7 @@ class UrgentSteps:
         serves now: the ones fair share ranks ahead of every prompt chunk of the paused step
         and of every other waiting request. None when the paused step has no prompt chunk (a
         decode-only step is short; `due` looks at them again once it ends)."""
-        paused, scheduler = self._paused, self._engine.scheduler
+        paused, scheduler = self._paused, self._parts.scheduler
         fair = scheduler.fair_share
         if paused is None or fair is None:
             return []
@@ -159,7 +185,7 @@ class UrgentSteps:
         wait, vLLM's rule)."""
         if not self.enabled or self._paused is not None:
             return []
-        scheduler = self._engine.scheduler
+        scheduler = self._parts.scheduler
         fair = scheduler.fair_share
         if fair is None or not scheduler.waiting or scheduler.swapped:
             return []
@@ -178,26 +204,24 @@ class UrgentSteps:
         """One complete step of only these just-added (waiting) requests, inside the paused
         step or between two steps; their updates (the first token of those whose prompt fits
         the budget)."""
-        paused = self._paused
-        engine = self._engine
-        requests = [engine.scheduler.requests[rid] for rid in request_ids]
-        out = schedule_urgent(engine.scheduler, requests, paused)
-        engine.last_step_num_tokens = out.total_num_scheduled_tokens
-        engine.last_step_preempted = []
+        scheduler = self._parts.scheduler
+        requests = [scheduler.requests[rid] for rid in request_ids]
+        out = schedule_urgent(scheduler, requests, self._paused)
+        self._parts.report.record(out)  # an urgent step never preempts: no victims
         if not out.scheduled:
             return []
         self.num_urgent_steps += 1
-        return engine.apply_step_output(out, engine.execute_scheduled(out))
+        return self._parts.run_step(out)
 
     def _between_layers(self, layer: int) -> None:
         poll = self.poll
         if poll is None:
             return
-        engine = self._engine
-        saved = engine.last_step_num_tokens, engine.last_step_preempted
-        engine.model.layer_hook = None  # the urgent step's own forward pass never pauses
+        model, report = self._parts.model, self._parts.report
+        saved = dataclasses.replace(report)
+        model.layer_hook = None  # the urgent step's own forward pass never pauses
         try:
             poll(layer)
         finally:
-            engine.model.layer_hook = self._between_layers
-            engine.last_step_num_tokens, engine.last_step_preempted = saved
+            model.layer_hook = self._between_layers
+            report.restore(saved)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.core.scheduler import ScheduledRequest
+from engine.core.scheduler_output import ScheduledRequest
 from engine.lora.admission import LoRAAdmission
 from engine.lora.batch import build_lora_batch
 from engine.lora.config import LoRAConfig

@@ -52,7 +52,7 @@ from typing import TypeVar
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import TenantShare
-from engine.core.scheduler import RequestUpdate
+from engine.core.scheduler_output import RequestUpdate
 from engine.service.engine_commands import Add as _Add
 from engine.service.engine_commands import Call as _Call
 from engine.service.engine_commands import Command as _Command

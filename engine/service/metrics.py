@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core.kv_cache_manager import KVCacheEvents
-from engine.core.scheduler import RequestUpdate
+from engine.core.scheduler_output import RequestUpdate
 from engine.service.async_engine import AsyncEngine
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).

@@ -40,7 +40,7 @@ from engine.logprobs import Logprob, TokenLogprobs
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
 from engine.service.engine_state import GenerateOutput
-from engine.service.output_text import StreamText, TextDelta, TokenTexts
+from engine.service.output_text import StreamText, TokenTexts
 from kvfleet.contracts import keepalive
 from kvfleet.contracts.errors import UnavailableError
 from kvfleet.contracts.sampling_params import SamplingParams
@@ -48,6 +48,7 @@ from kvfleet.contracts.sampling_proto import to_sampling_params
 from kvfleet.runtime.grpc_server import Service
 from kvfleet.runtime.logs import request_context
 from kvfleet.runtime.tracing import wall_time_ns
+from kvfleet.text.output_rules import TextDelta
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name

@@ -22,7 +22,7 @@ import torch
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
-from engine.core.scheduler import ScheduledRequest
+from engine.core.scheduler_output import ScheduledRequest
 from engine.models.config import ModelConfig
 from engine.models.loader import load_model
 from engine.spec_decode.speculator import max_drafts

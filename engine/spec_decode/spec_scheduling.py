@@ -23,7 +23,7 @@ from engine.logprobs import TokenLogprobs
 
 if TYPE_CHECKING:
     from engine.core.kv_cache_manager import KVCacheManager
-    from engine.core.scheduler import ScheduledRequest
+    from engine.core.scheduler_output import ScheduledRequest
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.core.scheduler import ScheduledRequest
+from engine.core.scheduler_output import ScheduledRequest
 from engine.spec_decode.spec_scheduling import VerifiedTokens
 
 

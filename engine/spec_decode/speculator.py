@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from engine.core.request import Request
-from engine.core.scheduler import RequestUpdate, ScheduledRequest
+from engine.core.scheduler_output import RequestUpdate, ScheduledRequest
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.spec_config import SpeculativeConfig
 from engine.spec_decode.spec_scheduling import VerifiedTokens

@@ -26,7 +26,7 @@ from engine.spec_decode.spec_scheduling import VerifiedTokens
 from engine.worker.sampler import Sampler, SamplingRow, gather_logprobs, plain_greedy
 
 if TYPE_CHECKING:
-    from engine.core.scheduler import ScheduledRequest
+    from engine.core.scheduler_output import ScheduledRequest
     from engine.models.llama import LlamaForCausalLM
 
 

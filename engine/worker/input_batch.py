@@ -25,7 +25,7 @@ import torch
 
 from engine.attention import AttentionMetadata, DecodeBatch, PrefillBatch, PrefillSegment
 from engine.attention.shared_prefix import find_shared_prefixes
-from engine.core.scheduler import ScheduledRequest
+from engine.core.scheduler_output import ScheduledRequest
 from engine.spec_decode.verifier import VerifyRows
 
 

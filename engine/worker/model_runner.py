@@ -24,7 +24,7 @@ import torch
 from engine.attention.triton_backend import load_kernels
 from engine.attention.unified_batch import UnifiedBatch, build_unified_batch
 from engine.core.request import Request
-from engine.core.scheduler import ScheduledRequest
+from engine.core.scheduler_output import ScheduledRequest
 from engine.logprobs import TokenLogprobs
 from engine.models.config import ModelConfig
 from engine.models.gemm_select import MAX_PREFILL_ROWS

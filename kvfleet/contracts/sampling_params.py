@@ -1,13 +1,16 @@
 """Per-request sampling parameters (vLLM's names and defaults), validated on construction.
 
-Validation raises ValueError naming the offending parameter, so a bad request is refused before
-it reaches the scheduler and never disturbs other requests.
+Validation raises `InvalidFieldError` (a ValueError) naming the offending parameter, both in its
+message and as its `param`, so a bad request is refused before it reaches the scheduler and never
+disturbs other requests.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from kvfleet.contracts.errors import InvalidFieldError
 
 _GREEDY_EPS = 1e-5
 # vLLM's default --max-logprobs: how many alternatives a request may ask for per token.
@@ -55,44 +58,62 @@ class SamplingParams:
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n}")
+            raise InvalidFieldError("n", f"n must be an integer in [1, {MAX_N}], got {self.n}")
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be a non-negative number, got {self.temperature}")
+            raise InvalidFieldError(
+                "temperature", f"temperature must be a non-negative number, got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidFieldError("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}")
+            raise InvalidFieldError(
+                "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidFieldError("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidFieldError(
+                "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"
+            )
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+            raise InvalidFieldError(
+                "min_tokens", f"min_tokens must be non-negative, got {self.min_tokens}"
+            )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InvalidFieldError(
+                "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
             )
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+            raise InvalidFieldError(
+                "stop_token_ids", f"stop_token_ids must be non-negative, got {self.stop_token_ids}"
+            )
 
     def _validate_extensions(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not math.isfinite(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise InvalidFieldError(name, f"{name} must be in [-2, 2], got {value}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0.0:
-            raise ValueError(
+            raise InvalidFieldError(
+                "repetition_penalty",
                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}"
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise InvalidFieldError(
+                "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+            )
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(
+            raise InvalidFieldError(
+                "prompt_logprobs",
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
             )
         for index, value in enumerate(self.stop):
             if not isinstance(value, str) or not value:
-                raise ValueError(f"stop[{index}] must be a non-empty string, got {value!r}")
+                # `stop`, not `stop[i]`: the whole list is the body field at fault.
+                raise InvalidFieldError(
+                    "stop", f"stop[{index}] must be a non-empty string, got {value!r}"
+                )
 
     @property
     def has_penalties(self) -> bool:

@@ -5,11 +5,12 @@ refused by the router before it tokenizes or routes anything, with the same mess
 
 Invariant: proto3 `optional` presence is respected: an unset field takes the default written
 in common.proto (max_tokens unset = up to the remaining context), an explicit zero stays zero.
-Every problem is a ValueError naming the field.
+Every problem is an `InvalidFieldError` (a ValueError) naming the field.
 """
 
 from __future__ import annotations
 
+from kvfleet.contracts.errors import InvalidFieldError
 from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.v1 import common_pb2
 
@@ -18,8 +19,8 @@ def to_sampling_params(proto: common_pb2.SamplingParams) -> SamplingParams:
     top_k = -1
     if proto.HasField("top_k"):
         if proto.top_k < 1:
-            raise ValueError(
-                f"top_k must be at least 1 when set (unset disables it), got {proto.top_k}"
+            raise InvalidFieldError(
+                "top_k", f"top_k must be at least 1 when set (unset disables it), got {proto.top_k}"
             )
         top_k = proto.top_k
     return SamplingParams(
@@ -52,9 +53,10 @@ def _logprobs(proto: common_pb2.SamplingParams) -> int | None:
     # OpenAI chat's top_logprobs is the same k; a client setting both must agree.
     both = proto.HasField("logprobs") and proto.HasField("top_logprobs")
     if both and proto.logprobs != proto.top_logprobs:
-        raise ValueError(
-                f"logprobs ({proto.logprobs}) and top_logprobs ({proto.top_logprobs}) disagree"
-            )
+        raise InvalidFieldError(
+            "logprobs",
+            f"logprobs ({proto.logprobs}) and top_logprobs ({proto.top_logprobs}) disagree",
+        )
     if proto.HasField("logprobs"):
         return proto.logprobs
     if proto.HasField("top_logprobs"):

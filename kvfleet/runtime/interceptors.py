@@ -1,8 +1,9 @@
 """Server interceptors every kvfleet service installs: error mapping and drain tracking.
 
 Role: servicers stay thin — they raise ValueError / OverloadedError / UnavailableError and
-never touch status codes; `ErrorMappingInterceptor` turns exceptions into statuses through
-`kvfleet.contracts.errors.status_for_exception`. `DrainTracker` counts in-flight work RPCs so a
+never touch status codes; `ErrorMappingInterceptor` turns exceptions into statuses (and
+trailing metadata, e.g. a rate limit's retry-after) through the one error table,
+`kvfleet.contracts.errors.failure_of`. `DrainTracker` counts in-flight work RPCs so a
 shutting-down server can wait for exactly those (not for endless health Watch streams) and
 refuse new work with UNAVAILABLE while health checks still answer NOT_SERVING.
 
@@ -34,7 +35,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from kvfleet.contracts.errors import UnavailableError, status_for_exception
+from kvfleet.contracts.errors import UnavailableError, failure_of
 
 logger = logging.getLogger(__name__)
 
@@ -145,15 +146,13 @@ async def _map_errors(method: str, context: grpc.aio.ServicerContext) -> AsyncIt
     except grpc.aio.AbortError:
         raise  # the handler already chose a status with context.abort()
     except Exception as exc:
-        code, message, unexpected = status_for_exception(exc)
-        if unexpected:
+        failure = failure_of(exc)
+        if failure.unexpected:
             logger.exception("unexpected error in %s", method)
         else:
-            logger.debug("%s failed with %s: %s", method, code.name, message)
-        # E.g. a rate-limit refusal's retry-after and RetryInfo detail.
-        trailing = getattr(exc, "grpc_trailing_metadata", None)
-        await context.abort(code, message,
-                            trailing_metadata=tuple(trailing()) if trailing else ())
+            logger.debug("%s failed with %s: %s", method, failure.grpc_code.name, failure.message)
+        await context.abort(failure.grpc_code, failure.message,
+                            trailing_metadata=tuple(failure.grpc_trailing_metadata))
 
 
 def wrap_handler(handler: grpc.RpcMethodHandler, method: str, scope: RpcScope) -> Any:

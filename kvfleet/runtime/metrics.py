@@ -10,7 +10,7 @@ thread only works when scraped; the metric objects cost a few dict updates per r
 
 `RpcMetricsInterceptor` counts a service's RPCs by method and status code and times them;
 installed innermost (after error mapping), it sees the handler's own exceptions and maps
-them with `kvfleet.contracts.errors.status_for_exception`, exactly as clients will see them.
+them with `kvfleet.contracts.errors.failure_of`, exactly as clients will see them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import grpc.aio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import start_http_server
 
-from kvfleet.contracts.errors import status_for_exception
+from kvfleet.contracts.errors import failure_of
 from kvfleet.runtime.grpc_server import write_port_file
 from kvfleet.runtime.interceptors import EXEMPT_METHOD_PREFIXES, wrap_handler
 
@@ -94,7 +94,7 @@ def status_label(exc: BaseException | None, context: grpc.aio.ServicerContext | 
         return "ABORTED_BY_HANDLER"
     if isinstance(exc, (GeneratorExit, asyncio.CancelledError)):
         return grpc.StatusCode.CANCELLED.name
-    return status_for_exception(exc)[0].name
+    return failure_of(exc).grpc_code.name
 
 
 class RpcMetrics:

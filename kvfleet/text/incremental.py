@@ -1,9 +1,9 @@
 """Incremental detokenization: token ids arrive one (or a few) at a time, text leaves in
 pieces that never split a character.
 
-Role: the text of generation streams, one implementation for all of them: the engine's
-Generate stream (`engine.service.output_text`), the offline API's stop strings
-(`engine.completion_tracker`) and tokenizer_svc's DetokenizeStream. Decoding each new token
+Role: the text of generation streams, one implementation for all of them: the output
+rules' `SampleText` (`kvfleet.text.output_rules`, behind the engine's Generate stream and
+the offline API's stop strings) and tokenizer_svc's DetokenizeStream. Decoding each new token
 on its own is wrong for byte-level BPE (a character's UTF-8 bytes can span tokens) and for
 SentencePiece-style decoders (whether a token starts with a space depends on its left
 neighbour). Decoding the whole sequence every step is right but O(n^2). This uses the

@@ -1,7 +1,9 @@
 """Stop strings on streamed text: the router applies them to engine streams, `LLM` offline.
 
 Role: `StopStringMatcher.add(text)` returns the text that is safe to send and, once a stop
-string appears, which one; the caller then aborts the engine request.
+string appears, which one; the caller then aborts the engine request. Output paths use it
+through `kvfleet.text.output_rules.StopStringFilter`, which adds min_tokens and token-by-token
+matching.
 
 Invariants (vLLM's semantics):
 - Text that could still be the start of a stop string is held back (up to the longest stop

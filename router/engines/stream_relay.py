@@ -1,9 +1,10 @@
 """Engine token stream -> client text stream, one response per engine message.
 
 Role: for each engine message, take the text the engine detokenized (its text_delta), apply
-stop strings, and build the router's response; the engine's last message becomes the
-router's last message (finish_reason, usage, num_cached_tokens, engine_id). No call leaves
-the router per token: a tokenizer service outage never disturbs a stream in flight.
+stop strings (the shared rules, `kvfleet.text.output_rules.StopStringFilter`) and build the
+router's response; the engine's last message becomes the router's last message
+(finish_reason, usage, num_cached_tokens, engine_id). No call leaves the router per token: a
+tokenizer service outage never disturbs a stream in flight.
 
 Invariants:
 - The first response carries the request id; the last one carries finish_reason.
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Sequence
 
 from kvfleet.contracts.errors import UnavailableError
+from kvfleet.text.output_rules import StopStringFilter
 from kvfleet.text.stop_strings import StopStringMatcher
 from kvfleet.v1 import common_pb2, engine_pb2, router_pb2
 from router.engines.dispatch import EngineStream
@@ -45,10 +47,8 @@ class ResponseRelay:
         self._engine_request_id = engine_request_id
         self._prompt_ids = list(prompt_ids)
         self._num_prompt_tokens = len(prompt_ids)
-        self._min_tokens = min_tokens
         self._stream = stream
-        self._matcher = matcher
-        self._num_completion_tokens = 0
+        self._filter = StopStringFilter(matcher, min_tokens)
 
     async def responses(self) -> AsyncGenerator[router_pb2.RouterGenerateResponse, None]:
         first = True
@@ -68,7 +68,10 @@ class ResponseRelay:
         self, message: engine_pb2.GenerateResponse
     ) -> router_pb2.RouterGenerateResponse:
         final = message.HasField("finish_reason")
-        emitted, num_kept = self._match(message)
+        kept = self._filter.add(
+            message.text_delta, message.token_text_ends, len(message.token_ids), final
+        )
+        num_kept = kept.num_kept
         response = router_pb2.RouterGenerateResponse(
             token_ids=message.token_ids[:num_kept], logprobs=message.logprobs[:num_kept]
         )
@@ -76,34 +79,13 @@ class ResponseRelay:
             response.prompt_token_ids.extend(self._prompt_ids)
             response.prompt_logprobs.extend(message.prompt_logprobs)
             response.first_prompt_token_text = message.first_prompt_token_text
-        if self._matcher.matched is not None:
+        if (stop_string := self._filter.stop_string) is not None:
             last = message if final else await self._stream.abort(self._engine_request_id)
-            self._finish_on_stop_string(response, last, self._matcher.matched)
+            self._finish_on_stop_string(response, last, stop_string)
         elif final:
-            emitted += self._matcher.flush()
             _copy_final(response, message, self._stream.engine.engine_id)
-        response.text_delta = emitted
+        response.text_delta = kept.text
         return response
-
-    def _match(self, message: engine_pb2.GenerateResponse) -> tuple[str, int]:
-        """(text to emit, tokens of the message to keep): all of them unless a stop string
-        is completed, then those up to the one that completed it."""
-        ids, ends = message.token_ids, message.token_text_ends
-        if not self._matcher.active or len(ends) != len(ids) or len(ids) <= 1:
-            # One token (or none), no stop strings, or an engine that sends no ends: the
-            # message is one piece.
-            self._num_completion_tokens += len(ids)
-            check = self._num_completion_tokens >= self._min_tokens
-            return self._matcher.add(message.text_delta, check), len(ids)
-        text, emitted, start = message.text_delta, [], 0
-        for index, end in enumerate(ends):
-            self._num_completion_tokens += 1
-            check = self._num_completion_tokens >= self._min_tokens
-            emitted.append(self._matcher.add(text[start:end], check))
-            start = end
-            if self._matcher.matched is not None:
-                return "".join(emitted), index + 1
-        return "".join(emitted), len(ids)
 
     def _finish_on_stop_string(
         self,
@@ -116,8 +98,8 @@ class ResponseRelay:
         response.usage.CopyFrom(
             common_pb2.Usage(
                 prompt_tokens=self._num_prompt_tokens,
-                completion_tokens=self._num_completion_tokens,
-                total_tokens=self._num_prompt_tokens + self._num_completion_tokens,
+                completion_tokens=self._filter.num_tokens,
+                total_tokens=self._num_prompt_tokens + self._filter.num_tokens,
             )
         )
         response.engine_id = self._stream.engine.engine_id

@@ -3,9 +3,13 @@
 /metrics (`router.http.vllm_endpoints`); the OpenAPI document at /openapi.json and /docs
 (`router.http.openapi_doc`).
 
-Role: authenticate (`Authorization: Bearer KEY` or `x-api-key`, as on gRPC), parse the body
-(`openai_protocol`), run each prompt through the same `GenerationPipeline` as gRPC, and
-answer in OpenAI's JSON or SSE chunk format (`openai_format`).
+Role: the HTTP front door's parse and render stages around the shared pipeline:
+authenticate (`Authorization: Bearer KEY` or `x-api-key`, as on gRPC), parse the body
+(`router.openai.requests`), run each prompt through the same `router.pipeline`
+`GenerationPipeline` as gRPC (admit, tokenize, route, stream), and render OpenAI's JSON or
+SSE chunks (`router.openai.render`, `router.openai.responses`). It asks the pipeline only
+through its public methods (`generate`, `check_requests`, `request_limits`,
+`served_models`, ...), never through its collaborators.
 
 Invariants:
 - Errors are OpenAI error JSON, {"error": {"message", "type", "param", "code"}}, with
@@ -44,7 +48,14 @@ from kvfleet.runtime.tracing import tracer
 from kvfleet.v1 import router_pb2
 from router.engines.merge import merge_tagged
 from router.http.body import BodyReader, decode_json
-from router.http.errors import error_body, error_response, install_handlers, status_of
+from router.http.errors import (
+    error_body,
+    error_response,
+    failure_response,
+    install_handlers,
+    logged_failure,
+    status_of,
+)
 from router.http.lora_endpoints import LoRAEndpoints
 from router.http.openapi_doc import install_openapi
 from router.http.vllm_endpoints import ServingExtras, kvfleet_version
@@ -55,8 +66,7 @@ from router.openai.responses import StreamRenderer
 from router.pipeline import GenerationPipeline
 from router.tenancy.api_keys import AuthenticationError
 from router.tenancy.policy_reload import PolicyStore
-from router.tenancy.rate_limit_types import Admission, RateLimitedError
-from router.tenancy.request_rules import check_choices
+from router.tenancy.rate_limit_types import Admission
 from router.tenancy.tenant_policy import Tenant
 
 logger = logging.getLogger(__name__)
@@ -93,7 +103,7 @@ class OpenAIApi:
             telemetry={"tracing": False, "operation_spans": False},
         )
         install_handlers(app)
-        app.add_middleware(BodyReader, limits=self._pipeline.limits)
+        app.add_middleware(BodyReader, limits=self._pipeline.request_limits)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
@@ -110,9 +120,9 @@ class OpenAIApi:
         try:
             self._tenant(request)
         except AuthenticationError as e:
-            return error_response(401, str(e))
-        names = await self._pipeline.selector.served_models()
-        adapters = await self._pipeline.selector.served_adapters()
+            return error_response(*status_of(e))
+        names = await self._pipeline.served_models()
+        adapters = await self._pipeline.served_adapters()
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvfleet", "root": name,
              "parent": None}
@@ -144,7 +154,7 @@ class OpenAIApi:
                 # tenant whatever context the pipeline's first step later runs in.
                 span.set_attribute("kvfleet.tenant", tenant)
                 body = parse_body(cls, decode_json(await request.body()),
-                                  self._pipeline.limits)
+                                  self._pipeline.request_limits)
                 router_requests = self._checked(body, who)
                 started = await until_disconnected(
                     request, self._start(body, router_requests, who, kind)
@@ -174,10 +184,7 @@ class OpenAIApi:
     def _checked(self, body: Body, tenant: Tenant) -> list[router_pb2.RouterGenerateRequest]:
         """The body's router requests, every one checked before any is started."""
         requests = body.to_router_requests()
-        self._pipeline.limits.check_choices(body.n, len(requests))
-        check_choices(tenant, body.n, len(requests))
-        for request in requests:
-            self._pipeline.check(request)
+        self._pipeline.check_requests(requests, tenant, body.n)
         return requests
 
     async def _start(
@@ -252,7 +259,7 @@ class OpenAIApi:
         """The model name to answer with; routing answers 404 for one no engine serves."""
         if requested:
             return requested
-        served = await self._pipeline.selector.served_models()
+        served = await self._pipeline.served_models()
         return served[0] if served else ""
 
     async def _echo_texts(
@@ -267,16 +274,15 @@ class OpenAIApi:
             if request.WhichOneof("input") == "prompt":
                 texts.append(request.prompt)
             else:
-                texts.append(await self._pipeline.tokenizer.detokenize(
+                texts.append(await self._pipeline.detokenize(
                     request.prompt_token_ids.ids, body.skip_special_tokens
                 ))
         return texts
 
     def _failed(self, tenant: str, exc: BaseException) -> JSONResponse:
-        status, message, param = status_of(exc)
-        self._count(tenant, str(status))
-        headers = exc.headers if isinstance(exc, RateLimitedError) else None
-        return error_response(status, message, param, headers)
+        failure = logged_failure(exc)  # status, body and headers: kvfleet.contracts.errors
+        self._count(tenant, str(failure.http_status))
+        return failure_response(failure)
 
     def _count(self, tenant: str, code: str) -> None:
         self._metrics.http_requests.labels(tenant, code).inc()

@@ -28,7 +28,12 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvfleet.contracts.errors import InvalidFieldError
+from kvfleet.contracts.errors import (
+    REQUEST_TIMEOUT,
+    REQUEST_TOO_LARGE,
+    ErrorKind,
+    InvalidFieldError,
+)
 from router.http.errors import error_response
 from router.request_limits import RequestLimits
 
@@ -68,7 +73,7 @@ class BodyReader:
             return
         except TimeoutError:
             message = f"the request body was not received within {self._timeout_s:g} s"
-            await _respond(scope, receive, send, 408, message)
+            await _respond(scope, receive, send, REQUEST_TIMEOUT, message)
             return
         except _Disconnected:
             return
@@ -86,7 +91,7 @@ class BodyReader:
                 )
         message = (f"the request body ({size}) is larger than the limit of "
                    f"{self._max_bytes} bytes (--payload-limit)")
-        await _respond(scope, receive, send, 413, message)
+        await _respond(scope, receive, send, REQUEST_TOO_LARGE, message)
 
     @staticmethod
     async def _read(receive: Receive, max_bytes: int, keep: bool = True) -> bytes:
@@ -106,8 +111,10 @@ class BodyReader:
                 return b"".join(chunks)
 
 
-async def _respond(scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
-    response = error_response(status, message, headers={"connection": "close"})
+async def _respond(
+    scope: Scope, receive: Receive, send: Send, kind: ErrorKind, message: str
+) -> None:
+    response = error_response(kind.http_status, message, headers={"connection": "close"})
     await response(scope, receive, send)
 
 

@@ -1,22 +1,20 @@
 """OpenAI error JSON for every failure of the HTTP API, whatever raised it.
 
 Role: `error_response` renders {"error": {"message", "type", "param", "code"}};
-`status_of` maps an exception to (HTTP status, message, param) through the same table as
-gRPC (`kvfleet.contracts.errors`); `install_handlers` makes FastAPI's own errors (unknown route,
-wrong method, an unexpected exception) use the same shape.
+`status_of` / `logged_failure` look an exception up in the one error table
+(`kvfleet.contracts.errors`), the same one gRPC answers from; `install_handlers` makes
+FastAPI's own errors (unknown route, wrong method, an unexpected exception) use the same shape.
 
 Invariants:
 - Never FastAPI's {"detail": ...}, never a Python class name or traceback: an unexpected
   exception is logged and answered "internal error" (500).
-- `param` names the offending field: an `InvalidFieldError` carries it; a plain ValueError
-  from the engine's parameter rules (whose messages start with the field name, e.g.
-  "temperature must be ...") gets the leading field name when it is one of the body's.
+- `type` and `param` come from the table: `param` is the field the error carries (an
+  `InvalidFieldError` names it where it is raised); this module guesses nothing.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
@@ -24,32 +22,20 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kvfleet.contracts.errors import (
-    HTTP_STATUS_FOR_CODE,
+    ERROR_KINDS,
+    INTERNAL,
     INTERNAL_ERROR_MESSAGE,
-    InvalidFieldError,
-    status_for_exception,
+    Failure,
+    failure_of,
+    openai_type,
 )
-from router.tenancy.api_keys import AuthenticationError
 
 logger = logging.getLogger(__name__)
 
-ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "RequestTimeoutError",
-    413: "RequestTooLargeError",
-    429: "RateLimitError",
-    503: "ServiceUnavailableError",
-}
-# Field names that engine validation messages may start with (see `param_of`).
-_BODY_FIELDS = frozenset({
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
-    "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logprobs", "top_logprobs", "stop", "prompt", "messages", "request_id", "model",
-})
-_LEADING_NAME = re.compile(r"^([a-z_]+)\b")
+# The statuses that have an OpenAI error type of their own (the rest are InternalServerError),
+# as the OpenAPI document lists them.
+ERROR_TYPES = {kind.http_status: kind.openai_type for kind in ERROR_KINDS
+               if kind.openai_type != INTERNAL.openai_type}
 
 
 def error_response(
@@ -60,26 +46,28 @@ def error_response(
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "InternalServerError"),
-                      "param": param, "code": status}}
+    return {"error": {"message": message, "type": openai_type(status), "param": param,
+                      "code": status}}
+
+
+def logged_failure(exc: BaseException) -> Failure:
+    """The table's answer for `exc`; an unexpected one is logged here, once."""
+    failure = failure_of(exc)
+    if failure.unexpected:
+        logger.error("request failed", exc_info=exc)
+    return failure
+
+
+def failure_response(failure: Failure) -> JSONResponse:
+    """`failure` as OpenAI error JSON, with its headers (e.g. Retry-After)."""
+    return error_response(failure.http_status, failure.message, failure.param,
+                          failure.http_headers or None)
 
 
 def status_of(exc: BaseException) -> tuple[int, str, str | None]:
     """(HTTP status, client-facing message, the field at fault or None)."""
-    if isinstance(exc, AuthenticationError):
-        return 401, str(exc), None
-    if isinstance(exc, InvalidFieldError):
-        return exc.http_status, str(exc), exc.param
-    code, message, unexpected = status_for_exception(exc)
-    if unexpected:
-        logger.error("request failed", exc_info=exc)
-    status = HTTP_STATUS_FOR_CODE.get(code, 500)
-    return status, message, param_of(message) if status == 400 else None
-
-
-def param_of(message: str) -> str | None:
-    match = _LEADING_NAME.match(message)
-    return match.group(1) if match and match.group(1) in _BODY_FIELDS else None
+    failure = logged_failure(exc)
+    return failure.http_status, failure.message, failure.param
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -97,4 +85,4 @@ async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.error("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, INTERNAL_ERROR_MESSAGE)
+    return error_response(INTERNAL.http_status, INTERNAL_ERROR_MESSAGE)

@@ -16,8 +16,7 @@ readable by the engines (it is their file system the adapter is read from).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -26,15 +25,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from kvfleet.contracts.errors import InvalidFieldError, UnavailableError
-from kvfleet.v1 import engine_pb2, engine_pb2_grpc
+from kvfleet.v1 import engine_pb2
 from router.http.body import decode_json
 from router.http.errors import error_response, status_of
-from router.pipeline import GenerationPipeline
+from router.pipeline import EngineCall, GenerationPipeline
 from router.tenancy.policy_reload import PolicyStore
 
 CALL_TIMEOUT_S = 60.0  # loading reads the adapter from disk on every engine
-
-EngineCall = Callable[[engine_pb2_grpc.EngineStub, tuple[tuple[str, str], ...]], Awaitable[Any]]
 
 
 class LoRAEndpoints:
@@ -56,9 +53,8 @@ class LoRAEndpoints:
 
     async def unload(self, request: Request) -> Response:
         def call(body: dict[str, str]) -> EngineCall:
-            placer = self._pipeline.selector.placer
-            if placer is not None:  # its own loads no longer count as serving the adapter
-                placer.forget(body["lora_name"])
+            # The router's own loads of it no longer count as serving the adapter.
+            self._pipeline.forget_adapter(body["lora_name"])
             message = engine_pb2.UnloadLoRAAdapterRequest(**body)
             return lambda stub, md: stub.UnloadLoRAAdapter(
                 message, metadata=md, timeout=CALL_TIMEOUT_S)
@@ -81,20 +77,15 @@ class LoRAEndpoints:
         )
 
     async def _fan_out(self, call: EngineCall) -> None:
-        engines = await self._pipeline.selector.live_engines()
-        if not engines:
+        results = await self._pipeline.call_live_engines(call)
+        if not results:
             raise UnavailableError("no live engine to load or unload the adapter on")
-        pool = self._pipeline.pool
-        results = await asyncio.gather(
-            *(call(pool.stub(e.engine_id, e.address), pool.credential) for e in engines),
-            return_exceptions=True,
-        )
         unreachable = []
-        for engine, result in zip(engines, results, strict=True):
+        for engine_id, result in results:
             if isinstance(result, grpc.aio.AioRpcError):
                 if result.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidFieldError(None, result.details() or "invalid adapter")
-                unreachable.append(engine.engine_id)
+                unreachable.append(engine_id)
             elif isinstance(result, BaseException):
                 raise result
         if unreachable:

@@ -83,9 +83,9 @@ class ServingExtras:
     async def tokenize(self, request: Request) -> Response:
         try:
             self._policies.current.identify(list(request.headers.items()))
-            body = parse_tokenize(decode_json(await request.body()), self._pipeline.limits)
+            body = parse_tokenize(decode_json(await request.body()), self._pipeline.request_limits)
             max_model_len = await self._context_len(body.model)
-            response = await self._pipeline.tokenizer.tokenize_raw(body.tokenizer_request())
+            response = await self._pipeline.tokenize_for_endpoint(body.tokenizer_request())
         except Exception as exc:
             return _failed(exc)
         ids = list(response.token_ids)
@@ -106,7 +106,7 @@ class ServingExtras:
 
     async def _detokenize(self, tokens: list[int]) -> str:
         try:
-            return await self._pipeline.tokenizer.detokenize(tokens, skip_special_tokens=False)
+            return await self._pipeline.detokenize(tokens, skip_special_tokens=False)
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
                 raise
@@ -117,7 +117,7 @@ class ServingExtras:
 
     async def _context_len(self, model: str | None) -> int:
         """max_model_len of `model` (default: the first served one); 404 / 503 errors."""
-        lens = await self._pipeline.selector.served_context_lens()
+        lens = await self._pipeline.served_context_lens()
         if not lens:
             raise UnavailableError("no live engine serves a model")
         if not model:

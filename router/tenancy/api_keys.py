@@ -22,12 +22,14 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from kvfleet.contracts.errors import UnauthenticatedError
+
 ANONYMOUS_TENANT = "anonymous"
 BEARER_PREFIX = "bearer "
 
 
-class AuthenticationError(Exception):
-    """The request carries no valid API key (gRPC UNAUTHENTICATED)."""
+class AuthenticationError(UnauthenticatedError):
+    """The request carries no valid API key (gRPC UNAUTHENTICATED, HTTP 401)."""
 
 
 def _digest(key: str) -> bytes:
@@ -76,4 +78,3 @@ def api_key_from_metadata(metadata: Iterable[tuple[str, str | bytes]]) -> str | 
         elif lowered == "x-api-key":
             header_key = value.strip()
     return bearer or header_key or None
-

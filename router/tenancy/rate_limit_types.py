@@ -89,15 +89,16 @@ class RateLimitedError(OverloadedError):
         self.admission = admission
         super().__init__(_message(tenant, admission))
 
-    @property
-    def headers(self) -> dict[str, str]:
+    def http_headers(self) -> dict[str, str]:
+        """Retry-After and OpenAI's `x-ratelimit-*` headers."""
         return self.admission.headers()
 
     def grpc_trailing_metadata(self) -> list[tuple[str, str | bytes]]:
         """`retry-after` (seconds) and google.rpc.RetryInfo, as gRPC clients read them."""
         retry_ms = self.admission.retry_after_ms
         metadata: list[tuple[str, str | bytes]] = [
-            (name, value) for name, value in self.headers.items() if name != "retry-after-ms"
+            (name, value) for name, value in self.http_headers().items()
+            if name != "retry-after-ms"
         ]
         if retry_ms is not None:
             metadata.append(("grpc-status-details-bin", _retry_info_status(self, retry_ms)))

@@ -17,7 +17,7 @@ import transformers
 
 import engine.worker.model_runner
 from engine import LLM, SamplingParams
-from engine.core.scheduler import RequestUpdate
+from engine.core.scheduler_output import RequestUpdate
 
 PROMPT_LENGTHS = [1, 2, 7, 17, 40, 100]
 BUDGET = 32  # max_num_batched_tokens: the 40- and 100-token prompts take several steps
@@ -108,7 +108,7 @@ def test_prompt_logprobs_match_transformers_over_chunked_prefill(tiny_model_dir,
 
 def test_pieces_of_logits_are_bounded(llm, hf_model, prompts, monkeypatch):
     """Logits are computed a few rows at a time, and pieces that end mid-chunk lose nothing."""
-    monkeypatch.setattr(engine.model_runner, "PROMPT_LOGPROBS_MAX_ROWS", 5)
+    monkeypatch.setattr(engine.worker.model_runner, "PROMPT_LOGPROBS_MAX_ROWS", 5)
     model = llm.engine.model
     compute_logits = model.compute_logits
     sizes: list[int] = []

@@ -105,7 +105,7 @@ def test_batches_without_penalties_never_reach_the_penalty_code(llm, prompts, mo
     def fail(*args, **kwargs):
         raise AssertionError("penalties applied to a batch that has none")
 
-    monkeypatch.setattr(engine.sampler, "apply_penalties", fail)
+    monkeypatch.setattr(engine.worker.sampler, "apply_penalties", fail)
     params = [greedy(), greedy(logprobs=2), SamplingParams(max_tokens=4, seed=1)]
     llm.generate(ids_prompts(prompts[:3]), params, use_tqdm=False)
 

@@ -128,7 +128,7 @@ def test_greedy_matches_transformers_when_decodes_share_a_cached_prefix(tiny_mod
     prompts = [prefix + [5]] + [prefix + s for s in suffixes]
     expected = transformers_greedy(tiny_model_dir, prompts, NEW_TOKENS)
     grouped: list[int] = []
-    original = engine.input_batch.find_shared_prefixes
+    original = engine.worker.input_batch.find_shared_prefixes
 
     def spy(tables, lens, block_size):
         found = original(tables, lens, block_size)
@@ -136,7 +136,7 @@ def test_greedy_matches_transformers_when_decodes_share_a_cached_prefix(tiny_mod
             grouped.append(int((found.group_of >= 0).sum()))
         return found
 
-    monkeypatch.setattr(engine.input_batch, "find_shared_prefixes", spy)
+    monkeypatch.setattr(engine.worker.input_batch, "find_shared_prefixes", spy)
     llm = LLM(tiny_model_dir, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)

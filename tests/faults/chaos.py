@@ -7,13 +7,12 @@ run (at lighter load, with assertions) in `tests/faults/test_faults.py`.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvfleet.fleet import Fleet, FleetConfig
 from tests.faults.load import LoadConfig
@@ -27,6 +26,7 @@ from tests.faults.scenarios import (
     tokenizer_restart,
     vanishing_clients,
 )
+from tests.fixtures.fleets import long_context_copy
 
 # Deadlines short enough for a test, long enough for a loaded 2-core machine.
 ROUTER_FAULT_ARGS = (
@@ -48,20 +48,16 @@ SCENARIOS: tuple[Scenario, ...] = (
 FAULT_CONTEXT = 8192
 
 
-def long_context_copy(model_dir: Path, dest: Path) -> Path:
-    """A copy of `model_dir` whose config allows FAULT_CONTEXT positions (RoPE has no limit)."""
-    shutil.copytree(model_dir, dest)
-    config = json.loads((dest / "config.json").read_text())
-    config["max_position_embeddings"] = FAULT_CONTEXT
-    (dest / "config.json").write_text(json.dumps(config))
-    return dest
+# The fault fleet's FleetConfig fields, but for its model and log directory (the test suite's
+# fleet_options in tests/faults/conftest.py pass the same).
+FAULT_FLEET: dict[str, Any] = {
+    "num_engines": 2, "metrics": True, "engine_args": ENGINE_FAULT_ARGS,
+    "router_args": ROUTER_FAULT_ARGS, "engine_threads": 1,
+}
 
 
 def fault_fleet_config(model_dir: Path, log_dir: Path) -> FleetConfig:
-    return FleetConfig(
-        model_dir=model_dir, num_engines=2, metrics=True, log_dir=log_dir,
-        engine_args=ENGINE_FAULT_ARGS, router_args=ROUTER_FAULT_ARGS, engine_threads=1,
-    )
+    return FleetConfig(model_dir=model_dir, log_dir=log_dir, **FAULT_FLEET)
 
 
 def format_table(results: list[ScenarioResult]) -> str:
@@ -85,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     from tests.fixtures.tiny_model import build_tiny_model_dir
 
     with tempfile.TemporaryDirectory(prefix="kvfleet-chaos-") as tmp:
-        model_dir = long_context_copy(build_tiny_model_dir(Path(tmp) / "tiny"), Path(tmp) / "model")
+        model_dir = long_context_copy(build_tiny_model_dir(Path(tmp) / "tiny"), Path(tmp) / "model",
+                                      FAULT_CONTEXT)
         log_dir = args.log_dir or Path(tmp) / "logs"
         load = replace(LoadConfig(), concurrency=args.concurrency, max_tokens=args.max_tokens)
         results = []

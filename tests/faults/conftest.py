@@ -1,19 +1,15 @@
-"""A tiny-model fleet shared by the fault scenarios of one module (starting one costs seconds)."""
+"""A tiny-model fleet shared by the fault scenarios of one module (starting one costs seconds):
+the shared `fleet` fixture (tests/fixtures/fleets.py) with the fault fleet's options."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from kvfleet.fleet import Fleet
-from tests.faults.chaos import fault_fleet_config, long_context_copy
+from kvfleet.fleet import DEFAULT_START_TIMEOUT_S
+from tests.faults.chaos import FAULT_CONTEXT, FAULT_FLEET
+from tests.fixtures.fleets import FleetOptions, fleet  # noqa: F401 - the shared fixture
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    model_dir = long_context_copy(tiny_model_dir, tmp_path_factory.mktemp("fault-model") / "m")
-    config = fault_fleet_config(model_dir, tmp_path_factory.mktemp("fault-fleet"))
-    with Fleet(config) as running:
-        yield running
+def fleet_options() -> FleetOptions:
+    return {**FAULT_FLEET, "context": FAULT_CONTEXT, "start_timeout_s": DEFAULT_START_TIMEOUT_S}

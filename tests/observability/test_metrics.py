@@ -22,9 +22,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess
+from kvfleet.fleet import Fleet, ServiceProcess
 from kvfleet.router_client import build_request
-from tests.services.router_fleet import RouterClient, greedy, tenant_prefix
+from tests.fixtures.fleets import FleetOptions
+from tests.fixtures.router_fleet import RouterClient, greedy, tenant_prefix
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -35,19 +36,13 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    work = tmp_path_factory.mktemp("metrics-fleet")
-    config = FleetConfig(
-        model_dir=tiny_model_dir,
-        num_engines=1,
-        engine_args=("--num-kv-blocks", "20", "--max-num-batched-tokens", "64"),
-        engine_threads=1,
-        metrics=True,
-        log_dir=work / "logs",
-        start_timeout_s=120,
-    )
-    with Fleet(config) as started:
-        yield started
+def fleet_options() -> FleetOptions:
+    return {
+        "num_engines": 1,
+        "engine_args": ("--num-kv-blocks", "20", "--max-num-batched-tokens", "64"),
+        "engine_threads": 1,
+        "metrics": True,
+    }
 
 
 def scrape(service: ServiceProcess) -> Samples:

@@ -15,18 +15,18 @@ import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.fleet import Fleet
 from kvfleet.router_client import build_request
 from kvfleet.runtime.tracing import tracing_enabled
 from kvfleet.v1 import router_pb2_grpc
-from tests.services.router_fleet import greedy, wait_until
+from tests.fixtures.fleets import FleetOptions
+from tests.fixtures.router_fleet import greedy, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,26 +97,19 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
 
 
 @pytest.fixture(scope="module")
-def fleet(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-    receiver: tuple[Receiver, int],
-) -> Iterator[Fleet]:
-    work = tmp_path_factory.mktemp("tracing-fleet")
-    config = FleetConfig(
-        model_dir=tiny_model_dir, num_engines=1, engine_threads=1,
-        log_dir=work / "logs", start_timeout_s=120, log_level="DEBUG",
-    )
-    with pytest.MonkeyPatch.context() as env:  # inherited by the service processes
-        env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{receiver[1]}")
-        env.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
-        env.setenv("OTEL_TRACES_SAMPLER", "parentbased_always_on")
-        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        env.setenv("KVFLEET_LOG_FORMAT", "json")
-        env.delenv("OTEL_SDK_DISABLED", raising=False)
-        env.delenv("OTEL_TRACES_EXPORTER", raising=False)
-        with Fleet(config) as started:
-            env.undo()
-            yield started
+def fleet_options(receiver: tuple[Receiver, int]) -> FleetOptions:
+    return {
+        "num_engines": 1, "engine_threads": 1, "log_level": "DEBUG",
+        "env": {  # inherited by the service processes
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver[1]}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_TRACES_SAMPLER": "parentbased_always_on",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "KVFLEET_LOG_FORMAT": "json",
+            "OTEL_SDK_DISABLED": None,
+            "OTEL_TRACES_EXPORTER": None,
+        },
+    }
 
 
 def test_enabled_only_by_otel_environment() -> None:

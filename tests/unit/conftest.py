@@ -14,12 +14,8 @@ import pytest
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, TenantShare
-from engine.core.scheduler import (
-    RequestUpdate,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import RequestUpdate, SchedulerConfig, SchedulerOutput
 from engine.kv_tiers.host_tier import HostKVTier
 from engine.kv_tiers.swap_space import SwapSpace
 from engine.kv_tiers.transfer import TransferPlan

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from engine.completion_tracker import CompletionTracker
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import RequestUpdate
+from engine.core.scheduler_output import RequestUpdate
 from engine.logprobs import Logprob, TokenLogprobs
 from kvfleet.contracts.sampling_params import SamplingParams
 

@@ -8,7 +8,7 @@ delivered list shows at once whether any position is missing, repeated or out of
 from __future__ import annotations
 
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import RequestUpdate, SchedulerOutput
+from engine.core.scheduler_output import RequestUpdate, SchedulerOutput
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.worker.input_batch import build_model_input
 

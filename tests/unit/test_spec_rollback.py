@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.core.request import RequestStatus
-from engine.core.scheduler import SchedulerOutput
+from engine.core.scheduler_output import SchedulerOutput
 from engine.spec_decode.spec_scheduling import VerifiedTokens
 
 

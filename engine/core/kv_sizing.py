@@ -1,0 +1,165 @@
+"""Start-up sizing of the KV cache: device blocks, host (swap / tier) blocks, the manager.
+
+Role: the engine's start-up arithmetic, out of the engine loop (engine.core.llm_engine calls
+it once, in order: `size_kv_cache`, `size_host_kv`, `make_kv_manager`, then `log_kv_cache`).
+Device blocks come from `num_kv_blocks` when given, else from the GPU's free memory after the
+weights and a profiled largest step (CUDA, engine.worker.gpu_memory), else from
+`kv_cache_memory_bytes` (CPU, or CUDA when set). Host blocks come from
+engine.kv_tiers.offload.plan_host_layout.
+
+Invariants: a budget smaller than one KV block is a ValueError with the numbers; nothing here
+keeps state, so sizing twice with the same inputs gives the same layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.kv_tiers.host_tier import HostKVTier
+from engine.kv_tiers.offload import plan_host_layout
+from engine.kv_tiers.swap_space import SwapSpace
+from engine.kv_tiers.transfer import HostLayout
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.worker.gpu_memory import (
+    GpuMemoryProfile,
+    out_of_memory,
+    plan_kv_blocks,
+    profile_peak_activations,
+)
+from engine.worker.model_runner import kv_cache_bytes_per_block
+
+logger = logging.getLogger("kvfleet.engine")
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_blocks: int
+    bytes_per_block: int
+
+
+def size_kv_cache(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    gpu_in_use_at_start: tuple[int, int] | None,
+) -> KVCacheLayout:
+    """`gpu_in_use_at_start`: (bytes in use, total) measured before the weights were loaded;
+    None on CPU."""
+    per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif device.type == "cuda" and config.kv_cache_memory_bytes is None:
+        assert gpu_in_use_at_start is not None  # measured by the engine on CUDA
+        num_blocks = _gpu_kv_blocks(
+            config, model, model_config, dtype, device, max_model_len, gpu_in_use_at_start,
+            per_block,
+        )
+    else:
+        budget = config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({budget}) is smaller than one KV block "
+                f"({per_block} bytes)"
+            )
+    return KVCacheLayout(num_blocks, per_block)
+
+
+def _gpu_kv_blocks(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    in_use_at_start: tuple[int, int],
+    bytes_per_block: int,
+) -> int:
+    """vLLM's gpu_memory_utilization: what is left after the weights and a profiled
+    largest step (engine.worker.gpu_memory)."""
+    other, total = in_use_at_start
+    weights = torch.cuda.memory_allocated(device)
+    num_tokens = min(config.max_num_batched_tokens, max_model_len)
+    try:
+        peak = profile_peak_activations(
+            model, device, dtype, num_tokens, config.max_num_seqs, config.block_size,
+        )
+    except torch.OutOfMemoryError as exc:
+        hidden = model_config.intermediate_size * 4 * num_tokens
+        raise out_of_memory("activations", hidden, device) from exc
+    profile = GpuMemoryProfile(total, other, weights, peak)
+    num_blocks = plan_kv_blocks(profile, config.gpu_memory_utilization, bytes_per_block)
+    gib = 2**30
+    logger.info(
+        "GPU memory: %.2f GiB total x utilization %.2f; in use before start %.2f GiB, "
+        "weights %.2f GiB, peak activations %.2f GiB -> KV cache %.2f GiB",
+        total / gib, config.gpu_memory_utilization, other / gib, weights / gib,
+        peak / gib, num_blocks * bytes_per_block / gib,
+    )
+    return num_blocks
+
+
+def size_host_kv(config: EngineConfig, bytes_per_block: int) -> HostLayout:
+    return plan_host_layout(
+        preemption_mode=config.preemption_mode,
+        swap_space_gib=config.swap_space,
+        num_swap_blocks=config.num_swap_blocks,
+        kv_offloading_size_gib=config.kv_offloading_size,
+        num_host_tier_blocks=config.num_host_kv_blocks,
+        enable_prefix_caching=config.enable_prefix_caching,
+        bytes_per_block=bytes_per_block,
+    )
+
+
+def make_kv_manager(
+    config: EngineConfig, kv_layout: KVCacheLayout, host_layout: HostLayout
+) -> KVCacheManager:
+    """The block manager; a host tier or swap space only where the host layout has blocks."""
+    return KVCacheManager(
+        kv_layout.num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        host_tier=(
+            HostKVTier(host_layout.num_tier_blocks, host_layout.tier_offset)
+            if host_layout.num_tier_blocks else None
+        ),
+        swap=SwapSpace(host_layout.num_swap_blocks) if host_layout.num_swap_blocks else None,
+    )
+
+
+def log_kv_cache(
+    config: EngineConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+    kv_layout: KVCacheLayout,
+    host_layout: HostLayout,
+) -> None:
+    blocks = kv_layout.num_blocks
+    tokens = blocks * config.block_size
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
+        "max concurrency %.2fx at max_model_len %d",
+        blocks,
+        config.block_size,
+        tokens,
+        blocks * kv_layout.bytes_per_block / 2**20,
+        str(dtype).removeprefix("torch."),
+        tokens / max_model_len,
+        max_model_len,
+    )
+    if host_layout.num_blocks:
+        logger.info(
+            "host KV memory: %d swap blocks (preemption_mode=%s), %d host-tier blocks, "
+            "%.1f MiB", host_layout.num_swap_blocks, config.preemption_mode,
+            host_layout.num_tier_blocks,
+            host_layout.num_blocks * kv_layout.bytes_per_block / 2**20,
+        )
