@@ -2,12 +2,17 @@
 
 Names (counters get `_total` in the exposition, histograms `_bucket/_sum/_count`):
 - kvfleet:router_requests{tenant,code}: Generate calls by tenant and final gRPC status.
-- kvfleet:router_routing_decisions{policy,engine_id}: the engine each request was sent to,
-  and the policy that ranked it (prefix falls back to least_load while Redis is down).
+- kvfleet:router_routing_decisions{policy,engine_id,reason}: the engine each request was
+  sent to, the policy that ranked it (prefix falls back to least_load while Redis is down)
+  and why that engine won (router.routing.ranking.choice_reason: cached, pending, spill,
+  hash, least_load, round_robin; lora_placement; retry when an earlier choice failed).
 - kvfleet:router_predicted_cached_tokens{engine_id} / kvfleet:router_actual_cached_tokens
-  {engine_id}: prompt tokens the prefix index promised vs what the engine reported cached;
-  their rate ratio is the router's drift. kvfleet:router_cached_tokens_drift is the
-  per-request histogram of |predicted - actual|.
+  {engine_id}: prompt tokens the prefix index promised (held or pending) vs what the engine
+  reported cached; their rate ratio is the router's drift. kvfleet:router_cached_tokens_drift
+  is the per-request histogram of |predicted - actual|, and
+  kvfleet:router_prefix_prediction_error_tokens the signed one, predicted - actual (> 0: the
+  router expected a hit the engine did not have, e.g. a pending prefix not computed in time
+  or evicted; < 0: a hit it did not know of).
 - kvfleet:router_engine_num_running / _num_waiting / _kv_cache_usage_perc / _in_flight
   {engine_id}: engine load as this router last saw it (Redis registry + own in-flight).
 - kvfleet:router_redis_latency_seconds, kvfleet:router_redis_errors: prefix-index lookups
@@ -44,6 +49,8 @@ REDIS_LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )
 DRIFT_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Signed: both directions of a misprediction, in the same steps as DRIFT_BUCKETS.
+ERROR_BUCKETS = tuple(-b for b in reversed(DRIFT_BUCKETS[2:])) + (-1, 0) + DRIFT_BUCKETS[2:]
 
 
 class RouterMetrics:
@@ -67,8 +74,9 @@ class RouterMetrics:
             ["reason"], registry=r,
         )
         self.decisions = Counter(
-            f"{PREFIX}_routing_decisions", "Requests sent to an engine, by policy and engine",
-            ["policy", "engine_id"], registry=r,
+            f"{PREFIX}_routing_decisions",
+            "Requests sent to an engine, by policy, engine and why that engine was chosen",
+            ["policy", "engine_id", "reason"], registry=r,
         )
         self.predicted = Counter(
             f"{PREFIX}_predicted_cached_tokens",
@@ -83,6 +91,11 @@ class RouterMetrics:
         self.drift = Histogram(
             f"{PREFIX}_cached_tokens_drift", "Per request |predicted - actual| cached tokens",
             buckets=DRIFT_BUCKETS, registry=r,
+        )
+        self.prediction_error = Histogram(
+            f"{PREFIX}_prefix_prediction_error_tokens",
+            "Per request predicted - actual cached prompt tokens on the chosen engine",
+            buckets=ERROR_BUCKETS, registry=r,
         )
         self.engine_running = Gauge(
             f"{PREFIX}_engine_num_running", "Running requests of an engine, as last seen",
@@ -146,10 +159,13 @@ class RouterMetrics:
     def record_retry(self, reason: str) -> None:
         self.retries.labels(reason).inc()
 
-    def record_decision(self, policy: str, engine_id: str, predicted_tokens: int) -> None:
-        self.decisions.labels(policy, engine_id).inc()
+    def record_decision(
+        self, policy: str, engine_id: str, predicted_tokens: int, reason: str = ""
+    ) -> None:
+        self.decisions.labels(policy, engine_id, reason or policy).inc()
         self.predicted.labels(engine_id).inc(predicted_tokens)
 
     def record_cached(self, engine_id: str, predicted_tokens: int, actual_tokens: int) -> None:
         self.actual.labels(engine_id).inc(actual_tokens)
         self.drift.observe(abs(predicted_tokens - actual_tokens))
+        self.prediction_error.observe(predicted_tokens - actual_tokens)

@@ -267,6 +267,7 @@ class GenerationPipeline:
             streams.append(await open_engine_stream(
                 plan.decision.ranking, self._pool, plan.samples[0].engine_request,
                 self._max_attempts, self._deadlines, on_retry=self._metrics.record_retry,
+                claims=plan.decision.claims,
             ))
             chosen = streams[0].engine
             predicted = self._record_choice(span, plan, chosen)
@@ -288,11 +289,12 @@ class GenerationPipeline:
     def _record_choice(self, span: trace.Span, plan: _Plan, chosen: EngineView) -> int:
         """Metrics and span attributes of the engine the request went to; its predicted
         cached prompt tokens."""
-        # Engines count host-tier reloads as cached tokens too.
-        matched = chosen.matched_blocks + chosen.matched_host_blocks
-        predicted = min(matched * plan.decision.block_size, len(plan.prompt_ids) - 1)
+        # Held on the device, in the host tier (engines count reloads as cached) or pending.
+        predicted = plan.decision.predicted_cached_tokens(chosen)
+        reason = plan.decision.reason_for(chosen.engine_id)
         policy = plan.decision.policy.value
-        self._metrics.record_decision(policy, chosen.engine_id, predicted)
+        self._metrics.record_decision(policy, chosen.engine_id, predicted, reason)
+        span.set_attribute("kvfleet.routing.reason", reason)
         span.set_attribute("kvfleet.routing.policy", policy)
         span.set_attribute("kvfleet.routing.engine_id", chosen.engine_id)
         span.set_attribute("kvfleet.routing.predicted_cached_tokens", predicted)
@@ -305,6 +307,8 @@ class GenerationPipeline:
         self._metrics.record_cached(engine_id, predicted, response.num_cached_tokens)
         if response.index == 0:
             span.set_attribute("kvfleet.cached_tokens", response.num_cached_tokens)
+            span.set_attribute("kvfleet.routing.prediction_error_tokens",
+                               predicted - response.num_cached_tokens)
             span.set_attribute("gen_ai.usage.completion_tokens", response.usage.completion_tokens)
             span.set_attribute("gen_ai.response.finish_reasons", [response.finish_reason])
 

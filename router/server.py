@@ -76,10 +76,13 @@ class RouterConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        if args.load_slack_abs is not None or args.load_slack_rel is not None:
+            logger.info("--load-slack-abs/--load-slack-rel are ignored: the prefix policy "
+                           "ranks engines by estimated time to first token, not by a load bound")
         prefix = PrefixPolicyConfig(
-            load_slack_abs=args.load_slack_abs,
-            load_slack_rel=args.load_slack_rel,
             host_hit_weight=args.host_hit_weight,
+            kv_pressure_start=args.kv_pressure_start,
+            duplicate_weight=args.duplicate_weight,
         )
         return cls(
             tokenizer_address=args.tokenizer,
@@ -265,10 +268,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
              "enforces limit / replicas on its own (default: %(default)s)",
     )
     defaults = PrefixPolicyConfig()
-    parser.add_argument("--load-slack-abs", type=int, default=defaults.load_slack_abs,
-                        help="prefix bound: extra requests a cache hit may wait behind")
-    parser.add_argument("--load-slack-rel", type=float, default=defaults.load_slack_rel,
-                        help="prefix bound: the same, as a fraction of the least load")
+    # Accepted so that deployments passing them still start (the Helm chart did).
+    parser.add_argument("--load-slack-abs", type=int, default=None,
+                        help="ignored (the old prefix policy's load bound)")
+    parser.add_argument("--load-slack-rel", type=float, default=None,
+                        help="ignored (the old prefix policy's load bound)")
+    parser.add_argument("--duplicate-weight", type=float, default=defaults.duplicate_weight,
+                        help="prefix policy: extra share of the compute charged for prompt "
+                             "tokens another engine already holds, when estimating an engine "
+                             "that would compute them again (0: time to first token alone; "
+                             "default: %(default)s)")
+    parser.add_argument("--kv-pressure-start", type=float, default=defaults.kv_pressure_start,
+                        help="KV cache usage (0-1) from which the prefix policy charges an "
+                             "engine more for computing new blocks (default: %(default)s)")
     parser.add_argument("--host-hit-weight", type=float, default=defaults.host_hit_weight,
                         help="what a prompt block in an engine's host KV tier is worth against "
                              "one on its device (1.0), in [0, 1] (default: %(default)s)")

@@ -58,6 +58,7 @@ from engine.service.engine_commands import Call as _Call
 from engine.service.engine_commands import Command as _Command
 from engine.service.engine_state import EngineLoad, GenerateOutput, StepProgress
 from engine.service.engine_thread import EngineThread
+from engine.service.prefill_work import StepRates
 from kvfleet.contracts.block_hash import BlockHash
 from kvfleet.contracts.errors import OverloadedError, UnavailableError
 from kvfleet.contracts.sampling_params import SamplingParams
@@ -120,6 +121,8 @@ class AsyncEngine:
         # Host-tier events (engine.kv_tiers.host_tier); stay empty without a host tier.
         self._stored_host: list[BlockHash] = []
         self._removed_host: list[BlockHash] = []
+        # Measured from the steps (engine thread), published with the load for the routers.
+        self._rates = StepRates()
         self._load = EngineLoad.of(engine)
         engine.urgent.poll = self._poll_new_requests
         self._progress = StepProgress(iterations=0, at=time.monotonic(), idle=True)
@@ -345,7 +348,9 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
+            self._rates.before_step(self._engine)
             updates = self._engine.step()
+            self._rates.after_step(self._engine)
         except Exception as exc:
             logger.exception("engine step failed; failing the %d request(s) in flight",
                              len(self._live))
@@ -478,7 +483,7 @@ class AsyncEngine:
         self._stored, self._removed = [], []
         if events.stored_host or events.removed_host:
             self._stored_host, self._removed_host = [], []
-        self._load = EngineLoad.of(self._engine)
+        self._load = EngineLoad.of(self._engine, self._rates)
         for listener in self._listeners:
             try:
                 listener(events)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, RequestTiming
 from engine.logprobs import TokenLogprobs
+from engine.service.prefill_work import StepRates, decoding_requests, queued_prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,22 @@ class EngineLoad:
     lora_adapters: tuple[str, ...] = ()
     # Their directories, in the same order (routers load an adapter on another engine from it).
     lora_paths: tuple[str, ...] = ()
+    # For the routers' cost model (engine.service.prefill_work): prompt tokens still to
+    # compute, requests past their prompt, and the measured rates (0.0: not measured yet).
+    queued_prefill_tokens: int = 0
+    num_decoding: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_s_per_seq: float = 0.0
 
     @classmethod
-    def of(cls, engine: LLMEngine) -> EngineLoad:
+    def of(cls, engine: LLMEngine, rates: StepRates | None = None) -> EngineLoad:
         stats = engine.get_stats()
         loras = engine.list_loras()
         return cls(
+            queued_prefill_tokens=queued_prefill_tokens(engine),
+            num_decoding=decoding_requests(engine),
+            prefill_tokens_per_s=rates.prefill_tokens_per_s if rates is not None else 0.0,
+            decode_s_per_seq=rates.decode_s_per_seq if rates is not None else 0.0,
             num_running=int(stats["num_requests_running"]),
             num_waiting=int(stats["num_requests_waiting"]),
             kv_cache_usage=float(stats["kv_cache_usage"]),

@@ -313,6 +313,11 @@ class RedisPublisher:
             "kv_cache_usage": repr(load.kv_cache_usage),
             "kv_blocks_free": str(load.kv_blocks_free),
             "kv_blocks_total": str(load.kv_blocks_total),
+            # The routers' cost model (router.routing.ttft_cost).
+            "queued_prefill_tokens": str(load.queued_prefill_tokens),
+            "num_decoding": str(load.num_decoding),
+            "prefill_tokens_per_s": repr(load.prefill_tokens_per_s),
+            "decode_s_per_seq": repr(load.decode_s_per_seq),
             "lora_adapters": json.dumps(list(load.lora_adapters)),
             "lora_paths": json.dumps(dict(zip(load.lora_adapters, load.lora_paths, strict=True))),
             "updated_at": repr(time.time()),

@@ -23,6 +23,16 @@ Redis holds only rebuildable state; everything expires unless an engine keeps it
   host tier of its prefix cache (`--kv-offloading-size`), same TTL and clean-up. A hash may be
   in both sets (reloaded to the device, still on the host); routers count a block as a device
   hit when it is in the first set, else as a host hit (worth less: it must be copied back).
+- `kvfleet:pending:{engine_id}:{epoch}` — ZSET written by *routers*: block hashes of prompts a
+  router just sent to that engine, which the engine has not published yet (it is still
+  queueing or prefilling them). Score: when the entry stops counting, in Redis' clock (`TIME`,
+  unix seconds). A router adds the blocks the engine lacks right after choosing it (ZADD GT:
+  an entry's expiry only moves later), drops them again when the engine refused the request
+  before accepting it, and trims expired entries on each write; the key itself expires once
+  its longest entry has (`PENDING_MAX_TTL_S` at most). Routers count a prompt block as matched
+  on an engine when it is in its device set, else its host set, else has a pending entry whose
+  score is still ahead of `TIME`. Engines never read or write it; a restarted engine's new
+  epoch starts with no pending entries.
 
 Liveness, as routers judge it: the hash exists, and `updated_at` is at most the router's
 `--engine-stale-after` bound (default `DEFAULT_STALE_AFTER_S`, a few heartbeats) older than
@@ -30,6 +40,13 @@ Redis' own clock (`TIME`), so every router replica judges by the same clock. An 
 heartbeat stopped while its hash has not expired yet (a hung process) is skipped, not removed:
 it comes back with its next heartbeat. The bound must exceed the clock skew between engines
 and Redis (NTP keeps it to milliseconds) and stay below `REGISTRY_TTL_S` to matter.
+
+Load fields the routers' cost model reads (`router.routing.ttft_cost`), published with the
+load on every flush, absent from engines that predate them (routers then use defaults):
+queued_prefill_tokens (prompt tokens still to compute in waiting and running requests, a
+prefix shared by several of them counted once, cached blocks not at all), num_decoding
+(running requests past their prompt), prefill_tokens_per_s and decode_s_per_seq (EWMAs the
+engine measures from its own steps; 0: nothing measured yet).
 
 Engines write each step's KV events (stored / removed hashes) as one pipelined SADD/SREM.
 Routers answer "how many leading blocks does each live engine hold" in one round trip
@@ -47,6 +64,10 @@ HEARTBEAT_INTERVAL_S = 1.0
 BLOCKS_TTL_S = 30
 # Heartbeat age beyond which routers stop choosing an engine (router flag --engine-stale-after).
 DEFAULT_STALE_AFTER_S = 3 * HEARTBEAT_INTERVAL_S
+
+
+# Bounds on how long a router's pending entry counts (router.routing.pending).
+PENDING_MAX_TTL_S = 30
 
 
 def engine_key(engine_id: str) -> str:
@@ -69,3 +90,7 @@ def host_blocks_key(engine_id: str, epoch: str) -> str:
 def host_blocks_key_pattern(engine_id: str) -> str:
     """Matches the host-tier block sets of every epoch of one engine."""
     return f"{PREFIX}:host_blocks:{engine_id}:*"
+
+
+def pending_key(engine_id: str, epoch: str) -> str:
+    return f"{PREFIX}:pending:{engine_id}:{epoch}"

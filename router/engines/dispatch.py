@@ -27,8 +27,12 @@ Invariants:
 - An engine that failed with a transport-level code becomes a suspect in the pool, so the
   next decisions avoid it until its registry entry expires or it comes back elsewhere.
 - While an attempt or a stream is open it counts as in flight on its engine (the pool's
-  fresher-than-Redis load signal); `EngineStream.close` always ends that count and cancels
-  the call, which makes the engine abort the request and free its blocks.
+  fresher-than-Redis load signal), and until its first message as prefilling there with its
+  uncached prompt tokens; `EngineStream.close` always ends that count and cancels the call,
+  which makes the engine abort the request and free its blocks.
+- With the decision's `PendingClaims`, each engine tried gets the prompt's blocks marked
+  pending when the request is sent (a background write, `router.routing.pending`); an attempt
+  that fails, however, releases them, so other routers stop sending that prefix there.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from kvfleet.contracts.errors import OverloadedError, UnavailableError
 from kvfleet.runtime.tracing import trace_metadata
 from kvfleet.v1 import engine_pb2
 from router.engines.pool import EnginePool
+from router.routing.pending import PendingClaims
 from router.routing.ranking import EngineView
 
 logger = logging.getLogger(__name__)
@@ -256,17 +261,19 @@ async def open_engine_stream(
     max_attempts: int,
     deadlines: StreamDeadlines = NO_DEADLINES,
     on_retry: Callable[[str], None] | None = None,
+    claims: PendingClaims | None = None,
 ) -> EngineStream:
     """Start `request` on the first engine of `ranking` that produces a first token.
 
     `on_retry(reason)` is called each time a failed attempt sends the request on to the next
-    engine (reason: the failure's status code name, lower case).
+    engine (reason: the failure's status code name, lower case). `claims` (the decision's
+    prompt blocks) are marked pending on each engine tried, and released again when it fails.
     OverloadedError when every engine tried said its queue is full, else UnavailableError.
     """
     failures: list[tuple[grpc.StatusCode, str]] = []
     candidates = ranking[:max_attempts]
     for attempt, engine in enumerate(candidates):
-        stream = await _attempt(engine, pool, request, failures, deadlines)
+        stream = await _attempt(engine, pool, request, failures, deadlines, claims)
         if stream is not None:
             return stream
         if on_retry is not None and attempt + 1 < len(candidates):
@@ -283,11 +290,34 @@ async def _attempt(
     request: engine_pb2.GenerateRequest,
     failures: list[tuple[grpc.StatusCode, str]],
     deadlines: StreamDeadlines,
+    claims: PendingClaims | None = None,
+) -> EngineStream | None:
+    """One engine tried: its stream, or None after recording why it failed."""
+    stream = None
+    try:
+        stream = await _attempt_stream(engine, pool, request, failures, deadlines, claims)
+        return stream
+    finally:
+        if stream is None and claims is not None:
+            claims.release(engine)
+
+
+async def _attempt_stream(
+    engine: EngineView,
+    pool: EnginePool,
+    request: engine_pb2.GenerateRequest,
+    failures: list[tuple[grpc.StatusCode, str]],
+    deadlines: StreamDeadlines,
+    claims: PendingClaims | None,
 ) -> EngineStream | None:
     call = pool.stub(engine.engine_id, engine.address).Generate(
         request, metadata=deadlines.metadata() + pool.credential
     )
-    pool.begin(engine.engine_id)
+    prefill_tokens = 0
+    if claims is not None:
+        claims.claim(engine)  # in the background: the request is not held up
+        prefill_tokens = claims.uncached_tokens(engine.engine_id)
+    pool.begin(engine.engine_id, prefill_tokens)
     try:
         first = await _read(call, deadlines.first_token_s)
     except TimeoutError:
@@ -311,6 +341,8 @@ async def _attempt(
         call.cancel()
         pool.end(engine.engine_id)
         raise
+    finally:
+        pool.prefilled(engine.engine_id, prefill_tokens)
     if first is None:
         pool.end(engine.engine_id)
         failures.append(

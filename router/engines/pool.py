@@ -1,7 +1,8 @@
 """gRPC channels to engines, plus what only this router replica knows about them.
 
 Role: `EnginePool` hands out an Engine stub per (engine id, address), counts this replica's
-in-flight requests per engine (a fresher load signal than Redis for its own traffic), keeps
+in-flight requests per engine (a fresher load signal than Redis for its own traffic), and of
+those the ones before their first token with the prompt tokens they leave to compute, keeps
 a short suspect list (engines that just failed a call), and remembers the last engine list
 it learned (from Redis, or from the engines themselves) so that routing without Redis works.
 `poll` asks engines for their load, id and model (GetLoad) when Redis cannot answer.
@@ -65,6 +66,9 @@ class EnginePool:
         self._channels: dict[str, _Channel] = {}  # address -> channel
         self._dialed: dict[str, str] = {}  # engine id -> the address we last dialed it at
         self._in_flight: dict[str, int] = {}
+        # id -> (our requests before their first token, their uncached prompt tokens): the
+        # prefill work the engine's published queue may not show yet (router.routing.ttft_cost).
+        self._prefilling: dict[str, tuple[int, int]] = {}
         self._suspects: dict[str, tuple[float, str]] = {}  # id -> (until, address)
         self._known: dict[str, EngineRecord] = {}  # id -> last report, matched_blocks 0
         self._closing: set[asyncio.Future[None]] = set()
@@ -80,9 +84,28 @@ class EnginePool:
     def in_flight(self, engine_id: str) -> int:
         return self._in_flight.get(engine_id, 0)
 
-    def begin(self, engine_id: str) -> None:
-        """One more of our requests is in flight on `engine_id` (pair with `end`)."""
+    def prefilling(self, engine_id: str) -> int:
+        """Our requests on `engine_id` that have no first token yet."""
+        return self._prefilling.get(engine_id, (0, 0))[0]
+
+    def prefill_tokens(self, engine_id: str) -> int:
+        """The prompt tokens those requests make the engine compute (their uncached part)."""
+        return self._prefilling.get(engine_id, (0, 0))[1]
+
+    def begin(self, engine_id: str, prefill_tokens: int = 0) -> None:
+        """One more of our requests is in flight on `engine_id` (pair with `end`), and before
+        its first token, with that much prompt to compute (pair with `prefilled`)."""
         self._in_flight[engine_id] = self._in_flight.get(engine_id, 0) + 1
+        count, tokens = self._prefilling.get(engine_id, (0, 0))
+        self._prefilling[engine_id] = (count + 1, tokens + prefill_tokens)
+
+    def prefilled(self, engine_id: str, prefill_tokens: int = 0) -> None:
+        """A request `begin` counted got its first token, or will never get one here."""
+        count, tokens = self._prefilling[engine_id]
+        if count <= 1:
+            del self._prefilling[engine_id]
+        else:
+            self._prefilling[engine_id] = (count - 1, tokens - prefill_tokens)
 
     def end(self, engine_id: str) -> None:
         self._in_flight[engine_id] -= 1

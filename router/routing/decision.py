@@ -12,6 +12,12 @@ Invariants:
   seen published (`router.routing.lora_engines`): exactly what the engine computes for the request.
 - One Redis round trip per decision; a second one only when the block size hint was wrong
   (the hint is then corrected from the registry, so it happens once per change).
+- A prefix decision made with the index carries its prompt hashes as `PendingClaims`: the
+  dispatcher marks them pending on the engine it sends the request to, in the background
+  (`router.routing.pending`), so the decision's own latency stays one round trip.
+- Each decision names why its first engine won (`Decision.reason`) and predicts the cached
+  tokens of any engine it ranked (`Decision.predicted_cached_tokens`), for the metrics and
+  the request's span.
 - Redis unreachable (or not configured): the engines are found at the last addresses Redis
   gave plus the static list / DNS name (`--engines`, `--engine-dns`), asked for their load,
   id and model over gRPC, and ranked by load (round_robin stays round robin); Redis is
@@ -46,6 +52,7 @@ from kvfleet.contracts.errors import NotFoundError, UnavailableError
 from router.engines.discovery import EngineDiscovery
 from router.engines.pool import EnginePool
 from router.metrics import RouterMetrics
+from router.routing.engine_view import UNKNOWN
 from router.routing.lora_engines import (
     adapter_for,
     adapter_path,
@@ -54,13 +61,22 @@ from router.routing.lora_engines import (
     takes_adapters,
 )
 from router.routing.lora_placement import LoRAPlacer, is_saturated
+from router.routing.pending import PendingClaims, PendingConfig
 from router.routing.prefix_index import (
     EngineRecord,
     PrefixIndex,
     PrefixIndexBusy,
     PrefixIndexUnavailable,
 )
-from router.routing.ranking import EngineView, Policy, PrefixPolicyConfig, rank
+from router.routing.ranking import (
+    EngineView,
+    Policy,
+    PrefixPolicyConfig,
+    RequestShape,
+    choice_reason,
+    rank,
+)
+from router.routing.ttft_cost import estimate_all
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +93,8 @@ class RoutingConfig:
     redis_retry_s: float = 1.0
     # Per-engine GetLoad deadline while Redis is down; a slower engine keeps its last load.
     load_timeout_s: float = 0.5
+    # How long the blocks of a request just sent count as the engine's (router.routing.pending).
+    pending: PendingConfig = field(default_factory=PendingConfig)
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,23 @@ class Decision:
     policy: Policy = Policy.PREFIX
     # The LoRA adapter the model names ("" for a base model); engines get it as lora_id.
     lora_id: str = ""
+    # Why ranking[0] won (router.routing.ranking.choice_reason; "lora_placement" when the
+    # adapter was just loaded there).
+    reason: str = ""
+    # The prompt's blocks, to mark pending on the engine the request is sent to (None:
+    # nothing to mark, e.g. without the prefix index).
+    claims: PendingClaims | None = None
+    prompt_tokens: int = 0
+
+    def reason_for(self, engine_id: str) -> str:
+        """Why the request went to `engine_id`: the decision's reason, or "retry"."""
+        first = self.ranking[0].engine_id if self.ranking else ""
+        return self.reason if engine_id == first else "retry"
+
+    def predicted_cached_tokens(self, engine: EngineView) -> int:
+        """Prompt tokens the engine should report cached: held (device or host) or pending."""
+        blocks = engine.matched_blocks + engine.matched_host_blocks + engine.matched_pending_blocks
+        return max(min(blocks * self.block_size, self.prompt_tokens - 1), 0)
 
 
 class EngineSelector:
@@ -119,7 +154,7 @@ class EngineSelector:
 
     async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
         lora_hint = model if model in self._adapters else ""
-        records, used_index = await self._records(prompt_ids, tenant, lora_hint)
+        records, used_index, hashes = await self._records(prompt_ids, tenant, lora_hint)
         lora_id = adapter_for(records, model)
         if lora_id:
             self._adapters.add(lora_id)
@@ -133,20 +168,29 @@ class EngineSelector:
         policy = self.config.policy
         if not used_index and policy is Policy.PREFIX:
             policy = Policy.LEAST_LOAD
+        shape = RequestShape(len(prompt_ids), self._block_size)
         ranking = rank(
             policy,
             views,
             tie_key=_tie_key(prompt_ids, tenant),
             counter=next(self._counter),
             config=self.config.prefix,
+            shape=shape,
         )
         # Engines that just failed are tried last, not never (they may have recovered).
         ranking.sort(key=lambda v: self._pool.is_suspect(v.engine_id, v.address))
+        reason = choice_reason(policy, ranking, self.config.prefix, shape)
         if lora_id and self.placer is not None and all(is_saturated(v) for v in views):
             target = await self._load_target(records, serving, lora_id, views)
             if target is not None:
                 ranking = [target, *(v for v in ranking if v.engine_id != target.engine_id)]
-        return Decision(ranking, self._block_size, used_index, policy, lora_id)
+                reason = "lora_placement"
+        claims = None
+        if self._index is not None and used_index and hashes and policy is Policy.PREFIX:
+            estimates = estimate_all(views, shape, self.config.prefix)
+            claims = PendingClaims(self._index, hashes, estimates, self.config.pending)
+        return Decision(ranking, self._block_size, used_index, policy, lora_id, reason, claims,
+                        len(prompt_ids))
 
     def _serving(self, records: Sequence[EngineRecord], adapter: str) -> list[EngineRecord]:
         """Engines serving the adapter, by their registry entry or a load of ours just done."""
@@ -171,22 +215,22 @@ class EngineSelector:
 
     async def served_models(self) -> list[str]:
         """Model names of the live engines, however they were found (empty: none)."""
-        records, _ = await self._records((), "")
+        records, _, _ = await self._records((), "")
         return sorted({r.model for r in records if r.model})
 
     async def served_adapters(self) -> dict[str, str]:
         """{LoRA adapter name: its base model} over the live engines."""
-        records, _ = await self._records((), "")
+        records, _, _ = await self._records((), "")
         return served_adapters(records)
 
     async def live_engines(self) -> list[EngineRecord]:
         """Every live engine, however found (for fan-out calls such as adapter loading)."""
-        records, _ = await self._records((), "")
+        records, _, _ = await self._records((), "")
         return [r for r in records if r.address]
 
     async def served_context_lens(self) -> dict[str, int]:
         """{model name: the largest max_model_len its live engines report (0: unknown)}."""
-        records, _ = await self._records((), "")
+        records, _, _ = await self._records((), "")
         lens: dict[str, int] = {}
         for record in records:
             if record.model:
@@ -196,16 +240,17 @@ class EngineSelector:
 
     async def _records(
         self, prompt_ids: Sequence[int], tenant: str, lora_id: str = ""
-    ) -> tuple[list[EngineRecord], bool]:
-        """The live engines and whether they came from the prefix index (module docstring)."""
+    ) -> tuple[list[EngineRecord], bool, list[bytes]]:
+        """The live engines, whether they came from the prefix index (module docstring), and
+        the prompt's block hashes they were matched against (empty without the index)."""
         if self._index is not None and time.monotonic() >= self._redis_down_until:
             started = time.perf_counter()
             try:
-                records = await self._lookup(prompt_ids, tenant, lora_id)
+                records, hashes = await self._lookup(prompt_ids, tenant, lora_id)
             except PrefixIndexBusy as e:
                 self._on_busy(e)
                 if self._pool.known:
-                    return self._pool.known, False
+                    return self._pool.known, False, []
             except PrefixIndexUnavailable as e:
                 self._on_unavailable(e)
             else:
@@ -213,11 +258,11 @@ class EngineSelector:
                 self._on_answer()
                 if records:
                     self._pool.remember(records)
-                    return records, True
+                    return records, True, hashes
                 # No engine registered: typically a Redis that just restarted empty, before
                 # the engines' next heartbeat. The engines known or discoverable may serve.
         addresses = await self._discovery.addresses() if self._discovery is not None else []
-        return await self._pool.poll(addresses, self.config.load_timeout_s), False
+        return await self._pool.poll(addresses, self.config.load_timeout_s), False, []
 
     def _on_answer(self) -> None:
         if not self._redis_ok:
@@ -242,20 +287,18 @@ class EngineSelector:
 
     async def _lookup(
         self, prompt_ids: Sequence[int], tenant: str, lora_id: str = ""
-    ) -> list[EngineRecord]:
+    ) -> tuple[list[EngineRecord], list[bytes]]:
         assert self._index is not None
-        records = await self._index.lookup(
-            self._block_size, self._hashes(prompt_ids, tenant, lora_id)
-        )
+        hashes = self._hashes(prompt_ids, tenant, lora_id)
+        records = await self._index.lookup(self._block_size, hashes)
         sizes = collections.Counter(r.block_size for r in records if r.block_size)
         if sizes and self._block_size not in sizes:
             # Engines advertise their block size; adopt the most common one and ask again.
             self._block_size = sizes.most_common(1)[0][0]
             logger.info("engines use block size %d; re-hashing", self._block_size)
-            records = await self._index.lookup(
-                self._block_size, self._hashes(prompt_ids, tenant, lora_id)
-            )
-        return records
+            hashes = self._hashes(prompt_ids, tenant, lora_id)
+            records = await self._index.lookup(self._block_size, hashes)
+        return records, hashes
 
     def _hashes(self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "") -> list[bytes]:
         if self.config.policy is not Policy.PREFIX:
@@ -276,6 +319,14 @@ class EngineSelector:
                 kv_cache_usage=r.float_field("kv_cache_usage"),
                 in_flight=self._pool.in_flight(r.engine_id),
                 max_num_seqs=r.int_field("max_num_seqs"),
+                epoch=r.epoch,
+                matched_pending_blocks=r.matched_pending_blocks,
+                queued_prefill_tokens=r.int_field("queued_prefill_tokens", UNKNOWN),
+                num_decoding=r.int_field("num_decoding", UNKNOWN),
+                prefill_tokens_per_s=r.float_field("prefill_tokens_per_s"),
+                decode_s_per_seq=r.float_field("decode_s_per_seq"),
+                own_prefilling=self._pool.prefilling(r.engine_id),
+                own_prefill_tokens=self._pool.prefill_tokens(r.engine_id),
             )
             for r in records
             if r.address

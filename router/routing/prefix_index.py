@@ -11,9 +11,13 @@ Invariants:
 - An engine whose block_size differs from the hint gets 0 matched blocks (its hashes would
   differ); the caller sees its block size in the result and re-asks with the right one.
 - A prompt block counts as a device match when the engine's device set holds it, else as a
-  host match when its host-tier set does (`matched_host_blocks`); matching stops at the
-  first block in neither, in chunks, so a long prompt that misses early
-  costs little and no Lua `unpack` limit is hit.
+  host match when its host-tier set does (`matched_host_blocks`), else as a pending match
+  when a router's pending entry for it on that engine has not expired by Redis' clock
+  (`matched_pending_blocks`: a request carrying it was just sent there and the engine has not
+  published it yet); matching stops at the first block in none, in chunks, so a long prompt
+  that misses early costs little and no Lua `unpack` limit is hit.
+- Pending entries are written by `mark_pending` (one EVALSHA, issued after the decision, off
+  the request's critical path; see router.routing.pending) and dropped by `unmark_pending`.
 - The registry cleans itself: the script SREMs from the engines set every id whose hash has
   expired. An engine whose `updated_at` is older than `stale_after_s` by Redis' clock is
   left out of the answer (but stays registered: its next heartbeat brings it back).
@@ -47,22 +51,23 @@ ENGINE_KEY_PREFIX = redis_schema.engine_key("")
 # blocks_key(id, epoch) == BLOCKS_KEY_PREFIX + id + ":" + epoch (checked by the tests).
 BLOCKS_KEY_PREFIX = redis_schema.blocks_key("", "").removesuffix(":")
 HOST_BLOCKS_KEY_PREFIX = redis_schema.host_blocks_key("", "").removesuffix(":")
+PENDING_KEY_PREFIX = redis_schema.pending_key("", "").removesuffix(":")
 # Blocks checked per SMISMEMBER call inside the script.
 MATCH_CHUNK = 64
+# Pending entries per ZADD call inside the mark script (bounded Lua stacks).
+MARK_CHUNK = 500
 
 # KEYS[1] = engines set; ARGV = engine key prefix, blocks key prefix, block size, chunk,
-# max heartbeat age in seconds (0: no bound), host blocks key prefix, hashes...
+# max heartbeat age in seconds (0: no bound), host blocks key prefix, pending key prefix,
+# hashes...
 LOOKUP_SCRIPT = """
 local engine_prefix, blocks_prefix = ARGV[1], ARGV[2]
 local block_size, chunk = tonumber(ARGV[3]), tonumber(ARGV[4])
 local max_age = tonumber(ARGV[5])
-local host_prefix = ARGV[6]
-local first_hash, last_hash = 7, #ARGV
-local now = 0
-if max_age > 0 then
-  local time = redis.call('TIME')
-  now = tonumber(time[1]) + tonumber(time[2]) / 1000000
-end
+local host_prefix, pending_prefix = ARGV[6], ARGV[7]
+local first_hash, last_hash = 8, #ARGV
+local time = redis.call('TIME')
+local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
 local result, gone = {}, {}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local fields = redis.call('HGETALL', engine_prefix .. id)
@@ -73,36 +78,64 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     for i = 1, #fields, 2 do info[fields[i]] = fields[i + 1] end
     local updated = tonumber(info['updated_at'])
     if max_age <= 0 or updated == nil or now - updated <= max_age then
-      local matched, host_matched, cached = 0, 0, 0
+      local matched, host_matched, pending_matched, cached = 0, 0, 0, 0
       if info['epoch'] then
-        local bkey = blocks_prefix .. id .. ':' .. info['epoch']
-        local hkey = host_prefix .. id .. ':' .. info['epoch']
+        local suffix = id .. ':' .. info['epoch']
+        local bkey, hkey = blocks_prefix .. suffix, host_prefix .. suffix
+        local pkey = pending_prefix .. suffix
         cached = redis.call('SCARD', bkey)
         local host_cached = redis.call('SCARD', hkey)
-        if cached + host_cached > 0 and tonumber(info['block_size']) == block_size then
+        local pending = redis.call('ZCARD', pkey)
+        if cached + host_cached + pending > 0 and tonumber(info['block_size']) == block_size then
           local i, done = first_hash, false
           while i <= last_hash and not done do
             local j = math.min(i + chunk - 1, last_hash)
-            local hits, host_hits = {}, {}
+            local hits, host_hits, expiry = {}, {}, {}
             if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j)) end
             if host_cached > 0 then
               host_hits = redis.call('SMISMEMBER', hkey, unpack(ARGV, i, j))
             end
+            if pending > 0 then expiry = redis.call('ZMSCORE', pkey, unpack(ARGV, i, j)) end
             for k = 1, j - i + 1 do
               if hits[k] == 1 then matched = matched + 1
               elseif host_hits[k] == 1 then host_matched = host_matched + 1
+              elseif expiry[k] and tonumber(expiry[k]) > now then
+                pending_matched = pending_matched + 1
               else done = true; break end
             end
             i = j + 1
           end
         end
       end
-      table.insert(result, {id, matched, cached, fields, host_matched})
+      table.insert(result, {id, matched, cached, fields, host_matched, pending_matched})
     end
   end
 end
 for _, id in ipairs(gone) do redis.call('SREM', KEYS[1], id) end
 return result
+"""
+
+# KEYS[1] = one engine's pending ZSET; ARGV = seconds the entries count, chunk, hashes...
+# Expiry scores come from Redis' clock so every router replica judges them alike.
+MARK_PENDING_SCRIPT = """
+local time = redis.call('TIME')
+local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
+local ttl, chunk = tonumber(ARGV[1]), tonumber(ARGV[2])
+local expires = now + ttl
+local i = 3
+while i <= #ARGV do
+  local args = {}
+  for k = i, math.min(i + chunk - 1, #ARGV) do
+    table.insert(args, expires)
+    table.insert(args, ARGV[k])
+  end
+  redis.call('ZADD', KEYS[1], 'GT', unpack(args))
+  i = i + chunk
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local keep = math.ceil(ttl) + 1
+if redis.call('TTL', KEYS[1]) < keep then redis.call('EXPIRE', KEYS[1], keep) end
+return 0
 """
 
 
@@ -156,6 +189,8 @@ class EngineRecord:
     fields: Mapping[str, str]
     # Leading prompt blocks after the device matches that the engine's host tier holds.
     matched_host_blocks: int = 0
+    # Blocks continuing that run which a router just sent the engine (pending entries).
+    matched_pending_blocks: int = 0
 
     @property
     def address(self) -> str:
@@ -173,8 +208,10 @@ class EngineRecord:
     def model(self) -> str:
         return self.fields.get("model", "")
 
-    def int_field(self, name: str) -> int:
-        return _int(self.fields.get(name)) or 0
+    def int_field(self, name: str, default: int = 0) -> int:
+        """The field as an int; `default` when it is missing or not a number."""
+        value = _int(self.fields.get(name))
+        return default if value is None else value
 
     def float_field(self, name: str) -> float:
         try:
@@ -217,6 +254,7 @@ class PrefixIndex:
         )
         self._client = redis.asyncio.Redis.from_pool(pool)
         self._script = self._client.register_script(LOOKUP_SCRIPT)
+        self._mark_script = self._client.register_script(MARK_PENDING_SCRIPT)
         # One slot per connection, taken before the pool is asked: waiting for a slot is
         # "busy", anything the pool or Redis raises after it is "unavailable".
         self._slots = asyncio.Semaphore(self.config.max_connections)
@@ -228,8 +266,31 @@ class PrefixIndex:
         Redis failed.
         """
         args: list[Any] = [ENGINE_KEY_PREFIX, BLOCKS_KEY_PREFIX, block_size, MATCH_CHUNK,
-                           self.config.stale_after_s, HOST_BLOCKS_KEY_PREFIX]
+                           self.config.stale_after_s, HOST_BLOCKS_KEY_PREFIX, PENDING_KEY_PREFIX]
         args.extend(hashes)
+        raw = await self._run(self._script, [redis_schema.ENGINES_SET], args)
+        return [_record(item) for item in raw]
+
+    async def mark_pending(
+        self, engine_id: str, epoch: str, hashes: Sequence[bytes], ttl_s: float
+    ) -> None:
+        """Count `hashes` as held by the engine's epoch for `ttl_s` seconds (Redis' clock)."""
+        if hashes:
+            ttl_s = min(max(ttl_s, 0.001), redis_schema.PENDING_MAX_TTL_S)
+            await self._run(self._mark_script, [redis_schema.pending_key(engine_id, epoch)],
+                            [ttl_s, MARK_CHUNK, *hashes])
+
+    async def unmark_pending(self, engine_id: str, epoch: str, hashes: Sequence[bytes]) -> None:
+        """Drop pending entries again (the engine refused the request they were for)."""
+        if hashes:
+            key = redis_schema.pending_key(engine_id, epoch)
+            await self._run(self._unmark, [key], list(hashes))
+
+    async def _unmark(self, keys: list[str], args: list[Any]) -> Any:
+        return await self._client.zrem(keys[0], *args)
+
+    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """One call on a pooled connection; PrefixIndexBusy / PrefixIndexUnavailable."""
         try:
             async with asyncio.timeout(self.config.pool_timeout_s):
                 await self._slots.acquire()
@@ -239,23 +300,23 @@ class PrefixIndex:
                 f"{self.config.pool_timeout_s}s"
             ) from e
         try:
-            raw = await self._script(keys=[redis_schema.ENGINES_SET], args=args)
+            return await script(keys=keys, args=args)
         except (redis.exceptions.RedisError, OSError) as e:
             raise PrefixIndexUnavailable(f"redis: {e}") from e
         finally:
             self._slots.release()
-        return [_record(item) for item in raw]
 
     async def close(self) -> None:
         await self._client.aclose()
 
 
 def _record(item: Sequence[Any]) -> EngineRecord:
-    engine_id, matched, cached, flat, host_matched = item
+    engine_id, matched, cached, flat, host_matched, pending_matched = item
     fields = {
         _text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)
     }
-    return EngineRecord(_text(engine_id), int(matched), int(cached), fields, int(host_matched))
+    return EngineRecord(_text(engine_id), int(matched), int(cached), fields, int(host_matched),
+                        int(pending_matched))
 
 
 def _text(value: bytes | str) -> str:

@@ -7,27 +7,32 @@ entry).
 
 Policies:
 
-- `prefix` (default): consistent hashing with bounded loads, where a cache hit beats the
-  hash. Every engine's *load* is `max(num_running + num_waiting, in_flight)`: Redis'
-  figures include other routers' requests but lag a little; this router's in-flight count
-  is exact for its own requests, so a burst is not all sent to one stale minimum.
-  The bound: an engine is *eligible* only while its load is at most
-  `min_load + max(load_slack_abs, load_slack_rel * min_load)`.
-  Among eligible engines the one with the best cached-prefix score wins: device blocks
-  count 1 each, blocks in the engine's host tier (`--kv-offloading-size`) count
-  `host_hit_weight` each (default 0.5: a reload skips the compute but costs a copy), so a
-  host hit beats no hit and loses to as long a device hit. Equal non-zero scores go to the
-  lower load. When no eligible engine holds any block (a new
-  prefix, or one still being prefilled and not yet published), the winner is the highest
-  rendezvous weight of (tenant + prompt start, engine id): every replica, and every
-  concurrent request of that prefix, picks the same engine without talking, so a prefix is
-  computed once rather than on whichever engine looked idlest at each instant.
-  A hot prefix therefore stays on its engine only until that engine is `slack` requests
-  busier than the idlest one; then the next best eligible engine gets it (and caches it
-  too), so traffic never piles onto one engine while others idle.
+- `prefix` (default): cheapest estimated time to first token, where a cached prefix is
+  worth the compute it saves (`router.routing.ttft_cost` has the formula and its defaults).
+  Every engine's cost is the prompt work queued on it (published by the engine, or this
+  router's own requests without a first token when those are more), plus the prompt tokens
+  *this* request would compute there (the prompt minus the blocks it holds on the device, in
+  its host tier at a discount, or has *pending*: just sent there by some router and not yet
+  published), all at the engine's measured prefill rate, plus one decode step of its running
+  decodes; an engine whose KV cache is nearly full pays more for new blocks.
+  A hot prefix therefore stays on its engine while waiting there is cheaper than recomputing
+  the prefix elsewhere, and spills to another engine exactly when the estimate there,
+  recompute included, is shorter; a second request of a prefix follows the first before the
+  engine has published it (pending entries, `router.routing.pending`).
+  Estimates within the tie tolerance of the best (20% + 10 ms: measured rates of alike
+  engines differ by noise) come first, the one holding most of the prompt first, then by the
+  highest rendezvous weight of (tenant + prompt start, engine id): every replica, and every
+  concurrent request of a new prefix, picks the same engine without talking, and new
+  prefixes spread over a balanced fleet. The other engines follow, cheapest first.
 - `least_load`: lowest load, then lowest KV usage, then the rendezvous hash.
 - `round_robin`: engines sorted by id, rotated by a counter the caller owns (per replica;
   replicas need not agree for round robin to be fair overall).
+
+Each decision also names why its first engine won (`choice_reason`), for metrics and traces:
+"cached" (it holds the most of the prompt), "pending" (as many, some of it only pending),
+"spill" (another engine holds more, but waiting there costs more), "hash" (nobody holds any;
+the rendezvous hash broke a tie), "least_load" (nobody holds any and it is cheapest, or the
+least_load policy), "round_robin".
 
 Invariants: every function returns a permutation of its input (no engine is dropped, so
 retries can reach every engine); results depend only on the arguments.
@@ -38,61 +43,34 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from router.routing.engine_view import EngineView
+from router.routing.ttft_cost import (
+    PrefixPolicyConfig,
+    RequestShape,
+    estimate_all,
+    infer_shape,
+    near_best,
+)
+
+__all__ = [
+    "EngineView",
+    "Policy",
+    "PrefixPolicyConfig",
+    "RequestShape",
+    "choice_reason",
+    "rank",
+    "rank_least_load",
+    "rank_prefix",
+    "rank_round_robin",
+    "rendezvous_weight",
+]
 
 
 class Policy(enum.StrEnum):
     PREFIX = "prefix"
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
-
-
-@dataclass(frozen=True)
-class EngineView:
-    """What a routing decision knows about one live engine."""
-
-    engine_id: str
-    address: str
-    # Leading blocks of this prompt that the engine holds in its prefix cache (on the device).
-    matched_blocks: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    # This router's requests currently streaming from the engine.
-    in_flight: int = 0
-    # Blocks continuing that run which the engine holds in its host tier.
-    matched_host_blocks: int = 0
-    # Sequences the engine runs at once at most (0: not published); see
-    # router.routing.lora_placement.
-    max_num_seqs: int = 0
-
-    @property
-    def load(self) -> int:
-        return max(self.num_running + self.num_waiting, self.in_flight)
-
-
-@dataclass(frozen=True)
-class PrefixPolicyConfig:
-    """The bound on prefix affinity (see the module docstring)."""
-
-    load_slack_abs: int = 4
-    load_slack_rel: float = 0.5
-    # What a host-tier block is worth against a device block (1.0) when ranking engines.
-    host_hit_weight: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.load_slack_abs < 0 or self.load_slack_rel < 0:
-            raise ValueError("load slack must be non-negative")
-        if not 0.0 <= self.host_hit_weight <= 1.0:
-            raise ValueError(f"host hit weight must be in [0, 1], got {self.host_hit_weight}")
-
-    def score(self, engine: EngineView) -> float:
-        """Cached-prefix score of an engine for this prompt (module docstring)."""
-        return engine.matched_blocks + self.host_hit_weight * engine.matched_host_blocks
-
-    def max_load(self, min_load: int) -> float:
-        """The highest load an engine may have and still win on cached blocks."""
-        return min_load + max(self.load_slack_abs, self.load_slack_rel * min_load)
 
 
 def rendezvous_weight(tie_key: bytes, engine_id: str) -> int:
@@ -102,24 +80,51 @@ def rendezvous_weight(tie_key: bytes, engine_id: str) -> int:
 
 
 def rank_prefix(
-    engines: Sequence[EngineView], tie_key: bytes, config: PrefixPolicyConfig
+    engines: Sequence[EngineView],
+    tie_key: bytes,
+    config: PrefixPolicyConfig,
+    shape: RequestShape | None = None,
 ) -> list[EngineView]:
-    """Best engine first: most cached blocks within the load bound (module docstring)."""
+    """Cheapest estimated time to first token first (module docstring).
+
+    `shape` None (a caller that knows no prompt length): one block past the longest match.
+    """
     if not engines:
         return []
-    max_load = config.max_load(min(e.load for e in engines))
-    eligible = [e for e in engines if e.load <= max_load]
-    rest = [e for e in engines if e.load > max_load]
+    costs = estimate_all(engines, shape or infer_shape(engines), config)
+    near = near_best(costs, config)
 
-    def preference(e: EngineView) -> tuple[float, int, int]:
-        # Load only separates engines holding the same non-zero prefix; without a hit
-        # the hash decides, so concurrent requests of a new prefix agree.
-        score = config.score(e)
-        load = e.load if score else 0
-        return (-score, load, -rendezvous_weight(tie_key, e.engine_id))
+    def preference(e: EngineView) -> tuple[bool, float, float, int]:
+        # Among near-equal estimates the cache decides (a hit is work saved for everyone
+        # after this request too), then the hash; beyond them, the estimate itself.
+        tied = e.engine_id in near
+        return (not tied, -config.score(e) if tied else 0.0,
+                0.0 if tied else costs[e.engine_id].ttft_s,
+                -rendezvous_weight(tie_key, e.engine_id))
 
-    # Engines beyond the bound stay reachable for retries, least loaded first.
-    return sorted(eligible, key=preference) + rank_least_load(rest, tie_key)
+    return sorted(engines, key=preference)
+
+
+def choice_reason(
+    policy: Policy,
+    ranking: Sequence[EngineView],
+    config: PrefixPolicyConfig,
+    shape: RequestShape | None = None,
+) -> str:
+    """Why `ranking[0]` won (module docstring); "" for an empty ranking."""
+    if not ranking:
+        return ""
+    if policy is not Policy.PREFIX:
+        return policy.value
+    best, rest = ranking[0], ranking[1:]
+    most = max(config.score(e) for e in ranking)
+    if most > 0:
+        if config.score(best) < most:
+            return "spill"
+        return "pending" if best.matched_pending_blocks else "cached"
+    costs = estimate_all(ranking, shape or infer_shape(ranking), config)
+    tied = any(e.engine_id in near_best(costs, config) for e in rest)
+    return "hash" if tied else "least_load"
 
 
 def rank_least_load(engines: Sequence[EngineView], tie_key: bytes) -> list[EngineView]:
@@ -146,10 +151,11 @@ def rank(
     tie_key: bytes,
     counter: int,
     config: PrefixPolicyConfig,
+    shape: RequestShape | None = None,
 ) -> list[EngineView]:
     """Dispatch to the policy's ranking function."""
     if policy is Policy.PREFIX:
-        return rank_prefix(engines, tie_key, config)
+        return rank_prefix(engines, tie_key, config, shape)
     if policy is Policy.LEAST_LOAD:
         return rank_least_load(engines, tie_key)
     return rank_round_robin(engines, counter)

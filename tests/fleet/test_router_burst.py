@@ -7,9 +7,10 @@ served from its cache, and the router's own metrics must show that every decisio
 prefix index (policy `prefix`, no Redis error, no pool timeout) and that no engine was
 taken for failed.
 
-The router runs with a load slack larger than the burst, so the load bound never moves a
-prefix off its engine: any request off its prefix's engine then means a decision made
-without the index (the bound itself is tested in test_router_policy.py).
+The router charges recomputing a prefix another engine holds 1000 times its compute time
+(`--duplicate-weight`), so the cost model never moves a prefix off its engine: any request
+off its prefix's engine then means a decision made without the index (spilling itself is
+tested in tests/router/test_ttft_routing.py).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def fleet_options() -> FleetOptions:
     return {
         "num_engines": 2,
         "api_keys": True,
-        "router_args": ("--load-slack-abs", str(10 * NUM_REQUESTS)),
+        "router_args": ("--duplicate-weight", "1000"),
         "engine_threads": 1,
         "metrics": True,
     }

@@ -148,6 +148,11 @@ def test_one_trace_across_router_tokenizer_engine(
     assert router.attributes["kvfleet.tenant"] == "anonymous"
     assert router.attributes["kvfleet.routing.engine_id"] == "engine-0"
     assert "kvfleet.routing.predicted_cached_tokens" in router.attributes
+    assert router.attributes["kvfleet.routing.reason"] in {"hash", "least_load", "cached"}
+    assert router.attributes["kvfleet.routing.prediction_error_tokens"] == (
+        router.attributes["kvfleet.routing.predicted_cached_tokens"]
+        - router.attributes["kvfleet.cached_tokens"]
+    )
     for child in ("tokenize", "route"):
         assert by_name[child].parent_span_id == router.span_id
     tokenize_rpc = by_name["kvfleet.v1.Tokenizer/Tokenize"]

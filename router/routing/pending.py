@@ -1,0 +1,140 @@
+"""Pending entries: the prompt blocks a decision just sent to an engine, seen by every router.
+
+Role: an engine publishes the blocks of a prompt only once it has computed them, a queue wait
+and a prefill (seconds on a busy engine) after the request arrived. Until then every other
+request of that prefix would look like a miss everywhere, and the prefix would be computed
+again on whichever engine looked cheapest. So once a decision has chosen an engine,
+`PendingClaims.claim` writes the blocks that engine lacks to its pending ZSET
+(`kvfleet.contracts.redis_schema.pending_key`), and the lookup of the next decision, on this
+replica or any other, counts them as matched there (`matched_pending_blocks`) at no compute
+cost: that request waits for the blocks being computed instead of computing them again.
+
+Invariants:
+- Off the critical path: `claim` and `release` start background writes and return at once;
+  the request is sent without waiting for Redis, and a failed write is only logged (the next
+  decision then sees a miss, as without pending entries). Writing in the lookup script
+  instead would save nothing: the choice is made here, after the lookup, and a Lua copy of
+  the cost model would have to follow it.
+- A claim counts for `min_ttl_s + ttl_factor x` the chosen engine's estimated time to first
+  token (capped by `redis_schema.PENDING_MAX_TTL_S`), long enough for the engine to compute
+  and publish the blocks, after which its own sets supersede the entry; a request that dies
+  without computing them leaves its entries only that long.
+- `release` (the engine refused the request before accepting it) removes the claim's entries,
+  after its write has landed (writes of one claim run in order). It may remove an entry
+  another request of the same prefix also claimed there; that engine is refusing requests,
+  so it should not attract more of that prefix anyway.
+- Nothing is written for an engine without an epoch (found without Redis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from router.routing.engine_view import EngineView
+from router.routing.ttft_cost import Estimate
+
+logger = logging.getLogger(__name__)
+
+
+class PendingStore(Protocol):
+    """Where pending entries live (`router.routing.prefix_index.PrefixIndex`)."""
+
+    async def mark_pending(
+        self, engine_id: str, epoch: str, hashes: Sequence[bytes], ttl_s: float
+    ) -> None: ...
+
+    async def unmark_pending(
+        self, engine_id: str, epoch: str, hashes: Sequence[bytes]
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class PendingConfig:
+    """How long a claim counts: min_ttl_s + ttl_factor x estimated time to first token."""
+
+    min_ttl_s: float = 2.0
+    ttl_factor: float = 3.0
+
+    def __post_init__(self) -> None:
+        if self.min_ttl_s <= 0 or self.ttl_factor < 0:
+            raise ValueError("pending TTL must be positive")
+
+    def ttl_s(self, estimate: Estimate | None) -> float:
+        return self.min_ttl_s + self.ttl_factor * (estimate.ttft_s if estimate else 0.0)
+
+
+# Background writes, referenced until done (the loop keeps only weak references to tasks).
+_TASKS: set[asyncio.Task[None]] = set()
+
+
+class PendingClaims:
+    """One decision's prompt blocks, claimable as pending on any engine of its ranking."""
+
+    def __init__(
+        self,
+        store: PendingStore,
+        hashes: Sequence[bytes],
+        estimates: Mapping[str, Estimate],
+        config: PendingConfig | None = None,
+    ) -> None:
+        self._store = store
+        self._hashes = list(hashes)
+        self._estimates = dict(estimates)
+        self._config = config if config is not None else PendingConfig()
+        self._claims: dict[str, asyncio.Task[None]] = {}
+
+    def uncached_tokens(self, engine_id: str) -> int:
+        """Prompt tokens the request makes this engine compute (0 when not estimated)."""
+        estimate = self._estimates.get(engine_id)
+        return estimate.own_tokens if estimate is not None else 0
+
+    def claim(self, engine: EngineView) -> None:
+        """Mark the blocks this engine lacks as pending there (in the background)."""
+        hashes = self._missing(engine)
+        if not hashes or engine.engine_id in self._claims:
+            return
+        ttl = self._config.ttl_s(self._estimates.get(engine.engine_id))
+        self._claims[engine.engine_id] = _spawn(
+            self._store.mark_pending(engine.engine_id, engine.epoch, hashes, ttl), "mark"
+        )
+
+    def release(self, engine: EngineView) -> None:
+        """Drop this engine's claim again (the request never got into it)."""
+        claim = self._claims.pop(engine.engine_id, None)
+        if claim is not None:
+            _spawn(self._unmark(claim, engine, self._missing(engine)), "unmark")
+
+    async def _unmark(
+        self, claim: asyncio.Task[None], engine: EngineView, hashes: list[bytes]
+    ) -> None:
+        await asyncio.wait([claim])  # the removal must not overtake the write
+        await self._store.unmark_pending(engine.engine_id, engine.epoch, hashes)
+
+    def _missing(self, engine: EngineView) -> list[bytes]:
+        if not engine.epoch:
+            return []
+        # Pending ones are written again: their expiry moves to this claim's, if later.
+        return self._hashes[engine.matched_blocks + engine.matched_host_blocks:]
+
+
+async def drain() -> None:
+    """Wait for every pending write started so far (tests, orderly shutdown)."""
+    while _TASKS:
+        await asyncio.wait(list(_TASKS))
+
+
+def _spawn(work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+    async def logged() -> None:
+        try:
+            await work
+        except Exception as e:  # Redis down or busy: the entry is only an optimisation
+            logger.debug("pending %s failed: %s", what, e)
+
+    task = asyncio.ensure_future(logged())
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
+    return task

@@ -1,0 +1,164 @@
+"""Pending entries against a real Redis: written by one router, seen by another, then gone.
+
+Engines are registered with plain Redis commands following kvfleet/contracts/redis_schema.py
+(as tests/services/test_router_prefix_index.py does); the routers are real `PrefixIndex` /
+`EngineSelector` objects, two of them standing for two replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import hash_token_blocks
+from kvfleet.redis_server import RedisServer
+from router.engines.pool import EnginePool
+from router.routing.decision import EngineSelector, RoutingConfig
+from router.routing.pending import drain
+from router.routing.prefix_index import EngineRecord, PrefixIndex
+
+BS = 16
+PREFIX = list(range(1000, 1000 + 512))  # 32 blocks
+TENANT = "t1"
+
+
+def prompt(suffix: int) -> list[int]:
+    return PREFIX + [suffix + i for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+def register(client: redis.Redis, engine_id: str, epoch: str = "1",
+             hashes: list[bytes] | None = None) -> None:
+    client.sadd(redis_schema.ENGINES_SET, engine_id)
+    client.hset(redis_schema.engine_key(engine_id), mapping={
+        "address": f"127.0.0.1:{1000 + len(engine_id)}", "epoch": epoch, "block_size": BS,
+        "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0,
+        "queued_prefill_tokens": 0, "num_decoding": 0, "prefill_tokens_per_s": 1000.0,
+        "decode_s_per_seq": 0.01, "updated_at": time.time(),
+    })
+    client.expire(redis_schema.engine_key(engine_id), redis_schema.REGISTRY_TTL_S)
+    if hashes:
+        client.sadd(redis_schema.blocks_key(engine_id, epoch), *hashes)
+
+
+def hashes_of(ids: list[int]) -> list[bytes]:
+    return hash_token_blocks(ids[:-1], BS, cache_salt=TENANT)
+
+
+async def matches(url: str, hashes: list[bytes]) -> dict[str, tuple[int, int]]:
+    index = PrefixIndex(url)
+    try:
+        records = await index.lookup(BS, hashes)
+    finally:
+        await index.close()
+    return {r.engine_id: (r.matched_blocks, r.matched_pending_blocks) for r in records}
+
+
+def test_a_pending_entry_is_seen_by_another_router_and_expires(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    hashes = hashes_of(prompt(0))
+    register(client, "a", hashes=hashes[:4])  # 4 blocks published, the rest not yet
+    register(client, "b")
+
+    async def run() -> None:
+        writer = PrefixIndex(redis_server.url)
+        try:
+            await writer.mark_pending("a", "1", hashes[4:32], ttl_s=0.5)
+            # Another router's lookup: 4 published blocks, 28 pending continuing them.
+            assert await matches(redis_server.url, hashes) == {"a": (4, 28), "b": (0, 0)}
+            # A shorter claim never shortens a longer one (ZADD GT).
+            await writer.mark_pending("a", "1", hashes[4:32], ttl_s=0.05)
+            await asyncio.sleep(0.2)
+            assert await matches(redis_server.url, hashes) == {"a": (4, 28), "b": (0, 0)}
+            await asyncio.sleep(0.5)
+            assert await matches(redis_server.url, hashes) == {"a": (4, 0), "b": (0, 0)}
+        finally:
+            await writer.close()
+
+    asyncio.run(run())
+    ttl = client.ttl(redis_schema.pending_key("a", "1"))
+    assert 0 < ttl <= 2  # the key outlives its longest entry by a second at most
+
+
+def test_a_released_claim_is_removed_and_other_epochs_never_match(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    hashes = hashes_of(prompt(0))
+    register(client, "a", epoch="2")
+
+    async def run() -> None:
+        writer = PrefixIndex(redis_server.url)
+        try:
+            await writer.mark_pending("a", "1", hashes, ttl_s=10)  # an old epoch's
+            assert await matches(redis_server.url, hashes) == {"a": (0, 0)}
+            await writer.mark_pending("a", "2", hashes, ttl_s=10)
+            assert await matches(redis_server.url, hashes) == {"a": (0, 33)}
+            await writer.unmark_pending("a", "2", hashes[10:])
+            assert await matches(redis_server.url, hashes) == {"a": (0, 10)}
+        finally:
+            await writer.close()
+
+    asyncio.run(run())
+
+
+def test_two_replicas_agree_and_the_second_request_follows_the_first(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    register(client, "a")
+    register(client, "b")
+
+    async def run() -> None:
+        indexes = [PrefixIndex(redis_server.url), PrefixIndex(redis_server.url)]
+        one, two = (EngineSelector(RoutingConfig(), index, EnginePool()) for index in indexes)
+        try:
+            # Both replicas rank a new prefix alike (the hash decides on an idle fleet).
+            first = await one.decide(prompt(0), TENANT)
+            other = await two.decide(prompt(0), TENANT)
+            assert [v.engine_id for v in first.ranking] == [v.engine_id for v in other.ranking]
+            assert first.reason == "hash"
+            chosen = first.ranking[0]
+            # Replica one sends the request there (what the dispatcher does).
+            assert first.claims is not None
+            first.claims.claim(chosen)
+            await drain()
+            # Replica two's next request of the prefix follows it, before any publication.
+            second = await two.decide(prompt(5000), TENANT)
+            assert second.ranking[0].engine_id == chosen.engine_id
+            assert second.reason == "pending"
+            assert second.ranking[0].matched_pending_blocks == 32
+            assert second.predicted_cached_tokens(second.ranking[0]) == 512
+            assert second.reason_for(second.ranking[1].engine_id) == "retry"
+            # The engine refused it: the claim is released and the prefix is cold again.
+            first.claims.release(chosen)
+            await drain()
+            third = await two.decide(prompt(5000), TENANT)
+            assert all(v.matched_pending_blocks == 0 for v in third.ranking)
+        finally:
+            for index in indexes:
+                await index.close()
+
+    asyncio.run(run())
+
+
+def test_records_carry_the_pending_match() -> None:
+    record = EngineRecord("a", 1, 2, {}, 3, 4)
+    assert (record.matched_host_blocks, record.matched_pending_blocks) == (3, 4)

@@ -1,0 +1,67 @@
+"""What engines publish for the routers' cost model (engine.service.prefill_work): exact figures.
+
+The scheduler harness (tests/unit/conftest.py, block size 4) stands in for the engine: the
+functions only read `scheduler` and `kv`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from engine.service.prefill_work import (
+    MIN_PREFILL_SHARE,
+    StepRates,
+    decoding_requests,
+    queued_prefill_tokens,
+)
+
+
+def test_queued_work_counts_a_shared_prefix_once(make_harness: Callable[..., Any]) -> None:
+    h = make_harness(num_blocks=40, max_num_seqs=1, max_num_batched_tokens=8)
+    prefix = list(range(100, 116))  # 4 blocks
+    h.add("a", prefix + [1, 2, 3])
+    h.add("b", prefix + [4, 5, 6])
+    h.add("c", [7] * 9)
+    # a: 19 tokens; b: its 4 prefix blocks are a's, only 3 of its own; c: 9.
+    assert queued_prefill_tokens(h) == 19 + 3 + 9
+    h.step()  # a computes 8 tokens (one chunk)
+    assert queued_prefill_tokens(h) == 11 + 3 + 9
+    assert decoding_requests(h) == 0
+
+
+def test_queued_work_skips_cached_blocks_and_decodes(make_harness: Callable[..., Any]) -> None:
+    h = make_harness(num_blocks=40, max_num_seqs=2, max_num_batched_tokens=64)
+    prefix = list(range(100, 116))
+    h.add("a", prefix + [1])
+    h.step()  # a's prompt computed, its 4 blocks cached; a now decodes
+    assert queued_prefill_tokens(h) == 0
+    assert decoding_requests(h) == 1
+    h.add("b", prefix + [2, 3])  # waiting: 4 cached blocks, 2 tokens to compute
+    assert queued_prefill_tokens(h) == 2
+
+
+def test_step_rates_start_unknown_and_separate_decode_from_prefill() -> None:
+    rates = StepRates()
+    assert (rates.prefill_tokens_per_s, rates.decode_s_per_seq) == (0.0, 0.0)
+    rates.observe(0.04, num_tokens=4, num_decoding=4)  # pure decode: 10 ms per sequence
+    assert rates.decode_s_per_seq == pytest.approx(0.01)
+    assert rates.prefill_tokens_per_s == 0.0
+    rates.observe(0.54, num_tokens=504, num_decoding=4)  # 500 prompt tokens in 0.5 s
+    assert rates.prefill_tokens_per_s == pytest.approx(1000.0)
+    rates.observe(0.0, num_tokens=0, num_decoding=0)  # an idle step changes nothing
+    assert rates.prefill_tokens_per_s == pytest.approx(1000.0)
+
+
+def test_prefill_rate_is_token_weighted_and_bounded() -> None:
+    rates = StepRates()
+    rates.observe(1.0, num_tokens=1000, num_decoding=0)
+    rates.observe(0.1, num_tokens=10, num_decoding=0)  # a small chunk with overhead
+    # EWMA(tokens) / EWMA(seconds) = (1000 + 0.1 * -990) / (1 + 0.1 * -0.9)
+    assert rates.prefill_tokens_per_s == pytest.approx(901 / 0.91)
+    skewed = StepRates()
+    skewed.observe(1.0, num_tokens=10, num_decoding=10)  # 0.1 s per decoding sequence
+    skewed.observe(0.5, num_tokens=20, num_decoding=10)  # decode estimate exceeds the step
+    assert skewed.prefill_tokens_per_s == pytest.approx(10 / (MIN_PREFILL_SHARE * 0.5))
