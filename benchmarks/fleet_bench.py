@@ -153,6 +153,8 @@ def run_cases(ctx: Ctx, res: Row, out: Path) -> None:
                 "ceiling_token": fleet_metrics.prefix_ceiling(tokens),
                 "systems": {s: rows[s] for s in args.systems}}
             save(res, out)
+            fleet_report.print_case(key, res["cases"][key])
+            print(flush=True)
 
 
 def run_defaults(ctx: Ctx, res: Row, out: Path) -> None:
@@ -168,6 +170,8 @@ def run_defaults(ctx: Ctx, res: Row, out: Path) -> None:
                 for s in order}
         res["rounds"].append({s: rows[s] for s in args.systems})
         save(res, out)
+        fleet_report.print_round(r, res["defaults_shape"], res["rounds"][-1])
+        print(flush=True)
 
 
 def save(res: Row, out: Path) -> None:

@@ -133,6 +133,22 @@ def ratio_lines(systems: Mapping[str, Row], ours: str, refs: Sequence[str]) -> l
     return out
 
 
+def print_case(key: str, case: Row) -> None:
+    print(f"\n{key}: {case['shape']}; token-level ceiling {case['ceiling_token']:.1%}")
+    for line in system_table(case["systems"]):
+        print(line)
+    for line in ratio_lines(case["systems"], OURS, list(REFERENCES)):
+        print(line)
+
+
+def print_round(index: int, shape: str, systems: Mapping[str, Row]) -> None:
+    print(f"\nsingle engine, defaults, round {index}: {shape}")
+    for line in system_table(systems):
+        print(line)
+    for line in ratio_lines(systems, "kvfleet-defaults", ["vllm-defaults"]):
+        print(line)
+
+
 def print_report(res: Row) -> None:
     cfg = res["config"]
     print(f"\n== fleet bench: vllm bench serve (openai, /v1/completions, streaming, greedy, "
@@ -140,17 +156,9 @@ def print_report(res: Row) -> None:
     for line in res["system_lines"]:
         print(line)
     for key, case in res["cases"].items():
-        print(f"\n{key}: {case['shape']}; token-level ceiling {case['ceiling_token']:.1%}")
-        for line in system_table(case["systems"]):
-            print(line)
-        for line in ratio_lines(case["systems"], OURS, list(REFERENCES)):
-            print(line)
+        print_case(key, case)
     for i, systems in enumerate(res.get("rounds", [])):
-        print(f"\nsingle engine, defaults, round {i}: {res['defaults_shape']}")
-        for line in system_table(systems):
-            print(line)
-        for line in ratio_lines(systems, "kvfleet-defaults", ["vllm-defaults"]):
-            print(line)
+        print_round(i, res["defaults_shape"], systems)
     if res["targets"]:
         print("\ntargets:")
         for v in res["targets"]:
