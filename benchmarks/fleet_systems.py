@@ -23,7 +23,7 @@ import argparse
 import json
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -111,16 +111,28 @@ def _kvfleet_handle(fleet: Fleet, name: str, block_size: int, lines: list[str]) 
 
 
 def _start_all(starters: list[Callable[[], VllmServer]]) -> list[VllmServer]:
-    """Start servers together (start-up is mostly one core each); all or none."""
-    with ThreadPoolExecutor(len(starters)) as pool:
-        futures = [pool.submit(s) for s in starters]
-        errors = [f.exception() for f in futures]
-    started = [f.result() for f, e in zip(futures, errors, strict=True) if e is None]
-    if any(errors):
-        for server in started:
-            server.close()
-        raise next(e for e in errors if e is not None)
-    return started
+    """Start servers together (start-up is mostly one core each); all or none. Interrupted
+    (Ctrl-C), it waits for the starts to end and closes what came up: none is left unowned."""
+    pool = ThreadPoolExecutor(len(starters))
+    futures = [pool.submit(s) for s in starters]
+    try:
+        wait(futures)
+    except BaseException:
+        pool.shutdown(wait=True)
+        _close_started(futures)
+        raise
+    pool.shutdown()
+    errors = [e for f in futures if (e := f.exception()) is not None]
+    if errors:
+        _close_started(futures)
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
+def _close_started(futures: list[Future[VllmServer]]) -> None:
+    for f in futures:
+        if f.done() and f.exception() is None:
+            f.result().close()
 
 
 def _vllm_block_size(server: VllmServer) -> int:

@@ -170,3 +170,27 @@ def test_report_prints_from_the_dict(capsys: pytest.CaptureFixture[str]) -> None
     assert "kvfleet-prefix / sglang-cache_aware: req/s 1.33x" in out
     assert "round 0: req/s 1.12x (>= 1.1x)" in out
     assert "PASS" in out and "MISS" in out
+
+
+class FakeServer:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_start_all_is_all_or_none() -> None:
+    from benchmarks import fleet_systems
+
+    up = FakeServer()
+
+    def broken() -> Any:
+        raise OSError("no port")
+
+    starters: list[Any] = [lambda: up, broken]
+    with pytest.raises(OSError, match="no port"):
+        fleet_systems._start_all(starters)
+    assert up.closed  # the one that came up is not left running
+    servers: list[Any] = fleet_systems._start_all([FakeServer, FakeServer])  # type: ignore[list-item]
+    assert len(servers) == 2 and not any(s.closed for s in servers)
