@@ -118,8 +118,7 @@ bench-serve: model
 # requests per engine, ratios and PASS/MISS; JSON in bench_results/fleet_bench*.json.
 bench-fleet: model peers
 	$(PY) -m benchmarks.fleet_bench $(BENCH_FLEET_ARGS)
-	$(PY) -m benchmarks.fleet_bench --single-engine-defaults \
-		--out bench_results/fleet_bench_defaults.json
+	$(PY) -m benchmarks.fleet_bench --single-engine-defaults
 
 # On a CUDA machine, with a Python that has a CUDA build of torch (not the CPU venv): the
 # GPU tests compiled for the GPU, and the offline bench; report in bench_results/gpu/.

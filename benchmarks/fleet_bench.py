@@ -24,8 +24,9 @@ ratios; PASS/MISS per target (benchmarks/fleet_report.py).
 vllm-defaults (`vllm serve`, defaults), random 256 in / 64 out, 64 prompts, rate inf,
 `--rounds` (3) alternated rounds, each system fresh every round; target >= 1.1x req/s with
 mean TTFT and TPOT no worse, in every round.
-Results: bench_results/fleet_bench.json (--out), rewritten after every case; bench serve's
-raw results, logs and every server's logs beside it in fleet_bench/.
+Results: bench_results/fleet_bench.json (--out; fleet_bench_defaults.json in the defaults
+mode), rewritten after every case; bench serve's raw results, logs and every server's logs
+beside it, in a folder of the same name.
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per bench serve run")
     p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M)")
-    p.add_argument("--out", default="bench_results/fleet_bench.json")
+    p.add_argument("--out", default=None, help="default: bench_results/fleet_bench.json "
+                   "(defaults mode: bench_results/fleet_bench_defaults.json)")
     args = p.parse_args(argv)
     defaults = args.single_engine_defaults
     allowed = fleet_systems.DEFAULT_SYSTEMS if defaults else fleet_systems.FLEET_SYSTEMS
@@ -229,6 +231,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.rates = parse_rates(args.rates)
     except ValueError as e:
         p.error(f"--rates: {e}")
+    args.out = args.out or ("bench_results/fleet_bench_defaults.json" if defaults
+                            else "bench_results/fleet_bench.json")
     args.num_prompts = args.num_prompts or (64 if defaults else 96)
     args.output_len = args.output_len or (64 if defaults else 32)
     if not args.rates or min(args.num_prompts, args.output_len, args.rounds) < 1:

@@ -31,6 +31,7 @@ from pathlib import Path
 from benchmarks import fleet_metrics
 from benchmarks.kvfleet_runner import BLOCK_SIZE, MAX_BATCHED_TOKENS, MAX_NUM_SEQS
 from benchmarks.online import kvfleet_engine_args
+from benchmarks.sglang_serving import VERSION as SGLANG_VERSION
 from benchmarks.sglang_serving import SglangRouter
 from benchmarks.vllm_runner import PeerConfig
 from benchmarks.vllm_serving import VllmServer, wait_http_ok
@@ -157,8 +158,8 @@ def sglang_fleet(model_dir: Path, policy: str, args: argparse.Namespace, cfg: Pe
         size = _vllm_block_size(servers[0])
         yield Handle(f"sglang-{policy}", router.base_url,
                      {f"vllm-{i}": s.metrics_url for i, s in enumerate(servers)}, "vllm:", size,
-                     [f"sglang-{policy}: sglang-router --policy {policy} over 2 x vllm serve "
-                      f"(OpenMP bound to CPU 0 / CPU 1), {args.dtype}, KV "
+                     [f"sglang-{policy}: sglang-router {SGLANG_VERSION} --policy {policy} over "
+                      f"2 x vllm serve (OpenMP bound to CPU 0 / CPU 1), {args.dtype}, KV "
                       f"{cfg.kvcache_space_gib} GiB each, {size}-token blocks, prefix caching, "
                       f"{'eager' if cfg.enforce_eager else 'torch.compile'}"])
 
