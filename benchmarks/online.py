@@ -81,15 +81,20 @@ def dataset_args(name: str, args: argparse.Namespace) -> list[str]:
             "--prefix-repetition-output-len", str(args.output_len)]
 
 
+def kvfleet_engine_args(dtype: str, kvcache_gib: int) -> tuple[str, ...]:
+    """The engine flags matching `vllm serve`'s set-up here: dtype, 16-token blocks, the KV
+    cache size, a 2,048-token context, the same batch width and step token budget."""
+    return ("--dtype", dtype, "--block-size", str(BLOCK_SIZE),
+            "--kv-cache-memory-bytes", str(kvcache_gib * 1024**3), "--max-model-len", "2048",
+            "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS))
+
+
 @contextmanager
 def kvfleet_server(model_dir: Path, args: argparse.Namespace, work: Path) -> Iterator[Fleet]:
-    kv_bytes = args.kvcache_gib * 1024**3
     config = FleetConfig(
         model_dir=model_dir, num_engines=1, engine_threads=args.threads,
-        engine_args=("--dtype", args.dtype, "--block-size", str(BLOCK_SIZE),
-                     "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "2048",
-                     "--max-num-seqs", str(MAX_NUM_SEQS),
-                     "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)),
+        engine_args=kvfleet_engine_args(args.dtype, args.kvcache_gib),
         log_dir=work / "kvfleet-logs", log_level="WARNING")
     with Fleet(config) as fleet:
         wait_http_ok(f"{fleet.http_url}/health", 60, what="kvfleet router")

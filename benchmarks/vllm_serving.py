@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -52,33 +52,51 @@ def wait_http_ok(url: str, timeout_s: float, alive: Any = None, what: str = "ser
 
 
 class VllmServer:
-    """`vllm serve MODEL_DIR` on 127.0.0.1, one dtype, prefix caching on."""
+    """`vllm serve MODEL_DIR` on 127.0.0.1, one dtype.
+
+    By default the online benchmark's set-up: prefix caching on, stats logging off, the given
+    batch limits and a 2,048-token context. A `None` limit (and `prefix_caching=None`) leaves
+    that flag out, so vLLM's own default applies; `log_stats=True` keeps vLLM's stats, which
+    its Prometheus counters (/metrics) need; `env` overrides variables of `peer_env` (e.g. one
+    server's `VLLM_CPU_OMP_THREADS_BIND`).
+    """
 
     def __init__(self, model_dir: Path, served_name: str, dtype: str, cfg: PeerConfig,
-                 log_path: Path, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int = 2048) -> None:
+                 log_path: Path, *, max_num_seqs: int | None, max_num_batched_tokens: int | None,
+                 max_model_len: int | None = 2048, prefix_caching: bool | None = True,
+                 log_stats: bool = False, env: Mapping[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.metrics_url = f"{self.base_url}/metrics"
         self.log_path = log_path
         argv = [str(_peer_python()), "-I", str(LAUNCHER), "serve", str(model_dir),
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
-                "--served-model-name", served_name, "--max-model-len", str(max_model_len),
-                "--max-num-seqs", str(max_num_seqs),
-                "--max-num-batched-tokens", str(max_num_batched_tokens),
-                "--enable-prefix-caching", "--disable-log-stats"]
+                "--served-model-name", served_name]
+        for flag, value in (("--max-model-len", max_model_len), ("--max-num-seqs", max_num_seqs),
+                            ("--max-num-batched-tokens", max_num_batched_tokens)):
+            if value is not None:
+                argv += [flag, str(value)]
+        if prefix_caching is not None:
+            argv.append("--enable-prefix-caching" if prefix_caching
+                        else "--no-enable-prefix-caching")
+        if not log_stats:
+            argv.append("--disable-log-stats")
         if cfg.enforce_eager:
             argv.append("--enforce-eager")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("w", encoding="utf-8")
         self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                      stderr=subprocess.STDOUT, env=peer_env(cfg), cwd=REPO,
+                                      stderr=subprocess.STDOUT,
+                                      env={**peer_env(cfg), **(env or {})}, cwd=REPO,
                                       start_new_session=True)
         try:
             wait_http_ok(f"{self.base_url}/health", cfg.start_timeout_s,
                          lambda: self._proc.poll() is None, "vllm serve")
-        except PeerError as e:
+        except BaseException as e:
             self.close()
-            raise PeerError(f"{e}; log {log_path}:\n{log_tail(log_path)}") from None
+            if isinstance(e, PeerError):
+                raise PeerError(f"{e}; log {log_path}:\n{log_tail(log_path)}") from None
+            raise
 
     def close(self) -> None:
         if self._proc.poll() is None:
