@@ -14,7 +14,8 @@ Invariants:
   (the hint is then corrected from the registry, so it happens once per change).
 - A prefix decision made with the index carries its prompt hashes as `PendingClaims`: the
   dispatcher marks them pending on the engine it sends the request to, in the background
-  (`router.routing.pending`), so the decision's own latency stays one round trip.
+  (`router.routing.pending`), so the decision's own latency stays one round trip. This
+  replica's own claims count for its next decisions at once, before their writes land.
 - Each decision names why its first engine won (`Decision.reason`) and predicts the cached
   tokens of any engine it ranked (`Decision.predicted_cached_tokens`), for the metrics and
   the request's span.
@@ -40,6 +41,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -61,7 +63,7 @@ from router.routing.lora_engines import (
     takes_adapters,
 )
 from router.routing.lora_placement import LoRAPlacer, is_saturated
-from router.routing.pending import PendingClaims, PendingConfig
+from router.routing.pending import LocalPending, PendingClaims, PendingConfig
 from router.routing.prefix_index import (
     EngineRecord,
     PrefixIndex,
@@ -151,6 +153,8 @@ class EngineSelector:
         self._busy_logged_at = -BUSY_LOG_EVERY_S
         # Adapter names seen in the last answers: their prompts are hashed with the adapter.
         self._adapters: set[str] = set()
+        # This replica's own claims, before their Redis writes land (router.routing.pending).
+        self._local_pending = LocalPending()
 
     async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
         lora_hint = model if model in self._adapters else ""
@@ -162,6 +166,8 @@ class EngineSelector:
                 used_index = False  # hashed without the adapter: its matches mean nothing
         serving = self._serving(records, lora_id) if lora_id else _for_model(records, model)
         views = self._to_views(serving)
+        if used_index and hashes:
+            views = [self._with_local_claims(v, hashes) for v in views]
         self.metrics.observe_loads(views)
         if not views:
             raise UnavailableError("no live engine to serve the request")
@@ -188,9 +194,18 @@ class EngineSelector:
         claims = None
         if self._index is not None and used_index and hashes and policy is Policy.PREFIX:
             estimates = estimate_all(views, shape, self.config.prefix)
-            claims = PendingClaims(self._index, hashes, estimates, self.config.pending)
+            claims = PendingClaims(self._index, hashes, estimates, self.config.pending,
+                                   self._local_pending)
         return Decision(ranking, self._block_size, used_index, policy, lora_id, reason, claims,
                         len(prompt_ids))
+
+    def _with_local_claims(self, view: EngineView, hashes: Sequence[bytes]) -> EngineView:
+        """The view with this replica's own claims continuing the run Redis reported."""
+        start = view.matched_blocks + view.matched_host_blocks + view.matched_pending_blocks
+        extra = self._local_pending.run(view.engine_id, view.epoch, hashes, start)
+        if not extra:
+            return view
+        return dataclasses.replace(view, matched_pending_blocks=view.matched_pending_blocks + extra)
 
     def _serving(self, records: Sequence[EngineRecord], adapter: str) -> list[EngineRecord]:
         """Engines serving the adapter, by their registry entry or a load of ours just done."""

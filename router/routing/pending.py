@@ -24,13 +24,19 @@ Invariants:
   another request of the same prefix also claimed there; that engine is refusing requests,
   so it should not attract more of that prefix anyway.
 - Nothing is written for an engine without an epoch (found without Redis).
+- This replica sees its own claims at once (`LocalPending`, consulted by its next decision
+  after the Redis lookup): a burst of one prefix arriving together decides several times
+  before the first background write lands, and without the local view each of those would
+  take the prefix for a miss. The local view only extends a run where Redis' answer stops,
+  so a claim already in Redis is never counted twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Mapping, Sequence
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,6 +73,43 @@ class PendingConfig:
         return self.min_ttl_s + self.ttl_factor * (estimate.ttft_s if estimate else 0.0)
 
 
+class LocalPending:
+    """This replica's own pending claims, by (engine id, epoch): hash -> expiry (monotonic)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._entries: dict[tuple[str, str], dict[bytes, float]] = {}
+
+    def add(self, engine_id: str, epoch: str, hashes: Sequence[bytes], ttl_s: float) -> None:
+        now = self._clock()
+        key = (engine_id, epoch)
+        entries = {h: t for h, t in self._entries.get(key, {}).items() if t > now}
+        expiry = now + ttl_s
+        for h in hashes:
+            if entries.get(h, 0.0) < expiry:  # a shorter claim never shortens a longer one
+                entries[h] = expiry
+        self._entries[key] = entries
+
+    def remove(self, engine_id: str, epoch: str, hashes: Sequence[bytes]) -> None:
+        entries = self._entries.get((engine_id, epoch))
+        if entries is not None:
+            for h in hashes:
+                entries.pop(h, None)
+
+    def run(self, engine_id: str, epoch: str, hashes: Sequence[bytes], start: int) -> int:
+        """How many of `hashes[start:]`, in order, this replica holds claimed there."""
+        entries = self._entries.get((engine_id, epoch))
+        if not entries:
+            return 0
+        now = self._clock()
+        count = 0
+        for h in hashes[start:]:
+            if entries.get(h, 0.0) <= now:
+                break
+            count += 1
+        return count
+
+
 # Background writes, referenced until done (the loop keeps only weak references to tasks).
 _TASKS: set[asyncio.Task[None]] = set()
 
@@ -80,8 +123,10 @@ class PendingClaims:
         hashes: Sequence[bytes],
         estimates: Mapping[str, Estimate],
         config: PendingConfig | None = None,
+        local: LocalPending | None = None,
     ) -> None:
         self._store = store
+        self._local = local
         self._hashes = list(hashes)
         self._estimates = dict(estimates)
         self._config = config if config is not None else PendingConfig()
@@ -98,6 +143,8 @@ class PendingClaims:
         if not hashes or engine.engine_id in self._claims:
             return
         ttl = self._config.ttl_s(self._estimates.get(engine.engine_id))
+        if self._local is not None:
+            self._local.add(engine.engine_id, engine.epoch, hashes, ttl)
         self._claims[engine.engine_id] = _spawn(
             self._store.mark_pending(engine.engine_id, engine.epoch, hashes, ttl), "mark"
         )
@@ -106,7 +153,10 @@ class PendingClaims:
         """Drop this engine's claim again (the request never got into it)."""
         claim = self._claims.pop(engine.engine_id, None)
         if claim is not None:
-            _spawn(self._unmark(claim, engine, self._missing(engine)), "unmark")
+            hashes = self._missing(engine)
+            if self._local is not None:
+                self._local.remove(engine.engine_id, engine.epoch, hashes)
+            _spawn(self._unmark(claim, engine, hashes), "unmark")
 
     async def _unmark(
         self, claim: asyncio.Task[None], engine: EngineView, hashes: list[bytes]

@@ -159,6 +159,38 @@ def test_two_replicas_agree_and_the_second_request_follows_the_first(
     asyncio.run(run())
 
 
+def test_a_replica_follows_its_own_claim_before_the_write_lands(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    register(client, "a")
+    register(client, "b")
+
+    async def run() -> None:
+        index = PrefixIndex(redis_server.url)
+        selector = EngineSelector(RoutingConfig(), index, EnginePool())
+        try:
+            first = await selector.decide(prompt(0), TENANT)
+            chosen = first.ranking[0]
+            assert first.claims is not None
+            first.claims.claim(chosen)  # its Redis write has not run yet: no drain
+            second = await selector.decide(prompt(5000), TENANT)
+            assert second.ranking[0].engine_id == chosen.engine_id
+            assert second.reason == "pending"
+            assert second.ranking[0].matched_pending_blocks == 32
+            await drain()
+            # Once the write landed, Redis reports the run and the local view adds nothing.
+            third = await selector.decide(prompt(6000), TENANT)
+            assert third.ranking[0].matched_pending_blocks == 32
+            first.claims.release(chosen)
+            await drain()
+            fourth = await selector.decide(prompt(7000), TENANT)
+            assert all(v.matched_pending_blocks == 0 for v in fourth.ranking)
+        finally:
+            await index.close()
+
+    asyncio.run(run())
+
+
 def test_records_carry_the_pending_match() -> None:
     record = EngineRecord("a", 1, 2, {}, 3, 4)
     assert (record.matched_host_blocks, record.matched_pending_blocks) == (3, 4)
