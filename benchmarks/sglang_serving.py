@@ -10,15 +10,12 @@ routes the OpenAI API by the request's text: it refuses token-id prompts (422) a
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from benchmarks.vllm_runner import REPO, PeerConfig, PeerError, log_tail, peer_env, peer_python
-from benchmarks.vllm_serving import free_port, wait_http_ok
+from benchmarks.vllm_runner import PeerConfig, peer_env, peer_python
+from benchmarks.vllm_serving import ServedProcess, free_port
 
 POLICIES = ("cache_aware", "round_robin")
 VERSION = "0.3.2"
@@ -38,30 +35,12 @@ class SglangRouter:
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 "--worker-startup-check-interval", "1", "--shutdown-grace-period-secs", "5",
                 "--log-level", "warn"]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("w", encoding="utf-8")
         env = {k: v for k, v in peer_env(cfg).items() if k != "LD_PRELOAD"}
-        self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                      stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                      start_new_session=True)
-        try:
-            wait_http_ok(f"{self.base_url}/readiness", start_timeout_s,
-                         lambda: self._proc.poll() is None, "sglang-router")
-        except BaseException as e:
-            self.close()
-            if isinstance(e, PeerError):
-                raise PeerError(f"{e}; log {log_path}:\n{log_tail(log_path)}") from None
-            raise
+        self._process = ServedProcess(argv, env, log_path, f"{self.base_url}/readiness",
+                                      start_timeout_s, "sglang-router")
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        self._log.close()
+        self._process.close()
 
     def __enter__(self) -> SglangRouter:
         return self

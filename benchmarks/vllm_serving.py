@@ -51,6 +51,38 @@ def wait_http_ok(url: str, timeout_s: float, alive: Any = None, what: str = "ser
     raise PeerError(f"{what}: {url} did not answer 200 within {timeout_s:.0f} s")
 
 
+class ServedProcess:
+    """A peer server process in its own session: started, waited for until `ready_url` answers
+    200 (its log tail in the error when it does not), stopped with SIGTERM, then SIGKILL."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str], log_path: Path,
+                 ready_url: str, start_timeout_s: float, what: str,
+                 stop_timeout_s: float = 15.0) -> None:
+        self._stop_timeout_s = stop_timeout_s
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("w", encoding="utf-8")
+        self._proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self._log,
+                                      stderr=subprocess.STDOUT, env=dict(env), cwd=REPO,
+                                      start_new_session=True)
+        try:
+            wait_http_ok(ready_url, start_timeout_s, lambda: self._proc.poll() is None, what)
+        except BaseException as e:
+            self.close()
+            if isinstance(e, PeerError):
+                raise PeerError(f"{e}; log {log_path}:\n{log_tail(log_path)}") from None
+            raise
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=self._stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        self._log.close()
+
+
 class VllmServer:
     """`vllm serve MODEL_DIR` on 127.0.0.1, one dtype.
 
@@ -83,30 +115,13 @@ class VllmServer:
             argv.append("--disable-log-stats")
         if cfg.enforce_eager:
             argv.append("--enforce-eager")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("w", encoding="utf-8")
-        self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                      stderr=subprocess.STDOUT,
-                                      env={**peer_env(cfg), **(env or {})}, cwd=REPO,
-                                      start_new_session=True)
-        try:
-            wait_http_ok(f"{self.base_url}/health", cfg.start_timeout_s,
-                         lambda: self._proc.poll() is None, "vllm serve")
-        except BaseException as e:
-            self.close()
-            if isinstance(e, PeerError):
-                raise PeerError(f"{e}; log {log_path}:\n{log_tail(log_path)}") from None
-            raise
+        self._process = ServedProcess(
+            argv, {**peer_env(cfg), **(env or {})}, log_path, f"{self.base_url}/health",
+            cfg.start_timeout_s, "vllm serve", stop_timeout_s=30,
+        )
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        self._log.close()
+        self._process.close()
 
     def __enter__(self) -> VllmServer:
         return self

@@ -6,12 +6,17 @@ No servers.
 
 from __future__ import annotations
 
+import os
 import random
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks import fleet_bench, fleet_metrics, fleet_prompts, fleet_report
+from benchmarks.vllm_runner import PeerError
+from benchmarks.vllm_serving import ServedProcess, free_port
 
 KVFLEET_METRICS = """\
 # HELP kvfleet:prefix_cache_queries_total Prompt tokens looked up in the prefix cache
@@ -194,3 +199,21 @@ def test_start_all_is_all_or_none() -> None:
     assert up.closed  # the one that came up is not left running
     servers: list[Any] = fleet_systems._start_all([FakeServer, FakeServer])  # type: ignore[list-item]
     assert len(servers) == 2 and not any(s.closed for s in servers)
+
+
+def test_a_served_process_is_waited_for_and_stopped(tmp_path: Path) -> None:
+    # A real process serving HTTP: ready once its URL answers 200, gone after close().
+    port = free_port()
+    served = ServedProcess(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        dict(os.environ), tmp_path / "served.log", f"http://127.0.0.1:{port}/", 30, "http.server",
+    )
+    pid = served._proc.pid
+    served.close()
+    assert served._proc.poll() is not None and served._proc.pid == pid
+
+
+def test_a_served_process_that_dies_fails_with_its_log(tmp_path: Path) -> None:
+    with pytest.raises(PeerError, match="exited before"):
+        ServedProcess([sys.executable, "-c", "print('boom')"], dict(os.environ),
+                      tmp_path / "dead.log", f"http://127.0.0.1:{free_port()}/", 30, "dead")
