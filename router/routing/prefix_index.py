@@ -151,9 +151,10 @@ class PrefixIndexBusy(PrefixIndexUnavailable):
 class PrefixIndexConfig:
     """How the router talks to Redis (router flags --redis-*, --engine-stale-after)."""
 
-    # Beyond these Redis counts as unreachable. A refused connection fails at once; the
-    # read timeout leaves room for a busy router's event loop to get to the reply.
-    connect_timeout_s: float = 0.5
+    # Beyond these Redis counts as unreachable. A refused connection fails at once; both
+    # timeouts leave room for a busy router's event loop: a burst opening its pool's 64
+    # connections at once on 2 cores took over 0.5 s for some of them (a CI run).
+    connect_timeout_s: float = 1.0
     read_timeout_s: float = 1.0
     # Connections this router opens at most; further lookups wait for a free one.
     max_connections: int = 64
