@@ -83,6 +83,7 @@ class RouterConfig:
             host_hit_weight=args.host_hit_weight,
             kv_pressure_start=args.kv_pressure_start,
             duplicate_weight=args.duplicate_weight,
+            tie_rel=args.tie_tolerance,
         )
         return cls(
             tokenizer_address=args.tokenizer,
@@ -278,6 +279,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "tokens another engine already holds, when estimating an engine "
                              "that would compute them again (0: time to first token alone; "
                              "default: %(default)s)")
+    parser.add_argument("--tie-tolerance", type=float, default=defaults.tie_rel,
+                        help="prefix policy: engines whose estimated time to first token is "
+                             "within this share of the best one (plus 10 ms) are equal, and the "
+                             "prompt's longest holder, then a hash of the prompt, decides; a "
+                             "wider tolerance keeps prefixes apart on engines whose measured "
+                             "rates are noisy (default: %(default)s)")
     parser.add_argument("--kv-pressure-start", type=float, default=defaults.kv_pressure_start,
                         help="KV cache usage (0-1) from which the prefix policy charges an "
                              "engine more for computing new blocks (default: %(default)s)")
