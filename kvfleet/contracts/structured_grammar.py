@@ -8,12 +8,13 @@ Invariants:
 - `check_compiles` raises `InvalidFieldError` whose `param` is the caller's exact body field
   (e.g. `response_format.json_schema.schema`), default `structured_outputs.<kind>`.
 - Checking needs no tokenizer (llguidance validates the grammar alone, in about a millisecond
-  for common schemas); llguidance is imported on first use, so importing kvfleet.contracts
-  stays light.
+  for common schemas) and is cached by the constraint's key; llguidance is imported on first
+  use, so importing kvfleet.contracts stays light.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 from kvfleet.contracts.errors import InvalidFieldError
@@ -42,15 +43,28 @@ def llguidance_grammar(params: StructuredOutputsParams) -> str:
 
 def check_compiles(params: StructuredOutputsParams, param: str | None = None) -> str:
     """The grammar text if it compiles; else InvalidFieldError naming `param`."""
+    field = param or f"structured_outputs.{params.kind}"
+    grammar, problem = _compiled(params.key)
+    if grammar is None:
+        raise InvalidFieldError(field, f"{field} is invalid: {problem}")
+    return grammar
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(key: str) -> tuple[str | None, str]:
+    """(grammar text, "") or (None, the problem), by constraint key: a schema sent again and
+    again (every request of an app) is checked once."""
     from llguidance import LLMatcher
 
-    field = param or f"structured_outputs.{params.kind}"
+    kind, value, disable_any_whitespace = json.loads(key)
+    params = StructuredOutputsParams(
+        **{kind: value}, disable_any_whitespace=disable_any_whitespace
+    )
     try:
         grammar = llguidance_grammar(params)
     except ValueError as exc:
-        raise InvalidFieldError(field, f"{field} is invalid: {exc}") from exc
+        return None, str(exc)
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, None)
     if is_error:
-        detail = messages[0].strip() if messages else "it does not compile"
-        raise InvalidFieldError(field, f"{field} is invalid: {detail}")
-    return grammar
+        return None, messages[0].strip() if messages else "it does not compile"
+    return grammar, ""

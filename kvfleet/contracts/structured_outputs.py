@@ -93,8 +93,7 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """A canonical string of the constraint (equal keys compile to equal grammars)."""
         kind = self.kind
-        schema = self.schema
-        value: Any = schema if schema is not None else getattr(self, kind)
+        value: Any = self.schema if kind == "json" else getattr(self, kind)
         return json.dumps([kind, value, self.disable_any_whitespace], separators=(",", ":"))
 
     def to_dict(self) -> dict[str, Any]:

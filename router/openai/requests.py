@@ -10,8 +10,10 @@ Invariants:
   with each integer bounded by its proto type so nothing overflows later), sizes by
   `router.request_limits`, sampling rules by the router with the engine's own validation. A problem
   is an `InvalidFieldError` naming the field (HTTP 400, `param` in the error JSON).
-- OpenAI and vLLM features kvfleet does not implement (tools, tool_choice, response_format,
-  logit_bias, suffix, best_of != n, guided decoding, ...) are refused by name when set to
+- Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) are
+  read and compiled by `router.openai.structured_bodies`, a bad one naming its exact field.
+- OpenAI and vLLM features kvfleet does not implement (tools, tool_choice, logit_bias,
+  suffix, best_of != n, guided_decoding_backend, ...) are refused by name when set to
   anything but their no-op value, never silently ignored.
 - Other unknown fields are ignored, as vLLM does.
 """
@@ -24,7 +26,9 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvfleet.contracts.errors import InvalidFieldError
+from kvfleet.contracts.structured_proto import to_proto as structured_to_proto
 from kvfleet.v1 import common_pb2, router_pb2
+from router.openai.structured_bodies import structured_outputs_of
 from router.request_limits import RequestLimits
 
 INT32 = 2**31
@@ -76,13 +80,7 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": _empty,
     "function_call": lambda v: v in (None, "none"),
     "parallel_tool_calls": _unset,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
     "guided_decoding_backend": _unset,
-    "structured_outputs": _unset,
     "allowed_token_ids": _unset,
     "bad_words": _empty,
     "logits_processors": _empty,
@@ -195,6 +193,9 @@ class _SamplingBody(BaseModel):
         _set_if(params, "max_tokens", max_tokens)
         _set_if(params, "repetition_penalty", self.repetition_penalty)
         _set_if(params, "logprobs", logprobs)
+        structured = structured_outputs_of(self)
+        if structured is not None:
+            params.structured_outputs.CopyFrom(structured_to_proto(structured))
         return params
 
     @property
