@@ -52,9 +52,12 @@ class StructuredOutputManager:
         key = params.key
         compiled = self._cache.get(key)
         if compiled is None:
+            backend = self.backend  # built outside the timing: it is not a compile
             start = time.perf_counter()
-            compiled = self.backend.compile(params)
-            self.pending_compile_seconds.append(time.perf_counter() - start)
+            try:
+                compiled = backend.compile(params)
+            finally:  # a failed compile took time too
+                self.pending_compile_seconds.append(time.perf_counter() - start)
             self._cache[key] = compiled
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -16,9 +17,11 @@ import jsonschema
 import openai
 import pytest
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.contracts.structured_outputs import StructuredOutputsParams
 from kvfleet.contracts.structured_proto import to_proto
+from kvfleet.fleet import Fleet
 from kvfleet.router_client import build_request
 from kvfleet.v1 import common_pb2
 from tests.fixtures.fleets import FleetOptions
@@ -41,7 +44,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def fleet_options() -> FleetOptions:
-    return {"num_engines": 1, "api_keys": True}
+    return {"num_engines": 1, "api_keys": True, "metrics": True}
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +123,17 @@ def test_grpc_carries_the_constraint(client: RouterClient):
         client.generate(build_request("Which way?", params=params), API_KEYS["tenant-0"])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_outputs.regex" in (info.value.details() or "")
+
+
+def test_engine_metrics_count_constrained_requests_and_compiles(fleet: Fleet):
+    # Runs last in this module: every test above sent constrained requests.
+    url = f"http://127.0.0.1:{fleet.engines[0].metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    assert values["kvfleet:structured_output_requests_total"] >= 6
+    assert values["kvfleet:structured_output_compile_seconds_count"] >= 5
+    assert values["kvfleet:structured_output_mask_seconds_count"] > 0
