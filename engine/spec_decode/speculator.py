@@ -4,8 +4,9 @@ decode next, and count what the step verified.
 Drafts are (re)proposed for every request that got tokens in the step and still runs, so a
 request's drafts always follow its current tokens; none are proposed while the running batch
 is at or past disable_by_batch_size (they would not be verified). A proposer drafts at most
-max_tokens - outputs - 1 tokens (every kept draft and the bonus token are outputs), and
-none for a request under a grammar (structured outputs).
+max_tokens - outputs - 1 tokens (every kept draft and the bonus token are outputs). A
+request under a grammar (structured outputs) keeps only the drafts its grammar accepts; the
+verifier masks each draft position with the grammar too (engine.spec_decode.verifier).
 """
 
 from __future__ import annotations
@@ -40,10 +41,6 @@ class NgramRequestProposer:
 
 
 def max_drafts(request: Request) -> int:
-    if request.grammar is not None:
-        # Structured outputs: drafts are not checked against the grammar, so constrained
-        # requests decode one token a step (engine.structured).
-        return 0
     return request.max_tokens - request.num_output_tokens - 1
 
 
@@ -68,3 +65,8 @@ class Speculator:
                 request.spec_token_ids = []
             return
         self.proposer.propose_for(live)
+        for request in live:
+            if request.grammar is not None and request.spec_token_ids:
+                # Structured outputs: only drafts the grammar accepts are worth verifying.
+                valid = request.grammar.validate_tokens(request.spec_token_ids)
+                request.spec_token_ids = request.spec_token_ids[:valid]

@@ -78,6 +78,31 @@ class StructuredOutputManager:
         self.pending_mask_seconds.append(elapsed)
         return allowed
 
+    def draft_masks(
+        self, matcher: GrammarMatcher, drafts: Sequence[int], vocab_size: int
+    ) -> torch.Tensor:
+        """bool [len(drafts) + 1, vocab_size]: row j allows what may follow drafts[:j].
+
+        The matcher consumes the drafts the grammar accepts (checked first: a refused token
+        would leave it in its error state for good) to fill the rows, and is rolled back
+        after, so it still matches only the committed tokens. Rows past the first refused
+        draft stay all allowed: verification rejects that draft on its own row, so they are
+        never used.
+        """
+        start = time.perf_counter()
+        packed = bitmask.allocate(len(drafts) + 1, self.backend.vocab_size)
+        valid = matcher.validate_tokens(drafts)
+        for row in range(valid + 1):
+            matcher.fill_bitmask(packed, row)
+            if row < valid:
+                matcher.accept_token(drafts[row])
+        matcher.rollback(valid)
+        allowed = bitmask.unpack(packed, vocab_size)
+        elapsed = time.perf_counter() - start
+        self.mask_seconds_total += elapsed
+        self.pending_mask_seconds.append(elapsed)
+        return allowed
+
     def take_observations(self) -> tuple[list[float], list[float]]:
         """(compile seconds, mask seconds per step) since the last call, for histograms."""
         compile_s, mask_s = list(self.pending_compile_seconds), list(self.pending_mask_seconds)

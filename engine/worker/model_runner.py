@@ -35,7 +35,7 @@ from engine.models.gemm_select import MAX_PREFILL_ROWS
 from engine.models.layer_ops import FUSED_DTYPES
 from engine.models.llama import LlamaForCausalLM
 from engine.spec_decode.spec_scheduling import VerifiedTokens
-from engine.spec_decode.verifier import verify_drafts
+from engine.spec_decode.verifier import VerifyRows, verify_drafts
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.device_inputs import model_input_to_device
@@ -178,7 +178,8 @@ class ModelRunner:
             for rows in batch.prompt_logprob_rows
         }
         verified = (
-            verify_drafts(self.model, hidden, batch.verify_rows, self._sampling_row, self.sampler)
+            verify_drafts(self.model, hidden, batch.verify_rows, self._sampling_row, self.sampler,
+                          self._draft_masks(batch.verify_rows))
             if batch.verify_rows else {}
         )
         return self._sampled_output(batch, hidden[batch.sample_indices], prompt_logprobs,
@@ -218,6 +219,17 @@ class ModelRunner:
         for j, i in enumerate(index):
             rows[i] = replace(rows[i], allowed_token_mask=allowed[j])
         return rows
+
+    def _draft_masks(self, verify_rows: list[VerifyRows]) -> dict[str, torch.Tensor]:
+        """Allowed tokens per row of the constrained requests verifying drafts."""
+        out: dict[str, torch.Tensor] = {}
+        for rows in verify_rows:
+            request = rows.item.request
+            if request.grammar is not None and self.structured is not None:
+                out[request.request_id] = self.structured.draft_masks(
+                    request.grammar, rows.item.spec_token_ids, self.vocab_size
+                )
+        return out
 
     def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if all(plain_greedy(row) for row in rows):

@@ -154,15 +154,30 @@ def test_constrained_greedy_under_preemption_and_prefix_hits(tiny_model_dir, ref
 
 
 def test_spec_decode_on_and_off_give_the_same_tokens(tiny_model_dir, llm, prompts):
-    # Constrained requests take no drafts; the unconstrained one in the batch still does.
+    # Repetitive constrained outputs give the n-gram proposer drafts to verify; drafts the
+    # grammar refuses are dropped or rejected, so greedy tokens are the same either way.
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    repetitive = [5, 6, 7, 8] * 6
-    batch = [*prompts, repetitive]
-    params = [greedy(CONSTRAINTS["json_object"]), greedy(CONSTRAINTS["regex"]),
-              greedy(CONSTRAINTS["choice"]), greedy(None, ignore_eos=True)]
+    repeating = StructuredOutputsParams(regex=r"(ab|cd|ef )+!")
+    batch = [*prompts, [5, 6, 7, 8] * 6]
+    params = [greedy(repeating), greedy(CONSTRAINTS["json_object"]), greedy(CONSTRAINTS["regex"]),
+              greedy(None, ignore_eos=True)]
     with_spec = LLM(tiny_model_dir, dtype="float32", speculative_config=spec)
+    only_constrained = greedy(repeating)
+    assert token_ids(with_spec, prompts, only_constrained) == token_ids(
+        llm, prompts, only_constrained
+    )
+    assert with_spec.get_stats()["spec_decode_num_accepted_tokens"] > 0
     assert token_ids(with_spec, batch, params) == token_ids(llm, batch, params)
-    assert with_spec.get_stats()["spec_decode_num_drafts"] > 0
+    sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=MAX_TOKENS,
+                             structured_outputs=repeating)
+    outputs = with_spec.generate([{"prompt_token_ids": p} for p in prompts], sampled,
+                                 use_tqdm=False)
+    for output in outputs:
+        sample = output.outputs[0]
+        if sample.finish_reason == "stop":
+            assert re.fullmatch(r"(ab|cd|ef )+!", sample.text)
+        else:
+            assert re.fullmatch(r"(ab|cd|ef )*(a|c|e|ef)?", sample.text)
 
 
 def test_n_samples_each_follow_the_grammar(llm, prompts):
