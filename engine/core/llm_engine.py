@@ -51,6 +51,7 @@ from engine.worker.gpu_memory import memory_in_use, out_of_memory
 from engine.worker.host_malloc import tune_for_reuse
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.contracts.structured_grammar import check_compiles
 from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
 
 KVEventHook = Callable[[KVCacheEvents], None]
@@ -246,6 +247,10 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary")
+        if params.structured_outputs is not None:
+            # The tokenizer-free check (cached, thread-safe): a bad grammar is refused before
+            # anything is queued; add_request compiles it for this tokenizer.
+            check_compiles(params.structured_outputs)
         return max_tokens
 
     def add_request(

@@ -240,11 +240,14 @@ def test_bad_shapes_name_the_field(fields, param):
         (StructuredOutputsParams(regex="(unclosed"), "structured_outputs.regex"),
         (StructuredOutputsParams(json={"type": "no-such-type"}), "structured_outputs.json"),
         (StructuredOutputsParams(grammar="start: undefined_rule"), "structured_outputs.grammar"),
+        # Only the engine's compile (with its tokenizer) can tell this one is bad.
+        (StructuredOutputsParams(grammar="start: <[99999]>"), "structured_outputs.grammar"),
     ],
 )
 def test_a_grammar_that_does_not_compile_fails_that_request_only(llm, prompts, constraint, param):
+    batch = [{"prompt_token_ids": p} for p in prompts[:2]]
     with pytest.raises(InvalidFieldError) as info:
-        llm.generate([{"prompt_token_ids": prompts[0]}], greedy(constraint), use_tqdm=False)
+        llm.generate(batch, [greedy(None), greedy(constraint)], use_tqdm=False)
     assert info.value.param == param
     assert not llm.engine.has_unfinished_requests()
     assert token_ids(llm, prompts[:1], greedy(None, max_tokens=2))  # the engine still serves
