@@ -95,10 +95,3 @@ class StructuredOutputsParams:
         kind = self.kind
         value: Any = self.schema if kind == "json" else getattr(self, kind)
         return json.dumps([kind, value, self.disable_any_whitespace], separators=(",", ":"))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The set fields, as vLLM's `structured_outputs` body field spells them."""
-        out: dict[str, Any] = {self.kind: getattr(self, self.kind)}
-        if self.disable_any_whitespace:
-            out["disable_any_whitespace"] = True
-        return out
