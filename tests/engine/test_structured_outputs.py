@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.core.request import TenantShare
 from kvfleet.contracts.errors import InvalidFieldError
 from kvfleet.contracts.structured_grammar import llguidance_grammar
 from kvfleet.text.tokenizer import load_generation_eos_ids
@@ -149,17 +150,46 @@ def test_mixed_batch_leaves_unconstrained_rows_unchanged(llm, prompts, reference
     assert mixed[1] == reference(prompts[1], constraint)
 
 
-def test_constrained_greedy_under_preemption_and_prefix_hits(tiny_model_dir, llm):
-    # Eight requests of 40-token prompts cannot share 12 blocks: some are preempted (recompute)
-    # after generating part of their output, and their matchers must still follow it. The
-    # reference is the roomy engine, itself checked against transformers above.
+@pytest.mark.parametrize(
+    ("mode", "extra"),
+    [("recompute", {}), ("swap", {"num_swap_blocks": 200})],
+)
+def test_constrained_greedy_under_preemption_and_prefix_hits(tiny_model_dir, llm, mode, extra):
+    # Eight requests of 40-token prompts cannot share 12 blocks: some are preempted (their KV
+    # recomputed, or swapped out and back) after generating part of their output, and their
+    # matchers must still follow it. The reference is the roomy engine, itself checked against
+    # transformers above.
     prompts = random_prompts(tiny_model_dir, [40] * 8, seed=5)
-    small = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=12, max_num_batched_tokens=64)
+    small = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=12, max_num_batched_tokens=64,
+                preemption_mode=mode, **extra)
     constraint = greedy(CONSTRAINTS["json_object"])
     got, _ = run_checked(small.engine, prompts, constraint)
-    assert small.get_stats()["num_preemptions"] > 0
+    stats = small.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert mode != "swap" or stats["swapped_out_blocks"] > 0
     assert got == token_ids(llm, prompts, constraint)
     assert token_ids(small, prompts[:2], constraint) == got[:2]  # now with prefix hits
+
+
+def test_constrained_request_served_in_an_urgent_step(tiny_model_dir, llm):
+    # Tenant A's long constrained prompts are mid-prefill (32-token budget) when B's arrives:
+    # B gets an urgent step of its own; every output equals the roomy engine's.
+    prompts = random_prompts(tiny_model_dir, [100, 120, 7], seed=8)
+    constraint = greedy(CONSTRAINTS["regex"], max_tokens=8)
+    expected = token_ids(llm, prompts, constraint)
+    small = LLM(tiny_model_dir, dtype="float32", max_num_batched_tokens=32)
+    engine, urgent = small.engine, small.engine.urgent
+    requests = [
+        engine.add_request(f"a{i}", prompts[i], constraint, share=TenantShare("A"))
+        for i in range(2)
+    ]
+    engine.step()
+    requests.append(engine.add_request("b0", prompts[2], constraint, share=TenantShare("B")))
+    assert urgent.due() == ["b0"]
+    assert [u.request.request_id for u in urgent.run(["b0"])] == ["b0"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [r.output_token_ids for r in requests] == expected
 
 
 def test_spec_decode_on_and_off_give_the_same_tokens(tiny_model_dir, llm, prompts):
