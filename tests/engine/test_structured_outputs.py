@@ -21,10 +21,12 @@ import transformers
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.core.request import TenantShare
+from engine.lora.request import LoRARequest
 from kvfleet.contracts.errors import InvalidFieldError
 from kvfleet.contracts.structured_grammar import llguidance_grammar
 from kvfleet.text.tokenizer import load_generation_eos_ids
 from tests.fixtures.greedy import random_prompts, run_checked
+from tests.fixtures.lora_adapters import ADAPTERS, peft_model
 
 MAX_TOKENS = 24
 PERSON = {
@@ -60,6 +62,11 @@ def prompts(tiny_model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir, hf_model):
+    return reference_loop(tiny_model_dir, hf_model)
+
+
+def reference_loop(tiny_model_dir, hf_model):
+    """(prompt, constraint) -> the constrained greedy tokens of `hf_model` (cached)."""
     vocab = hf_model.config.vocab_size
     eos = load_generation_eos_ids(tiny_model_dir)
     tokenizer = llguidance.LLTokenizer(
@@ -190,6 +197,22 @@ def test_constrained_request_served_in_an_urgent_step(tiny_model_dir, llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert [r.output_token_ids for r in requests] == expected
+
+
+def test_constrained_greedy_with_a_lora_adapter_matches_peft(
+    tiny_model_dir, tiny_lora_dirs, prompts, reference
+):
+    spec = ADAPTERS[0]
+    lora = LoRARequest(spec.name, 1, str(tiny_lora_dirs[spec.name]))
+    base_reference = reference
+    reference = reference_loop(tiny_model_dir, peft_model(tiny_model_dir, spec))
+    llm = LLM(tiny_model_dir, dtype="float32", enable_lora=True, max_loras=1)
+    constraint = CONSTRAINTS["json"]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(constraint),
+                           lora_request=lora, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    assert got == [reference(p, constraint) for p in prompts]
+    assert got != [base_reference(p, constraint) for p in prompts]  # the adapter matters
 
 
 def test_spec_decode_on_and_off_give_the_same_tokens(tiny_model_dir, llm, prompts):
