@@ -7,8 +7,8 @@ for the sampled rows' allowed-token masks each step. It keeps the figures metric
 (requests, compile times, mask time per step).
 
 Invariants:
-- The backend is built on first use (an llguidance tokenizer costs about a second for a
-  49k vocabulary): engines that never see a constrained request never pay for it.
+- The backend is built on first use (an llguidance tokenizer takes 0.2 s for SmolLM2's 49k
+  vocabulary): engines that never see a constrained request never pay for it.
 - Compiled grammars are cached by the constraint's key (LRU, `CACHE_SIZE` entries), so the
   n samples of a request, and repeated schemas, compile once.
 - Unconstrained rows never reach this module.
