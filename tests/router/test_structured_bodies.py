@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvfleet.contracts.errors import InvalidFieldError
+from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.contracts.sampling_proto import to_sampling_params
 from kvfleet.contracts.structured_outputs import StructuredOutputsParams
 from kvfleet.contracts.structured_proto import from_proto, to_proto
@@ -129,3 +130,11 @@ def test_a_grpc_request_with_a_bad_grammar_is_refused_by_the_router_check():
 )
 def test_proto_round_trip_keeps_every_kind(params):
     assert from_proto(to_proto(params)).key == params.key
+
+
+def test_sampling_params_take_the_constraint_as_a_dict():
+    params = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    with pytest.raises(InvalidFieldError) as info:
+        SamplingParams(structured_outputs={"regex": "a", "grammar": "start: \"a\""})
+    assert info.value.param == "structured_outputs"
