@@ -35,7 +35,6 @@ class StructuredOutputManager:
         self._backend: GrammarBackend | None = None
         self._cache: collections.OrderedDict[str, CompiledGrammar] = collections.OrderedDict()
         self.num_requests = 0
-        self.mask_seconds_total = 0.0
         # Observations not yet taken by metrics (engine thread only, like the step itself);
         # bounded, for engines whose metrics never take them (the offline LLM).
         self.pending_compile_seconds: collections.deque[float] = collections.deque(maxlen=4096)
@@ -72,11 +71,7 @@ class StructuredOutputManager:
         packed = bitmask.allocate(len(matchers), self.backend.vocab_size)
         for row, matcher in enumerate(matchers):
             matcher.fill_bitmask(packed, row)
-        allowed = bitmask.unpack(packed, vocab_size)
-        elapsed = time.perf_counter() - start
-        self.mask_seconds_total += elapsed
-        self.pending_mask_seconds.append(elapsed)
-        return allowed
+        return self._unpacked(packed, vocab_size, start)
 
     def draft_masks(
         self, matcher: GrammarMatcher, drafts: Sequence[int], vocab_size: int
@@ -97,14 +92,15 @@ class StructuredOutputManager:
             if row < valid:
                 matcher.accept_token(drafts[row])
         matcher.rollback(valid)
+        return self._unpacked(packed, vocab_size, start)
+
+    def _unpacked(self, packed: torch.Tensor, vocab_size: int, start: float) -> torch.Tensor:
         allowed = bitmask.unpack(packed, vocab_size)
-        elapsed = time.perf_counter() - start
-        self.mask_seconds_total += elapsed
-        self.pending_mask_seconds.append(elapsed)
+        self.pending_mask_seconds.append(time.perf_counter() - start)
         return allowed
 
     def take_observations(self) -> tuple[list[float], list[float]]:
-        """(compile seconds, mask seconds per step) since the last call, for histograms."""
+        """(seconds of each compile, seconds of each mask fill) since the last call."""
         compile_s, mask_s = list(self.pending_compile_seconds), list(self.pending_mask_seconds)
         self.pending_compile_seconds.clear()
         self.pending_mask_seconds.clear()
