@@ -125,8 +125,12 @@ def test_grpc_carries_the_constraint(client: RouterClient):
     assert "structured_outputs.regex" in (info.value.details() or "")
 
 
-def test_engine_metrics_count_constrained_requests_and_compiles(fleet: Fleet):
-    # Runs last in this module: every test above sent constrained requests.
+def test_engine_metrics_count_constrained_requests_and_compiles(
+    fleet: Fleet, openai_client: OpenAI, model: str
+):
+    for schema in ({"type": "boolean"}, {"enum": [1, 2]}):
+        openai_client.completions.create(model=model, prompt="x", max_tokens=8,
+                                         extra_body={"guided_json": schema})
     url = f"http://127.0.0.1:{fleet.engines[0].metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
@@ -134,6 +138,6 @@ def test_engine_metrics_count_constrained_requests_and_compiles(fleet: Fleet):
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    assert values["kvfleet:structured_output_requests_total"] >= 6
-    assert values["kvfleet:structured_output_compile_seconds_count"] >= 5
+    assert values["kvfleet:structured_output_requests_total"] >= 2
+    assert values["kvfleet:structured_output_compile_seconds_count"] >= 2
     assert values["kvfleet:structured_output_mask_seconds_count"] > 0
