@@ -13,7 +13,7 @@ Invariants:
 - Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) are
   read and compiled by `router.openai.structured_bodies`, a bad one naming its exact field.
 - OpenAI and vLLM features kvfleet does not implement (tools, tool_choice, logit_bias,
-  suffix, best_of != n, guided_decoding_backend, ...) are refused by name when set to
+  suffix, best_of != n, another guided_decoding_backend, ...) are refused by name when set to
   anything but their no-op value, never silently ignored.
 - Other unknown fields are ignored, as vLLM does.
 """
@@ -80,7 +80,8 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "functions": _empty,
     "function_call": lambda v: v in (None, "none"),
     "parallel_tool_calls": _unset,
-    "guided_decoding_backend": _unset,
+    # One backend (llguidance): naming it, or leaving the choice to the server, is harmless.
+    "guided_decoding_backend": lambda v: v in (None, "auto", "guidance", "llguidance"),
     "allowed_token_ids": _unset,
     "bad_words": _empty,
     "logits_processors": _empty,

@@ -59,6 +59,8 @@ def refused(body: dict[str, Any]) -> InvalidFieldError:
          StructuredOutputsParams(grammar='root ::= "x"')),
         (chat(response_format={"type": "text"}), None),
         (chat(), None),
+        (chat(guided_regex="a", guided_decoding_backend="guidance"),
+         StructuredOutputsParams(regex="a")),
     ],
 )
 def test_each_source_becomes_the_same_constraint(body, expected):
