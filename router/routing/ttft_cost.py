@@ -39,11 +39,11 @@ hash (`router.routing.ranking`). Rates measured on alike engines differ by noise
 prefix must spread over them by the hash rather than all go to whichever measured fastest.
 
 Alike engines: a measured rate within a factor `1 + rate_alike` (1.25) of the mean of the
-decision's rates is read as the mean (of two engines: up to 1.67x apart). Engines of one model on one kind of hardware measure
-rates that differ by noise (steps of other sizes, neighbours on a shared host: two engines of
-one CPU fleet measured rates far enough apart, under load, to break the tie), and a noisy rate must neither pull every new
-prefix to one engine nor move a hot one; a different GPU or model differs by more than that
-and keeps its own rate.
+decision's rates is read as the mean (of two engines: up to 1.67x apart). Engines of one model
+on one kind of hardware measure rates that differ by noise (steps of other sizes, neighbours on
+a shared host: two engines of one CPU fleet measured rates far enough apart, under load, to
+break the tie), and a noisy rate must neither pull every new prefix to one engine nor move a
+hot one; a different GPU or model differs by more than that and keeps its own rate.
 
 Defaults, for engines that publish none of this yet (older engines, the first seconds): a
 missing rate is the mean of the rates the other engines of the decision publish, else the
