@@ -4,7 +4,6 @@ split of an output into pieces streams the same content and calls as the whole o
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Callable, Iterable
 
 import pytest
@@ -16,6 +15,7 @@ from router.openai.tool_parsers import (
     new_tool_parser,
     tool_parser_names,
 )
+from tests.unit.stream_splits import splits
 
 Result = tuple[str, list[tuple[str, str]]]
 
@@ -36,29 +36,12 @@ def run(make: Callable[[], ToolParser], pieces: Iterable[str]) -> Result:
     return content, [(name, args) for name, args in calls.values()]
 
 
-def splits(text: str) -> Iterable[list[str]]:
-    """Every split in two and three pieces, then random token-sized ones."""
-    for i in range(len(text) + 1):
-        yield [text[:i], text[i:]]
-    for i in range(0, len(text) + 1, 3):
-        for j in range(i, len(text) + 1, 2):
-            yield [text[:i], text[i:j], text[j:]]
-    rng = random.Random(len(text))
-    for _ in range(50):
-        pieces, at = [], 0
-        while at < len(text):
-            step = rng.randint(1, 6)
-            pieces.append(text[at:at + step])
-            at += step
-        yield pieces
-    yield list(text)
-
-
 def hermes() -> ToolParser:
     return new_tool_parser("hermes")
 
 
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": 2}]}}\n</tool_call>'
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": 2}]}}'
+        "\n</tool_call>")
 HERMES_CASES: list[tuple[str, Result]] = [
     ("Just text, no call.  ", ("Just text, no call.  ", [])),
     ("", ("", [])),
@@ -96,7 +79,7 @@ def test_hermes_never_leaks_a_partial_marker_and_streams_arguments_early() -> No
     assert parser.feed("_ca").content == ""
     first = parser.feed('ll>{"name": "f", "arguments": {"a": "long')
     assert first.content == "" and first.tool_calls[0].name == "f"
-    assert first.tool_calls[0].id is not None and first.tool_calls[0].id.startswith("chatcmpl-tool-")
+    assert (first.tool_calls[0].id or "").startswith("chatcmpl-tool-")
     assert "".join(c.arguments for c in first.tool_calls) == '{"a": "long'
     assert parser.feed(" text").tool_calls[0].arguments == " text"
 
