@@ -29,6 +29,7 @@ from router.openai.tool_parsers import (
     RequiredToolParser,
     ToolCallDelta,
     ToolParser,
+    keeps_special_tokens,
     new_tool_parser,
 )
 from router.openai.tools import ToolChoice, constrain_to_schema, tool_choice_schema
@@ -75,9 +76,13 @@ def plan_chat_output(
     if tool_choice.mode == "auto" and not auto_ready:
         raise InvalidFieldError("tool_choice", AUTO_TOOL_CHOICE_FLAGS)
     schema = tool_choice_schema(tools, tool_choice, parallel_tool_calls)
-    if schema is not None:
-        for request in requests:
+    keep_special = tool_choice.mode == "auto" and keeps_special_tokens(
+        config.tool_call_parser or "")
+    for request in requests:
+        if schema is not None:
             constrain_to_schema(request.sampling_params, schema)
+        if keep_special:  # the call markers must reach the parser
+            request.sampling_params.skip_special_tokens = False
     if tool_choice.mode == "none" and config.reasoning_parser is None:
         return None
     return ChatOutputPlan(

@@ -147,3 +147,13 @@ def test_auto_needs_the_router_flags_and_none_needs_no_plan() -> None:
     assert plan({}, ChatOutputConfig()) is None
     required = plan({"tools": [WEATHER], "tool_choice": "required"}, ChatOutputConfig())
     assert required.tool_choice.mode == "required"
+
+
+def test_hermes_keeps_special_tokens_in_the_text() -> None:
+    hermes = ChatOutputConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+    for choice, skip in (("auto", False), ("none", True)):
+        parsed = parse_body(ChatCompletionRequest, {"messages": USER, "tools": [WEATHER],
+                                                    "tool_choice": choice}, RequestLimits())
+        (request,) = parsed.to_router_requests()
+        plan_chat_output(parsed.tools, parsed.checked_tool_choice(), True, hermes, [request])
+        assert request.sampling_params.skip_special_tokens is skip
