@@ -123,7 +123,7 @@ def whole(response: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     "tool_choice",
-    ["auto", "none", {"type": "function", "function": {"name": "get_weather"}}],
+    ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}],
 )
 def test_greedy_streamed_deltas_equal_the_whole_response(
     openai_client: OpenAI, model: str, tool_choice: Any
@@ -140,3 +140,5 @@ def test_greedy_streamed_deltas_equal_the_whole_response(
         assert message.content is None and response.choices[0].finish_reason != "tool_calls"
     elif tool_choice == "none":
         assert not message.tool_calls
+    elif tool_choice == "required" and not message.tool_calls:  # not a JSON array of calls
+        assert message.content
