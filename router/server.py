@@ -37,6 +37,8 @@ from router.engines.pool import EnginePool
 from router.http.app import OpenAIApi
 from router.http.uvicorn_server import HttpServer
 from router.metrics import RouterMetrics
+from router.openai.chat_output import ChatOutputConfig
+from router.openai.output_flags import add_chat_output_arguments, chat_output_config
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.request_limits import RequestLimits, add_limit_arguments
 from router.routing.decision import EngineSelector, RoutingConfig
@@ -73,6 +75,9 @@ class RouterConfig:
     # The shared secret engines require of routers (kvfleet.runtime.service_auth); None: none sent.
     router_secret_file: Path | None = None
     lora: LoRAPlacementConfig = field(default_factory=LoRAPlacementConfig)
+    # Tool calls and reasoning in chat output (--enable-auto-tool-choice, --tool-call-parser,
+    # --reasoning-parser).
+    chat_output: ChatOutputConfig = field(default_factory=ChatOutputConfig)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -105,6 +110,7 @@ class RouterConfig:
             rate_limits=RateLimitConfig(redis_url=args.redis_url, replicas=args.router_replicas),
             router_secret_file=args.router_secret_file,
             lora=LoRAPlacementConfig(enabled=args.lora_autoload),
+            chat_output=args.chat_output,
         )
 
 
@@ -178,7 +184,7 @@ def build_router(
     )
     servicer = RouterServicer(policies, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
-    http = OpenAIApi(pipeline, policies, metrics)
+    http = OpenAIApi(pipeline, policies, metrics, config.chat_output)
     logger.info(
         "router: policy %s, tokenizer %s, redis %s, engines without redis %s, auth %s",
         config.routing.policy.value,
@@ -314,8 +320,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(docs/lora.md; default: on)")
     add_engine_source_arguments(parser)
     add_limit_arguments(parser)
+    add_chat_output_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.chat_output = chat_output_config(parser, args)
+    return args
 
 
 def add_engine_source_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc.aio
 import jinja2
@@ -28,11 +29,11 @@ from google.protobuf.message import Message
 from kvfleet.runtime.grpc_server import Service
 from kvfleet.text.incremental import IncrementalDetokenizer
 from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
-from kvfleet.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.chat_input import CHAT_ROLES, parse_tools, validate_messages
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
-# OpenAI's chat roles ("developer" is the newer name for "system").
-CHAT_ROLES = ("assistant", "developer", "system", "tool", "user")
+__all__ = ["CHAT_ROLES", "TokenizerServicer", "build_info", "validate_messages"]
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -74,9 +75,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt=request.text)
         if kind == "messages":
             messages = validate_messages(request.messages.messages)
+            tools = parse_tools(request.messages.tools_json)
             prompt, ids = await asyncio.to_thread(
                 self._render_and_encode,
                 messages,
+                tools,
                 _flag(request, "add_generation_prompt", default=True),
                 _flag(request, "add_special_tokens", default=False),
             )
@@ -132,10 +135,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return IncrementalDetokenizer(self._tokenizer, skip, prompt_ids)
 
     def _render_and_encode(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool, add_special: bool
+        self, messages: list[dict[str, Any]], tools: list[Any] | None,
+        add_generation_prompt: bool, add_special: bool,
     ) -> tuple[str, list[int]]:
         try:
-            prompt = self._tokenizer.apply_chat_template(messages, add_generation_prompt)
+            prompt = self._tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
         except jinja2.TemplateSyntaxError:
             raise  # the model's template is broken: a server problem, not the request's
         except jinja2.TemplateError as e:
@@ -155,19 +159,6 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 def _flag(message: Message, field: str, default: bool) -> bool:
     """An `optional bool` field's value, or its documented default when unset."""
     return bool(getattr(message, field)) if message.HasField(field) else default
-
-
-def validate_messages(messages: Sequence[common_pb2.ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as template input; ValueError naming the first bad message."""
-    if not messages:
-        raise ValueError("messages must not be empty")
-    for index, message in enumerate(messages):
-        if message.role not in CHAT_ROLES:
-            raise ValueError(
-                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}; "
-                f"got {message.role!r}"
-            )
-    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 def build_info(
