@@ -35,6 +35,7 @@ from router.engines.discovery import DEFAULT_DNS_REFRESH_S, DiscoveryConfig, Eng
 from router.engines.dispatch import StreamDeadlines
 from router.engines.pool import EnginePool
 from router.http.app import OpenAIApi
+from router.http.lora_endpoints import RuntimeLoRAConfig, add_runtime_lora_arguments
 from router.http.uvicorn_server import HttpServer
 from router.metrics import RouterMetrics
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
@@ -73,6 +74,8 @@ class RouterConfig:
     # The shared secret engines require of routers (kvfleet.runtime.service_auth); None: none sent.
     router_secret_file: Path | None = None
     lora: LoRAPlacementConfig = field(default_factory=LoRAPlacementConfig)
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (admins only), and the adapter roots.
+    runtime_lora: RuntimeLoRAConfig = field(default_factory=RuntimeLoRAConfig)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -105,6 +108,7 @@ class RouterConfig:
             rate_limits=RateLimitConfig(redis_url=args.redis_url, replicas=args.router_replicas),
             router_secret_file=args.router_secret_file,
             lora=LoRAPlacementConfig(enabled=args.lora_autoload),
+            runtime_lora=RuntimeLoRAConfig.from_args(args),
         )
 
 
@@ -170,7 +174,8 @@ def build_router(
     secret = read_secret(config.router_secret_file) if config.router_secret_file else None
     pool = EnginePool(metrics=metrics, router_secret=secret)
     discovery = EngineDiscovery(config.discovery) if config.discovery.enabled else None
-    placer = LoRAPlacer(config.lora, engine_loader(pool, config.lora.load_timeout_s), metrics)
+    loader = engine_loader(pool, config.lora.load_timeout_s, config.runtime_lora.roots)
+    placer = LoRAPlacer(config.lora, loader, metrics)
     selector = EngineSelector(config.routing, index, pool, metrics, discovery, placer)
     pipeline = GenerationPipeline(
         tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines,
@@ -178,7 +183,7 @@ def build_router(
     )
     servicer = RouterServicer(policies, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
-    http = OpenAIApi(pipeline, policies, metrics)
+    http = OpenAIApi(pipeline, policies, metrics, config.runtime_lora)
     logger.info(
         "router: policy %s, tokenizer %s, redis %s, engines without redis %s, auth %s",
         config.routing.policy.value,
@@ -312,6 +317,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="when every engine serving a request's LoRA adapter is saturated, "
                              "load it on another engine and send the request there "
                              "(docs/lora.md; default: on)")
+    add_runtime_lora_arguments(parser)
     add_engine_source_arguments(parser)
     add_limit_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)

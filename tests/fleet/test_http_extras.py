@@ -37,8 +37,7 @@ ROUTES = {
     ("/health", "get"), ("/ping", "get"), ("/ping", "post"), ("/version", "get"),
     ("/metrics", "get"), ("/v1/models", "get"), ("/v1/completions", "post"),
     ("/v1/chat/completions", "post"), ("/tokenize", "post"), ("/detokenize", "post"),
-    ("/v1/load_lora_adapter", "post"), ("/v1/unload_lora_adapter", "post"),
-}
+}  # the LoRA routes only with --allow-runtime-lora-updating (tests/router/test_http_security.py)
 
 
 @pytest.fixture(scope="module")
