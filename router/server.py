@@ -76,6 +76,8 @@ class RouterConfig:
     lora: LoRAPlacementConfig = field(default_factory=LoRAPlacementConfig)
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (admins only), and the adapter roots.
     runtime_lora: RuntimeLoRAConfig = field(default_factory=RuntimeLoRAConfig)
+    # Prompt text on the request's span (gen_ai.prompt); off: spans never hold prompts.
+    trace_prompts: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -109,6 +111,7 @@ class RouterConfig:
             router_secret_file=args.router_secret_file,
             lora=LoRAPlacementConfig(enabled=args.lora_autoload),
             runtime_lora=RuntimeLoRAConfig.from_args(args),
+            trace_prompts=args.trace_prompts,
         )
 
 
@@ -179,7 +182,7 @@ def build_router(
     selector = EngineSelector(config.routing, index, pool, metrics, discovery, placer)
     pipeline = GenerationPipeline(
         tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines,
-        config.limits, rate_limiter,
+        config.limits, rate_limiter, config.trace_prompts,
     )
     servicer = RouterServicer(policies, pipeline, metrics)
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
@@ -313,6 +316,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port-file", type=Path, default=None,
                         help="write the bound HTTP port here once it serves")
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    parser.add_argument("--trace-prompts", action="store_true",
+                        help="add each request's prompt text to its trace span (gen_ai.prompt); "
+                             "off by default: spans carry no prompt, API key or secret")
     parser.add_argument("--lora-autoload", action=argparse.BooleanOptionalAction, default=True,
                         help="when every engine serving a request's LoRA adapter is saturated, "
                              "load it on another engine and send the request there "
