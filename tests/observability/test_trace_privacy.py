@@ -48,7 +48,9 @@ def traceparent(trace_id: str) -> str:
 def spans_of(collector: Receiver, trace_id: str) -> list[ReceivedSpan]:
     def complete() -> list[ReceivedSpan] | None:
         spans = collector.of_trace(trace_id)
-        return spans if {s.service for s in spans} >= SERVICES else None
+        # The request's own span (it names the tenant) ends, and is exported, last.
+        ended = any("kvfleet.tenant" in s.attributes for s in spans)
+        return spans if ended and {s.service for s in spans} >= SERVICES else None
 
     return wait_until(complete, timeout_s=30, what=f"spans of all services in {trace_id}")
 
