@@ -84,7 +84,16 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use this Redis (default: start one on a free port)")
     parser.add_argument("--policy", default="prefix",
                         choices=["prefix", "round_robin", "least_load"])
-    parser.add_argument("--api-keys", type=Path, default=None, help="router API key file")
+    parser.add_argument("--tenant-policy", "--api-keys", dest="api_keys", type=Path,
+                        default=None, help="router tenant policy / API key file (docs/tenants.md)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="router serves /v1/load_lora_adapter and /v1/unload_lora_adapter to "
+                             "admin keys (needs --lora-allowed-dirs)")
+    parser.add_argument("--lora-allowed-dirs", nargs="+", type=Path, default=[], metavar="DIR",
+                        help="directories router and engines load LoRA adapters from at run time")
+    parser.add_argument("--allow-special-tokens-in-prompts", action="store_true",
+                        help="tokenizer parses special-token strings in prompts and message "
+                             "contents as control tokens (vLLM's behaviour; default: plain text)")
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
     parser.add_argument("--http-port", type=int, default=8000,
@@ -211,6 +220,9 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
         engine_threads=args.engine_threads or default_engine_threads(args.engines),
         metrics=not args.no_metrics, served_model_name=args.served_model_name,
         chat_template=args.chat_template,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_allowed_dirs=tuple(args.lora_allowed_dirs),
+        allow_special_tokens_in_prompts=args.allow_special_tokens_in_prompts,
     )
 
 

@@ -47,7 +47,7 @@ from kvfleet.runtime.logs import set_tenant
 from kvfleet.runtime.tracing import tracer
 from kvfleet.v1 import router_pb2
 from router.engines.merge import merge_tagged
-from router.http.body import BodyReader, decode_json
+from router.http.body import BodyReader, read_json
 from router.http.errors import (
     error_body,
     error_response,
@@ -56,7 +56,7 @@ from router.http.errors import (
     logged_failure,
     status_of,
 )
-from router.http.lora_endpoints import LoRAEndpoints
+from router.http.lora_endpoints import LoRAEndpoints, RuntimeLoRAConfig
 from router.http.openapi_doc import install_openapi
 from router.http.vllm_endpoints import ServingExtras, kvfleet_version
 from router.metrics import RouterMetrics
@@ -89,11 +89,13 @@ class OpenAIApi:
     def __init__(
         self, pipeline: GenerationPipeline, policies: PolicyStore, metrics: RouterMetrics,
         chat_output: ChatOutputConfig | None = None,
+        runtime_lora: RuntimeLoRAConfig | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._policies = policies
         self._metrics = metrics
         self._chat_output = chat_output or ChatOutputConfig()
+        self._runtime_lora = runtime_lora or RuntimeLoRAConfig()
 
     def app(self) -> FastAPI:
         app = FastAPI(
@@ -112,7 +114,8 @@ class OpenAIApi:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         ServingExtras(self._pipeline, self._policies, self._metrics).install(app)
-        LoRAEndpoints(self._pipeline, self._policies).install(app)
+        if self._runtime_lora.allow_updates:  # else unknown routes (404), as in vLLM
+            LoRAEndpoints(self._pipeline, self._policies, self._runtime_lora.roots).install(app)
         install_openapi(app)
         return app
 
@@ -156,7 +159,7 @@ class OpenAIApi:
                 # Here, not only in the pipeline: the span this handler owns carries its
                 # tenant whatever context the pipeline's first step later runs in.
                 span.set_attribute("kvfleet.tenant", tenant)
-                body = parse_body(cls, decode_json(await request.body()),
+                body = parse_body(cls, await read_json(request),
                                   self._pipeline.request_limits)
                 router_requests, plan = self._checked(body, who)
                 started = await until_disconnected(

@@ -6,8 +6,9 @@ ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens, stop_to
 `to_router_requests` turns one body into one router request per prompt.
 
 Invariants:
-- Every value is checked before anything is computed: field types and ranges here (pydantic,
-  with each integer bounded by its proto type so nothing overflows later), sizes by
+- Every value is checked before anything is computed: field types and ranges here (pydantic
+  in strict mode: a boolean is a JSON boolean, a number a JSON number, never a string; each
+  integer bounded by its proto type so nothing overflows later; messages per role), sizes by
   `router.request_limits`, sampling rules by the router with the engine's own validation. A problem
   is an `InvalidFieldError` naming the field (HTTP 400, `param` in the error JSON).
 - OpenAI and vLLM features kvfleet does not implement (response_format, logit_bias, suffix,
@@ -115,7 +116,13 @@ _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# Strict: JSON types as they are ("stream": "yes" is a 400, not true); ints may fill floats.
+STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -123,7 +130,7 @@ class _SamplingBody(BaseModel):
     """Fields shared by completions and chat."""
 
     # extra="allow": unknown fields are kept (and ignored) so unsupported ones can be named.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = _UNSUPPORTED
 
     model: str | None = None
@@ -158,9 +165,10 @@ class _SamplingBody(BaseModel):
             raise InvalidFieldError(
                 "stream_options", "stream_options is only allowed when stream is true"
             )
-        if self.top_k is not None and self.top_k not in (-1, 0) and self.top_k < 1:
+        if self.top_k is not None and (self.top_k == 0 or self.top_k < -1):
+            # The documented range (README: -1 disables; otherwise >= 1), as the engine's.
             raise InvalidFieldError(
-                "top_k", f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}"
+                "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}"
             )
         for index, token in enumerate(self.stop_token_ids or ()):
             if not 0 <= token < UINT32:
@@ -193,7 +201,7 @@ class _SamplingBody(BaseModel):
         )
         _set_if(params, "temperature", self.temperature)
         _set_if(params, "top_p", self.top_p)
-        _set_if(params, "top_k", self.top_k if self.top_k not in (None, -1, 0) else None)
+        _set_if(params, "top_k", self.top_k if self.top_k not in (None, -1) else None)
         _set_if(params, "seed", self.seed)
         _set_if(params, "max_tokens", max_tokens)
         _set_if(params, "repetition_penalty", self.repetition_penalty)
@@ -260,7 +268,7 @@ class CompletionRequest(_SamplingBody):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = Field(None, json_schema_extra=CONTENT_SCHEMA)
@@ -285,6 +293,7 @@ class ChatMessage(BaseModel):
     def text(self, index: int) -> str:
         param = f"messages[{index}].content"
         if self.content is None:
+            self.check_role(param)
             return ""
         if isinstance(self.content, str):
             return _utf8(self.content, param)
@@ -299,6 +308,15 @@ class ChatMessage(BaseModel):
                 )
             parts.append(part["text"])
         return _utf8("".join(parts), param)
+
+    def check_role(self, param: str) -> None:
+        """A message without content: only an assistant's may lack it, and only when it
+        carries tool_calls (OpenAI's rule); every other role needs its content."""
+        if self.role == "assistant" and self.tool_calls:
+            return
+        needed = ("an assistant message without tool_calls" if self.role == "assistant"
+                  else f"a {self.role} message")
+        raise InvalidFieldError(param, f"{param} is required for {needed}")
 
 
 class ChatCompletionRequest(_SamplingBody):

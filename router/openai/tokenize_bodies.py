@@ -31,8 +31,9 @@ _REFUSED_UNLESS_OFF = ("return_token_strs", "continue_final_message", "chat_temp
 
 
 class _TokenizeBody(BaseModel):
-    # Unknown fields are ignored, as vLLM does; known-unsupported ones are named.
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are ignored, as vLLM does; known-unsupported ones are named. Strict, as
+    # the OpenAI bodies: "add_special_tokens": "no" is a 400, not true.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     return_token_strs: bool | None = Field(
@@ -98,7 +99,7 @@ class DetokenizeBody(BaseModel):
     """Token ids to text; special tokens are kept, so tokenize -> detokenize gives back the
     text (or rendered chat) that was encoded."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     tokens: list[int] = Field(description=f"Token ids, each in [0, vocab size) (< {UINT32})")
