@@ -85,10 +85,8 @@ def test_prompt_and_max_tokens_must_fit_the_served_context() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "tools"),
-        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
-         "tool_choice"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+        ({"prompt": "x", "tool_choice": "required"}, "tool_choice"),
         ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
          "functions"),
         ({"messages": [{"role": "user", "content": "x"}],
@@ -97,8 +95,6 @@ def test_prompt_and_max_tokens_must_fit_the_served_context() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "guided_decoding_backend": "x"},
          "guided_decoding_backend"),
         ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
-        ({"messages": [{"role": "assistant", "content": None,
-                        "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
     ],
