@@ -135,7 +135,7 @@ def test_greedy_streamed_deltas_equal_the_whole_response(
     expected = whole(response)
     assert accumulate(openai_client.chat.completions.create(stream=True, **kwargs)) == expected
     message = response.choices[0].message
-    if isinstance(tool_choice, dict):  # no grammar yet: the call's arguments are the output
+    if isinstance(tool_choice, dict):  # the output is the call's arguments (grammar-held)
         (call,) = message.tool_calls or ()
         assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
         assert message.content is None and response.choices[0].finish_reason != "tool_calls"
