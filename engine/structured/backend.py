@@ -54,3 +54,9 @@ class GrammarBackend(Protocol):
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Compile the constraint; InvalidFieldError naming the field if it cannot be."""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` decodes to (special tokens as their text)."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of `text`, special tokens parsed (a reasoning marker may be one)."""

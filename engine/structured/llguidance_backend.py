@@ -57,6 +57,7 @@ class LLGuidanceGrammar:
 class LLGuidanceBackend:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
+        self._text_tokenizer = tokenizer
         eos = list(eos_token_ids) or (
             [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
         )
@@ -72,3 +73,9 @@ class LLGuidanceBackend:
             field = f"structured_outputs.{params.kind}"
             raise InvalidFieldError(field, f"{field} is invalid: {template.get_error()}")
         return LLGuidanceGrammar(template)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes(self.tokenizer.decode_bytes([token_id]))
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._text_tokenizer.encode(text, False)

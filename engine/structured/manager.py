@@ -24,6 +24,7 @@ import torch
 
 from engine.structured import bitmask
 from engine.structured.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from engine.structured.reasoning_gate import ReasoningGate, markers_for
 from kvfleet.contracts.structured_outputs import StructuredOutputsParams
 
 CACHE_SIZE = 256
@@ -63,7 +64,12 @@ class StructuredOutputManager:
         else:
             self._cache.move_to_end(key)
         self.num_requests += 1
-        return compiled.new_matcher()
+        matcher = compiled.new_matcher()
+        if params.reasoning_end is None:
+            return matcher
+        backend = self.backend
+        markers = markers_for(params.reasoning_start, params.reasoning_end, backend.tokenize)
+        return ReasoningGate(matcher, markers, backend.token_bytes)
 
     def allowed_masks(self, matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
         """bool [len(matchers), vocab_size]: the tokens each matcher allows next."""

@@ -36,6 +36,11 @@ class StructuredOutputsParams:
     grammar: str | None = None
     # JSON only: no whitespace outside strings beyond the separators (vLLM's name).
     disable_any_whitespace: bool = False
+    # The constraint starts after the model's reasoning (engine.structured.reasoning_gate):
+    # set by the router from its --reasoning-parser. `reasoning_end` alone: the output opens
+    # in reasoning (the prompt opened it); with `reasoning_start`, only when it opens with it.
+    reasoning_start: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         set_fields = [kind for kind in KINDS if self._is_set(kind)]
@@ -46,6 +51,14 @@ class StructuredOutputsParams:
                 f"grammar; got {', '.join(set_fields) or 'none'}",
             )
         self._check_types(set_fields[0])
+        for name in ("reasoning_start", "reasoning_end"):
+            marker = getattr(self, name)
+            if marker is not None and (not isinstance(marker, str) or not marker):
+                param = f"structured_outputs.{name}"
+                raise InvalidFieldError(param, f"{param} must be a non-empty string")
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise InvalidFieldError("structured_outputs.reasoning_end",
+                                    "structured_outputs.reasoning_start needs reasoning_end")
 
     def _is_set(self, kind: str) -> bool:
         value = getattr(self, kind)

@@ -26,6 +26,10 @@ def to_proto(params: StructuredOutputsParams) -> common_pb2.StructuredOutputs:
         proto.regex = params.regex
     if params.grammar is not None:
         proto.grammar = params.grammar
+    if params.reasoning_start is not None:
+        proto.reasoning_start = params.reasoning_start
+    if params.reasoning_end is not None:
+        proto.reasoning_end = params.reasoning_end
     return proto
 
 
@@ -37,4 +41,6 @@ def from_proto(proto: common_pb2.StructuredOutputs) -> StructuredOutputsParams:
         choice=list(proto.choice) or None,
         grammar=proto.grammar if proto.HasField("grammar") else None,
         disable_any_whitespace=proto.disable_any_whitespace,
+        reasoning_start=proto.reasoning_start if proto.HasField("reasoning_start") else None,
+        reasoning_end=proto.reasoning_end if proto.HasField("reasoning_end") else None,
     )
