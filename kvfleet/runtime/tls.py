@@ -39,7 +39,7 @@ TOKENIZER_ROLE = "kvfleet-tokenizer"
 ROUTER_ROLE = "kvfleet-router"
 DEFAULT_ENGINE_NAME = "{engine_id}"
 # Phrases of gRPC's status details for a TLS handshake that failed on our side's checks.
-_HANDSHAKE_MARKERS = ("ssl", "handshake", "certificate", "peer name", "tls")
+_HANDSHAKE_MARKERS = ("ssl", "handshake", "certificate", "verification", "tls")
 
 
 @dataclass(frozen=True)
