@@ -413,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = RouterConfig.from_args(args)
         policy = load_tenant_policy(config)  # a bad policy fails the start, not a request
         http_options = HttpOptions.from_args(args)
+        config.redis_access.check()
+        if config.tls is not None:
+            TlsMaterial.load(config.tls)  # unreadable files fail the start, not a request
     except (ValueError, OSError) as e:
         logger.error("bad configuration: %s", e)
         return 2

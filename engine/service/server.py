@@ -415,6 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         options = options_from_args(args)
+        options.redis_access.check()  # now, not once the model has loaded
+        if options.server.tls is not None:
+            TlsMaterial.load(options.server.tls)
         tracing = init_tracing("kvfleet-engine")
         try:
             return event_loop.run(serve(options), server_options.event_loop)

@@ -3,7 +3,8 @@
 Role: routers and engines both talk to Redis; `add_redis_access_arguments` puts the same
 flags on both (`--redis-username`, `--redis-password-file`, `--redis-ca-file`) and
 `RedisAccess.from_args` reads the files once into a frozen config whose `client_kwargs()`
-every redis-py client of the service is built with.
+every redis-py client of the service is built with (the password file is read then, once
+per client at start; `check()` reads it up front so a bad file fails the start early).
 
 Why files and not the URL alone: a password in `--redis-url` would sit in the process's
 command line, which every local user can read in /proc and `ps`; `kvfleet up` and the Helm
@@ -16,13 +17,14 @@ password file: two sources for one password is a mistake, refused at start.
 certificate (default: the system's trust store). The server name is always verified.
 
 Invariants: nothing is read at import; a missing or empty password file fails the start
-with ValueError naming the file; the password never appears in a log line (`describe`).
+with ValueError naming the file; the password is never held in config (nothing to leak in a
+logged repr) and never appears in a log line (`describe`).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -35,27 +37,31 @@ class RedisAccess:
     """Credentials and TLS settings for one service's Redis clients (URL kept apart)."""
 
     username: str | None = None
-    # Kept out of repr: configs get logged.
-    password: str | None = field(default=None, repr=False)
+    password_file: Path | None = None
     ca_file: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RedisAccess:
-        """Read the password file now; ValueError when it is unreadable, empty, or the URL
-        carries a password too."""
-        password = None
-        if args.redis_password_file is not None:
-            password = read_password(args.redis_password_file)
-            if args.redis_url and parse_url(args.redis_url).get("password"):
-                raise ValueError("--redis-url carries a password and --redis-password-file "
-                                 "gives another: use one")
-        return cls(username=args.redis_username, password=password, ca_file=args.redis_ca_file)
+        """ValueError when the URL carries a password and a password file gives another."""
+        if args.redis_password_file is not None and args.redis_url and parse_url(
+                args.redis_url).get("password"):
+            raise ValueError("--redis-url carries a password and --redis-password-file "
+                             "gives another: use one")
+        return cls(username=args.redis_username, password_file=args.redis_password_file,
+                   ca_file=args.redis_ca_file)
+
+    def check(self) -> None:
+        """ValueError now, naming the file, when the password or CA file cannot be read."""
+        if self.password_file is not None:
+            read_password(self.password_file)
+        if self.ca_file is not None and not self.ca_file.is_file():
+            raise ValueError(f"{self.ca_file}: no such file (--redis-ca-file)")
 
     def client_kwargs(self, url: str) -> dict[str, Any]:
-        """Keyword arguments for redis-py's `from_url(url, ...)`."""
+        """Keyword arguments for redis-py's `from_url(url, ...)` (reads the password file)."""
         kwargs: dict[str, Any] = {}
-        if self.password is not None:
-            kwargs["password"] = self.password
+        if self.password_file is not None:
+            kwargs["password"] = read_password(self.password_file)
         if self.username is not None:
             kwargs["username"] = self.username
         if url.startswith("rediss://") and self.ca_file is not None:
