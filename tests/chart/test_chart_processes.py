@@ -76,6 +76,12 @@ class LocalRelease:
         for name, content in rendered.get("Secret", f"{FULLNAME}-router-secret")[
                 "data"].items():
             (self.router_secret_dir / name).write_bytes(base64.b64decode(content))
+        # The generated Redis password (redis.conf for Redis, password for its clients).
+        self.redis_auth_dir = workdir / "redis-auth"
+        self.redis_auth_dir.mkdir()
+        for name, content in rendered.get("Secret", f"{FULLNAME}-redis-auth")["data"].items():
+            (self.redis_auth_dir / name).write_bytes(base64.b64decode(content))
+        self.redis_password = (self.redis_auth_dir / "password").read_text()
 
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
@@ -89,8 +95,9 @@ class LocalRelease:
         pod = self.rendered.get("Deployment", f"{FULLNAME}-redis")["spec"]["template"]["spec"]
         args = pod["containers"][0]["args"]
         assert args[0] == "redis-server"
+        args = [a.replace("/etc/kvfleet/redis-auth", str(self.redis_auth_dir)) for a in args]
         self._spawn("redis", [find_redis_server(), *args[1:]])
-        _wait(lambda: ping("127.0.0.1", port), "redis", self)
+        _wait(lambda: ping("127.0.0.1", port, password=self.redis_password), "redis", self)
 
     def start(self, component: str) -> None:
         container = self.rendered.container(component)
@@ -104,7 +111,8 @@ class LocalRelease:
         assert argv[0] == "python"
         argv[0] = sys.executable
         argv = [arg.replace("/etc/kvfleet/auth", str(self.secret_dir)).replace(
-            "/etc/kvfleet/router-secret", str(self.router_secret_dir)) for arg in argv]
+            "/etc/kvfleet/router-secret", str(self.router_secret_dir)).replace(
+            "/etc/kvfleet/redis-auth", str(self.redis_auth_dir)) for arg in argv]
         del env["HOME"]  # keep the machine's caches (the chart gives each pod an emptyDir)
         env.pop("KVFLEET_CACHE_DIR", None)
         self._spawn(component, argv, {**os.environ, **env, "PYTHONPATH": str(_repo_root())})
@@ -182,7 +190,7 @@ def test_rendered_pods_serve_the_notes_request_and_drain(release: LocalRelease) 
     redis_url = release.rendered.config()["KVFLEET_REDIS_URL"].replace(
         f"{FULLNAME}-redis:", "127.0.0.1:")
     engine_port = release.rendered.container("engine")["ports"][0]["containerPort"]
-    with redis.Redis.from_url(redis_url) as store:
+    with redis.Redis.from_url(redis_url, password=release.redis_password) as store:
         key = redis_schema.engine_key(ENGINE_POD)
         assert store.hget(key, "address") == f"127.0.0.1:{engine_port}".encode()
         services = tuple(reversed(SERVICES))
