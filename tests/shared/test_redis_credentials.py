@@ -23,7 +23,6 @@ def test_a_redis_server_with_a_password_refuses_anonymous_clients() -> None:
         RedisServer(password='has "quotes"')
 
 
-
 def test_the_password_is_not_on_redis_servers_command_line() -> None:
     with RedisServer(password="pw-not-in-argv") as server:
         assert server._process is not None
