@@ -96,7 +96,7 @@ def describe(url: str) -> str:
 def add_redis_access_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("redis access")
     group.add_argument("--redis-username", default=None,
-                       help="Redis ACL user (default: the URL's, else 'default')")
+                       help="Redis ACL user (a user in --redis-url takes precedence)")
     group.add_argument("--redis-password-file", type=Path, default=None,
                        help="file holding the Redis password (kept out of the command line; "
                             "kvfleet up and the Helm chart create it)")
