@@ -78,6 +78,9 @@ def test_tls_flags_reach_every_service_and_routers_verify_engines_by_role() -> N
         assert "--tls-ca-file=/etc/kvfleet/tls/ca.crt" in argv
         probe = rendered.container(component)["readinessProbe"]
         assert "tcpSocket" in probe  # the kubelet's gRPC probe has no TLS
+        name = f"{FULLNAME}-{component}"
+        ports = {p["name"]: p for p in rendered.get("Service", name)["spec"]["ports"]}
+        assert ports["grpc"]["appProtocol"] == "https"  # not cleartext h2c to a gateway
     router = command_line(rendered, "router")
     assert "--engine-tls-name=kvfleet-engine" in router
     assert "--ssl-certfile=/etc/kvfleet/tls/tls.crt" in router
