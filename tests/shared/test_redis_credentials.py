@@ -19,6 +19,10 @@ def test_a_redis_server_with_a_password_refuses_anonymous_clients() -> None:
             anonymous.ping()
         with redis.Redis.from_url(server.url) as client:
             assert client.ping()
+        server.stop()
+        server.start()  # "Redis restarted empty" (fault tests): same port, same password
+        with redis.Redis.from_url(server.url) as client:
+            assert client.ping()
     with pytest.raises(ValueError):
         RedisServer(password='has "quotes"')
 
