@@ -91,7 +91,16 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls", action="store_true",
                         help="mutual TLS between the services and HTTPS on the router, with a "
                              "throwaway CA in the run directory (docs/tls.md)")
-    parser.add_argument("--api-keys", type=Path, default=None, help="router API key file")
+    parser.add_argument("--tenant-policy", "--api-keys", dest="api_keys", type=Path,
+                        default=None, help="router tenant policy / API key file (docs/tenants.md)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="router serves /v1/load_lora_adapter and /v1/unload_lora_adapter to "
+                             "admin keys (needs --lora-allowed-dirs)")
+    parser.add_argument("--lora-allowed-dirs", nargs="+", type=Path, default=[], metavar="DIR",
+                        help="directories router and engines load LoRA adapters from at run time")
+    parser.add_argument("--allow-special-tokens-in-prompts", action="store_true",
+                        help="tokenizer parses special-token strings in prompts and message "
+                             "contents as control tokens (vLLM's behaviour; default: plain text)")
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
     parser.add_argument("--http-port", type=int, default=8000,
@@ -108,6 +117,9 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "without one, or to replace theirs")
     parser.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
                         metavar="ARG", help="extra engine flag, e.g. --engine-arg=--max-num-seqs=8")
+    parser.add_argument("--router-arg", action="append", default=[], dest="router_args",
+                        metavar="ARG", help="extra router flag, e.g. "
+                                            "--router-arg=--enable-auto-tool-choice")
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="torch threads per engine (default: cores / engines)")
     parser.add_argument("--demo", action="store_true",
@@ -206,23 +218,32 @@ def _print_text(text: str) -> None:
     print(text, end="", flush=True)
 
 
+def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
+    """The fleet `kvfleet up` starts, from its arguments."""
+    return FleetConfig(
+        model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
+        host=args.host, router_port=args.port,
+        router_http_port=http_port_or_free(args.host, args.http_port),
+        policy=args.policy, api_keys=args.api_keys,
+        engine_args=tuple(args.engine_args), router_args=tuple(args.router_args),
+        log_dir=args.log_dir or run_logs.new_run_dir(),
+        engine_threads=args.engine_threads or default_engine_threads(args.engines),
+        metrics=not args.no_metrics, served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_allowed_dirs=tuple(args.lora_allowed_dirs),
+        allow_special_tokens_in_prompts=args.allow_special_tokens_in_prompts,
+        redis_password_file=args.redis_password_file, tls=args.tls,
+    )
+
+
 def run_up(args: argparse.Namespace, demo: bool) -> int:
     model_dir = args.model
     if model_dir is None:
         from engine.models.default_model import prepare_default_model
 
         model_dir = prepare_default_model()
-    config = FleetConfig(
-        model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
-        host=args.host, router_port=args.port,
-        router_http_port=http_port_or_free(args.host, args.http_port),
-        policy=args.policy, api_keys=args.api_keys,
-        engine_args=tuple(args.engine_args), log_dir=args.log_dir or run_logs.new_run_dir(),
-        engine_threads=args.engine_threads or default_engine_threads(args.engines),
-        metrics=not args.no_metrics, served_model_name=args.served_model_name,
-        chat_template=args.chat_template, redis_password_file=args.redis_password_file,
-        tls=args.tls,
-    )
+    config = up_config(args, model_dir)
     fleet = Fleet(config)
     signals = _Signals(fleet)
     signals.install()

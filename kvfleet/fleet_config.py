@@ -44,6 +44,11 @@ class FleetConfig:
     served_model_name: str | None = None
     # The tokenizer's chat template (a file or the template itself), for models without one.
     chat_template: str | None = None
+    # docs/security.md: the router's runtime adapter endpoints (admins only), the adapter
+    # directories (router and engines), and special tokens in prompts (tokenizer).
+    allow_runtime_lora_updating: bool = False
+    lora_allowed_dirs: tuple[Path, ...] = ()
+    allow_special_tokens_in_prompts: bool = False
     # The password of the Redis at `redis_url` (a file; the fleet's own Redis gets a
     # generated one).
     redis_password_file: Path | None = None
@@ -68,13 +73,20 @@ def tokenizer_command(config: FleetConfig, port: int = 0) -> list[str]:
                "--host", config.host, "--port", str(port), *_served_name(config)]
     if config.chat_template is not None:
         command += ["--chat-template", config.chat_template]
+    if config.allow_special_tokens_in_prompts:
+        command.append("--allow-special-tokens-in-prompts")
     return command
 
 
 def engine_command(config: FleetConfig, name: str, redis_url: str) -> list[str]:
     return [sys.executable, "-m", "engine.service.server", "--model", str(config.model_dir),
             "--engine-id", name, "--redis-url", redis_url, "--host", config.host,
-            "--port", "0", *_served_name(config), *config.engine_args]
+            "--port", "0", *_served_name(config), *_lora_dirs(config), *config.engine_args]
+
+
+def _lora_dirs(config: FleetConfig) -> list[str]:
+    dirs = config.lora_allowed_dirs
+    return ["--lora-allowed-dirs", *map(str, dirs)] if dirs else []
 
 
 def _served_name(config: FleetConfig) -> list[str]:
@@ -95,4 +107,6 @@ def router_command(
                "--port", str(port), *config.router_args]
     if config.api_keys is not None:
         command += ["--api-keys", str(config.api_keys)]
-    return command
+    if config.allow_runtime_lora_updating:
+        command.append("--allow-runtime-lora-updating")
+    return command + _lora_dirs(config)

@@ -49,8 +49,11 @@ from router.engines.dispatch import StreamDeadlines
 from router.engines.pool import EnginePool
 from router.http.app import OpenAIApi
 from router.http.https import HttpsOptions, add_https_arguments
+from router.http.lora_endpoints import RuntimeLoRAConfig, add_runtime_lora_arguments
 from router.http.uvicorn_server import HttpServer
 from router.metrics import RouterMetrics
+from router.openai.chat_output import ChatOutputConfig
+from router.openai.output_flags import add_chat_output_arguments, chat_output_config
 from router.pipeline import DEFAULT_MAX_ATTEMPTS, GenerationPipeline
 from router.request_limits import RequestLimits, add_limit_arguments
 from router.routing.decision import EngineSelector, RoutingConfig
@@ -95,6 +98,13 @@ class RouterConfig:
     # The name an engine's certificate must carry ({engine_id}: the id it claims in Redis).
     engine_tls_name: str = DEFAULT_ENGINE_NAME
     tokenizer_tls_name: str = TOKENIZER_ROLE
+    # Tool calls and reasoning in chat output (--enable-auto-tool-choice, --tool-call-parser,
+    # --reasoning-parser).
+    chat_output: ChatOutputConfig = field(default_factory=ChatOutputConfig)
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (admins only), and the adapter roots.
+    runtime_lora: RuntimeLoRAConfig = field(default_factory=RuntimeLoRAConfig)
+    # Prompt text on the request's span (gen_ai.prompt); off: spans never hold prompts.
+    trace_prompts: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -133,6 +143,9 @@ class RouterConfig:
             tls=TlsFiles.from_flags(args.tls_cert_file, args.tls_key_file, args.tls_ca_file),
             engine_tls_name=args.engine_tls_name,
             tokenizer_tls_name=args.tokenizer_tls_name,
+            chat_output=args.chat_output,
+            runtime_lora=RuntimeLoRAConfig.from_args(args),
+            trace_prompts=args.trace_prompts,
         )
 
 
@@ -209,18 +222,19 @@ def build_router(
         tls=None if credentials is None else ClientTls(credentials, config.engine_tls_name),
     )
     discovery = EngineDiscovery(config.discovery) if config.discovery.enabled else None
-    placer = LoRAPlacer(config.lora, engine_loader(pool, config.lora.load_timeout_s), metrics)
+    loader = engine_loader(pool, config.lora.load_timeout_s, config.runtime_lora.roots)
+    placer = LoRAPlacer(config.lora, loader, metrics)
     selector = EngineSelector(config.routing, index, pool, metrics, discovery, placer)
     pipeline = GenerationPipeline(
         tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines,
-        config.limits, rate_limiter,
+        config.limits, rate_limiter, config.trace_prompts,
     )
     servicer = RouterServicer(policies, pipeline, metrics)
     # The front door: TLS without client certificates (clients authenticate by API key).
     server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s,
                         credentials=None if tls is None else
                         tls.server_credentials(require_client_auth=False))
-    http = OpenAIApi(pipeline, policies, metrics)
+    http = OpenAIApi(pipeline, policies, metrics, config.chat_output, config.runtime_lora)
     logger.info(
         "router: policy %s, tokenizer %s, redis %s, engines without redis %s, auth %s, "
         "transport %s",
@@ -355,17 +369,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port-file", type=Path, default=None,
                         help="write the bound HTTP port here once it serves")
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    parser.add_argument("--trace-prompts", action="store_true",
+                        help="add each request's prompt text to its trace span (gen_ai.prompt); "
+                             "off by default: spans carry no prompt, API key or secret")
     parser.add_argument("--lora-autoload", action=argparse.BooleanOptionalAction, default=True,
                         help="when every engine serving a request's LoRA adapter is saturated, "
                              "load it on another engine and send the request there "
                              "(docs/lora.md; default: on)")
+    add_runtime_lora_arguments(parser)
     add_engine_source_arguments(parser)
     add_redis_access_arguments(parser)
     add_peer_tls_arguments(parser)
     add_https_arguments(parser)
     add_limit_arguments(parser)
+    add_chat_output_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.chat_output = chat_output_config(parser, args)
+    return args
 
 
 def add_engine_source_arguments(parser: argparse.ArgumentParser) -> None:

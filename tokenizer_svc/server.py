@@ -42,6 +42,7 @@ async def serve(
     *,
     model_name: str | None = None,
     chat_template: str | None = None,
+    allow_special_tokens: bool = False,
     grace_s: float | None = None,
     port_file: str | Path | None = None,
     on_shutdown: ShutdownHook | None = None,
@@ -58,7 +59,8 @@ async def serve(
     registry = CollectorRegistry()
     server = build_server(
         model_dir, host, port, model_name=model_name, chat_template=chat_template,
-        grace_s=grace_s, registry=registry, credentials=credentials,
+        allow_special_tokens=allow_special_tokens, grace_s=grace_s, registry=registry,
+        credentials=credentials,
     )
     bound_port = await server.start()
     endpoint = start_metrics_endpoint(
@@ -80,6 +82,7 @@ def build_server(
     *,
     model_name: str | None = None,
     chat_template: str | None = None,
+    allow_special_tokens: bool = False,
     grace_s: float | None = None,
     registry: CollectorRegistry | None = None,
     credentials: grpc.ServerCredentials | None = None,
@@ -90,7 +93,8 @@ def build_server(
     kvfleet:tokenizer_request_duration_seconds{method}); a private one when None.
     With `credentials`, it serves TLS only (kvfleet.runtime.tls).
     """
-    servicer = TokenizerServicer.from_model_dir(model_dir, model_name, chat_template)
+    servicer = TokenizerServicer.from_model_dir(model_dir, model_name, chat_template,
+                                                allow_special_tokens)
     metrics = RpcMetrics(registry or CollectorRegistry(), TOKENIZER_METRICS_PREFIX)
     return GrpcServer(
         [servicer.as_service()],
@@ -116,6 +120,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
         help="Jinja chat template, a file or the template itself (default: the model's own)",
+    )
+    parser.add_argument(
+        "--allow-special-tokens-in-prompts", action="store_true",
+        help="parse special-token strings (e.g. <|im_end|>) in text prompts and chat message "
+             "contents as control tokens, as vLLM does (default: plain text; the chat "
+             "template's own stay special; docs/security.md)",
     )
     add_server_arguments(parser, default_port=DEFAULT_PORT)
     return parser.parse_args(argv)
@@ -148,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 options.port,
                 model_name=args.served_model_name,
                 chat_template=chat_template,
+                allow_special_tokens=args.allow_special_tokens_in_prompts,
                 grace_s=options.grace_s,
                 port_file=options.port_file,
                 metrics_port=options.metrics_port,

@@ -31,7 +31,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -44,13 +44,19 @@ from engine.kv_tiers.flags import add_kv_tier_arguments, kv_tier_config
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
 from engine.service.engine_thread import EngineThread
-from engine.service.lora_flags import add_lora_arguments, lora_config, lora_modules
+from engine.service.lora_flags import (
+    add_lora_arguments,
+    lora_config,
+    lora_modules,
+    lora_roots,
+)
 from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
 from engine.service.servicer import EngineIdentity, EngineServicer
 from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_TIMEOUT_S
 from engine.service.step_watchdog import StepWatchdog
 from engine.spec_decode.spec_config import speculative_config_arg
+from kvfleet.contracts.adapter_paths import AdapterRoots
 from kvfleet.runtime import event_loop
 from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
@@ -91,6 +97,8 @@ class EngineServerOptions:
     lora_modules: tuple[LoRARequest, ...] = ()
     # Redis credentials and TLS (read from their files at start).
     redis_access: RedisAccess = NO_ACCESS
+    # --lora-allowed-dirs: where LoadLoRAAdapter may read adapters from (none: anywhere).
+    lora_roots: AdapterRoots = field(default_factory=AdapterRoots)
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -170,7 +178,8 @@ class EngineServer:
             lambda: async_engine.progress, options.watchdog_timeout_s,
             self._set_serving, self._on_engine_death,
         )
-        servicer = EngineServicer(self._async_engine, identity, self._watchdog.problem)
+        servicer = EngineServicer(self._async_engine, identity, self._watchdog.problem,
+                                  options.lora_roots)
         self._grpc = GrpcServer(
             [servicer.as_service()],
             host=options.server.host,
@@ -387,6 +396,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         router_secret_file=args.router_secret_file,
         lora_modules=lora_modules(args),
         redis_access=RedisAccess.from_args(args),
+        lora_roots=lora_roots(args),
     )
 
 
