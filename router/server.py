@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
@@ -249,7 +250,18 @@ def build_router(
         "plaintext (engines are dialed at the address Redis names)" if tls is None
         else f"mutual TLS (engine certificates must name {config.engine_tls_name})",
     )
+    if tls is None and secret is not None and not _on_loopback(config.redis_url):
+        logger.warning("plaintext gRPC: engines are dialed at whatever address Redis names and "
+                       "get the router credential unverified; over a network, use --tls-* "
+                       "(docs/tls.md)")
     return RouterApp(server, tokenizer, pool, index, metrics, http, policies, rate_limiter)
+
+
+def _on_loopback(redis_url: str | None) -> bool:
+    """Whether Redis (so every engine it names, as `kvfleet up` runs them) is on this host."""
+    host = urlsplit(redis_url).hostname if redis_url else None
+    return host in (None, "localhost") or (host is not None and host.startswith("127.")) \
+        or host == "::1"
 
 
 async def serve(
