@@ -12,6 +12,11 @@ With `meta.prefill_batch` set (compiled kernels loaded) all prefill segments are
 `paged_prefill_attention` call reading the cache in place through block tables; otherwise each
 segment gathers its context and runs `F.scaled_dot_product_attention`. Decodes use
 `paged_decode_attention` when `meta.use_decode_kernel`, else a padded PyTorch batch.
+
+A layer built with a sliding window or a logit cap (Gemma) attends every row through
+`engine.attention.masked_reference` instead: the kernels implement neither yet, and the engine
+refuses the Triton backend for such models (engine.models.registry) rather than run them
+without the window or the cap.
 """
 
 from __future__ import annotations
@@ -20,17 +25,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.masked_reference import masked_attention_into
 from engine.attention.metadata import AttentionMetadata, PrefillSegment
 from engine.attention.triton_backend import triton_attention
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_cap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
+        self.masked = sliding_window is not None or logit_cap is not None
         # The compiled kernels are instantiated for these head sizes only; other models keep
         # the PyTorch paths.
         self.kernel_fits = head_dim in (16, 32, 64, 128)
@@ -44,6 +61,8 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         if meta.unified is not None:  # Triton backend (CUDA, or CPU interpreted)
+            if self.masked:  # refused at start-up; never attend without the window or cap
+                raise RuntimeError("the Triton attention kernel has no sliding window or cap")
             return triton_attention(
                 query, key, value, kv_cache, meta.slot_mapping, meta.unified, self.scale
             )
@@ -58,6 +77,10 @@ class PagedAttention(nn.Module):
 
         # Contiguous (query may be a strided view of the fused qkv projection).
         out = query.new_empty(query.shape)
+        if self.masked:
+            masked_attention_into(out, query, flat_k, flat_v, meta, self.scale,
+                                  self.sliding_window, self.logit_cap)
+            return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
         use_kernels = (
             self.kernel_fits and query.dtype == kv_cache.dtype and query.stride(-1) == 1
         )

@@ -41,6 +41,7 @@ from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
+from engine.models.registry import check_features
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
 from engine.worker.cuda_graphs import capture_sizes
@@ -71,6 +72,12 @@ class LLMEngine:
                 "use auto or dense"
             )
         self.model_config = ModelConfig.from_dir(model_dir)
+        # Before loading: a feature the model family cannot run is refused, never run wrong.
+        check_features(
+            self.model_config.architecture, lora=config.enable_lora,
+            spec_decode=config.speculative_config is not None,
+            triton=self.attention_backend == "triton",
+        )
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         torch.manual_seed(config.seed)
         gpu_in_use: tuple[int, int] | None = None

@@ -17,17 +17,20 @@ import math
 
 import torch
 
-from engine.models.config import Llama3RopeScaling
+from engine.models.config import LinearRopeScaling, RopeScaling
 
 
 def compute_inv_freq(
-    head_dim: int, theta: float, scaling: Llama3RopeScaling | None
+    head_dim: int, theta: float, scaling: RopeScaling | None
 ) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] float32, with llama3 scaling as transformers does it."""
+    """Inverse frequencies [head_dim / 2] float32, scaled (linear, llama3) as transformers
+    does it."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     old_context_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_context_len / scaling.low_freq_factor
     high_freq_wavelen = old_context_len / scaling.high_freq_factor
@@ -55,7 +58,7 @@ class RotaryEmbedding:
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: Llama3RopeScaling | None = None,
+        scaling: RopeScaling | None = None,
     ) -> None:
         self.head_dim = head_dim
         self.max_positions = max_positions
