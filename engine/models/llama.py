@@ -292,6 +292,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
             layers.append(layer.gemm_weights())
+        # The timing sweeps layers of one shape (Qwen3-MoE mixes dense and MoE layers).
+        shapes = [w.shape for w in layers[0]]
+        layers = [ws for ws in layers if [w.shape for w in ws] == shapes]
         choice = choose_backend(layers, weight.detach(), requested, prefill_rows=prefill_rows)
         backend = choice.backend
         prepack_linears(self, backend, choice.dense_above)
