@@ -9,9 +9,8 @@ import pytest
 
 from tests.fixtures.family_exactness import (
     MODES,
-    check_logprobs,
+    check_logprobs_and_prefix_hits,
     check_mode,
-    check_prefix_hits,
     family_reference,
 )
 from tests.fixtures.family_models import build_family_dir
@@ -32,9 +31,5 @@ def test_mixtral_greedy_matches_transformers(model_dir, reference, mode):
     check_mode(model_dir, *reference, mode)
 
 
-def test_mixtral_prefix_hits(model_dir, reference):
-    check_prefix_hits(model_dir, *reference)
-
-
-def test_mixtral_logprobs_match_transformers(model_dir, reference):
-    check_logprobs(model_dir, *reference)
+def test_mixtral_logprobs_and_prefix_hits(model_dir, reference):
+    check_logprobs_and_prefix_hits(model_dir, *reference)
