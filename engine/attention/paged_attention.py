@@ -13,10 +13,10 @@ With `meta.prefill_batch` set (compiled kernels loaded) all prefill segments are
 segment gathers its context and runs `F.scaled_dot_product_attention`. Decodes use
 `paged_decode_attention` when `meta.use_decode_kernel`, else a padded PyTorch batch.
 
-A layer built with a sliding window or a logit cap (Gemma) attends every row through
-`engine.attention.masked_reference` instead: the kernels implement neither yet, and the engine
-refuses the Triton backend for such models (engine.models.registry) rather than run them
-without the window or the cap.
+A layer built with a sliding window or a logit cap (Gemma) passes both to the Triton kernel,
+which implements them; on the CPU paths it attends every row through
+`engine.attention.masked_reference` instead (exact, not fast): the compiled C++ kernels
+implement neither yet.
 """
 
 from __future__ import annotations
@@ -61,10 +61,9 @@ class PagedAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         if meta.unified is not None:  # Triton backend (CUDA, or CPU interpreted)
-            if self.masked:  # refused at start-up; never attend without the window or cap
-                raise RuntimeError("the Triton attention kernel has no sliding window or cap")
             return triton_attention(
-                query, key, value, kv_cache, meta.slot_mapping, meta.unified, self.scale
+                query, key, value, kv_cache, meta.slot_mapping, meta.unified, self.scale,
+                self.sliding_window, self.logit_cap,
             )
         flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
         flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)

@@ -75,9 +75,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         keep_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        # transformers: the scale is a float32 tensor cast to the weight dtype, then multiplied.
-        scale = torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
-        hidden = hidden * scale.to(hidden.device)
+        # transformers multiplies by sqrt(hidden) as a float32 tensor cast to the weight dtype;
+        # a Python float of that rounded value gives the same products, and creates no tensor
+        # (CUDA graph capture replays this forward).
+        scale = float(torch.tensor(self.config.hidden_size**0.5).to(hidden.dtype))
+        hidden = hidden * scale
         tables = self.rotary.lookup(positions, hidden.dtype)
         local = (self.sliding_rotary.lookup(positions, hidden.dtype)
                  if self.sliding_rotary is not None else tables)

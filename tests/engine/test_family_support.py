@@ -72,7 +72,7 @@ def test_qwen3_moe_layers() -> None:
     [
         ("Qwen3ForCausalLM", {"enable_lora": True}, "LoRA"),
         ("MixtralForCausalLM", {"enable_lora": True}, "LoRA"),
-        ("Gemma2ForCausalLM", {"attention_backend": "triton"}, "Triton"),
+        ("Gemma2ForCausalLM", {"enable_lora": True}, "LoRA"),
     ],
 )
 def test_unsupported_feature_refused_at_start(tmp_path, architecture, engine_args, feature):
