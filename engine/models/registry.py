@@ -29,18 +29,21 @@ class Family:
 _LLAMA = Family(LlamaForCausalLM)
 # Families added with issue 39: the exactness suite runs them on the CPU attention paths, with
 # n-gram speculative decoding, and through the Triton kernel
-# (tests/kernels_triton/test_engine_triton_gemma.py); LoRA is not yet tested with them.
-_NEW = Family(LlamaForCausalLM, lora=False)
-_GEMMA = Family(GemmaForCausalLM, lora=False)
+# (tests/kernels_triton/test_engine_triton_gemma.py). LoRA: tested on Qwen3 and Gemma 2
+# (tests/engine/test_family_lora.py); Phi-3's adapters target its fused qkv_proj/gate_up_proj,
+# which the adapter loader does not split, and MoE experts have no LoRA slots.
+_QWEN3 = Family(LlamaForCausalLM)
+_NO_LORA = Family(LlamaForCausalLM, lora=False)
+_GEMMA = Family(GemmaForCausalLM)
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
-    "Qwen3ForCausalLM": _NEW,
-    "Phi3ForCausalLM": _NEW,
-    "MixtralForCausalLM": _NEW,
-    "Qwen3MoeForCausalLM": _NEW,
+    "Qwen3ForCausalLM": _QWEN3,
+    "Phi3ForCausalLM": _NO_LORA,
+    "MixtralForCausalLM": _NO_LORA,
+    "Qwen3MoeForCausalLM": _NO_LORA,
     "Gemma2ForCausalLM": _GEMMA,
     "Gemma3ForCausalLM": _GEMMA,
 }

@@ -70,9 +70,9 @@ def test_qwen3_moe_layers() -> None:
 @pytest.mark.parametrize(
     ("architecture", "engine_args", "feature"),
     [
-        ("Qwen3ForCausalLM", {"enable_lora": True}, "LoRA"),
+        ("Phi3ForCausalLM", {"enable_lora": True}, "LoRA"),
         ("MixtralForCausalLM", {"enable_lora": True}, "LoRA"),
-        ("Gemma2ForCausalLM", {"enable_lora": True}, "LoRA"),
+        ("Qwen3MoeForCausalLM", {"enable_lora": True}, "LoRA"),
     ],
 )
 def test_unsupported_feature_refused_at_start(tmp_path, architecture, engine_args, feature):
