@@ -18,6 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.models.family_config import FAMILY_ARCHITECTURES, family_fields
+from engine.models.rope_scaling import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    RopeScaling,
+    parse_scaling,
+)
+
+__all__ = ["Llama3RopeScaling", "LinearRopeScaling", "ModelConfig", "RopeScaling"]
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", *FAMILY_ARCHITECTURES,
@@ -41,26 +49,6 @@ _O_PROJ_BIAS = (
     "LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1-style frequency-dependent RoPE scaling (`rope_type == "llama3"`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-@dataclass(frozen=True)
-class LinearRopeScaling:
-    """Position interpolation (`rope_type == "linear"`): every inverse frequency / factor."""
-
-    factor: float
-
-
-RopeScaling = Llama3RopeScaling | LinearRopeScaling
 
 
 @dataclass(frozen=True)
@@ -239,25 +227,14 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return float(theta), None
-    if rope_type == "linear":
-        return float(theta), LinearRopeScaling(factor=float(params["factor"]))
-    if rope_type != "llama3":
-        raise ValueError(
-            f"unsupported rope_type {rope_type!r}; supported: 'default', 'linear', 'llama3'"
-        )
     # transformers gives a top-level original_max_position_embeddings priority.
-    original = (
+    max_positions = _max_positions(raw, str(raw["architectures"][0]))
+    original = int(
         raw.get("original_max_position_embeddings")
         or params.get("original_max_position_embeddings")
-        or _max_positions(raw, str(raw["architectures"][0]))
+        or max_positions
     )
-    scaling = Llama3RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(original),
-    )
-    return float(theta), scaling
+    return float(theta), parse_scaling(str(rope_type), params, original, max_positions)
 
 
 def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:

@@ -39,8 +39,6 @@ def family_fields(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
                            moe_layers=(True,) * int(raw["num_hidden_layers"]))
     if architecture == "Qwen3MoeForCausalLM":
         return {"qk_norm": True, **_qwen3_moe_fields(raw)}
-    if architecture == "Phi3ForCausalLM":
-        _check_phi3(raw)
     return {}
 
 
@@ -129,13 +127,3 @@ def _qwen3_moe_fields(raw: dict[str, Any]) -> dict[str, Any]:
     )
     return _moe_fields(raw, int(raw.get("moe_intermediate_size", 768)),
                        renormalize=bool(raw.get("norm_topk_prob", False)), moe_layers=layers)
-
-
-def _check_phi3(raw: dict[str, Any]) -> None:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise ValueError(
-            f"unsupported Phi3ForCausalLM rope_type {rope_type!r} (longrope/su scaling is not "
-            "implemented); supported: 'default'"
-        )

@@ -43,11 +43,6 @@ def test_every_supported_architecture_parses() -> None:
         assert config(architecture).architecture == architecture
 
 
-def test_phi3_longrope_is_refused() -> None:
-    with pytest.raises(ValueError, match="longrope"):
-        config("Phi3ForCausalLM", rope_scaling={"type": "longrope", "short_factor": [1.0]})
-
-
 def test_gemma_defaults_follow_transformers() -> None:
     gemma2 = config("Gemma2ForCausalLM")
     assert gemma2.layer_windows == (4096, None, 4096, None)
