@@ -128,15 +128,19 @@ class ModelConfig:
 
     @property
     def num_parameters(self) -> int:
-        """Parameter count of the decoder (embedding, layers, final norm, untied LM head)."""
+        """Parameter count of the decoder (embedding, layers, final norm, untied LM head;
+        q/k norms and biases left out: they are a rounding error)."""
         hidden, inter = self.hidden_size, self.intermediate_size
-        per_layer = (
-            hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
-            + 3 * hidden * inter + 2 * hidden
-        )
+        attention = hidden * (self.q_size + 2 * self.kv_size) + self.q_size * hidden
+        dense_mlp = 3 * hidden * inter
+        moe_mlp = self.num_experts * (3 * hidden * self.moe_intermediate_size + hidden)
+        mlps = sum(moe_mlp if self.is_moe_layer(i) else dense_mlp
+                   for i in range(self.num_hidden_layers))
         embed = self.vocab_size * hidden
         head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_hidden_layers * per_layer + hidden + head
+        norms = 4 if self.gemma else 2
+        return (embed + self.num_hidden_layers * (attention + norms * hidden) + mlps + hidden
+                + head)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
