@@ -1,9 +1,10 @@
 """Attention with a sliding window and/or tanh logit soft-capping, in plain PyTorch.
 
-The compiled CPU kernels (kernels/cpu) and the Triton kernel compute plain causal softmax
-attention; layers that slide (Gemma's local layers) or cap their scores (Gemma 2) take this
-path instead, for every prefill segment and decode of the step. It is the correct path, not
-the fast one: each query row materialises its scores against its whole context.
+The reference for the kernels' window and cap options (kernels/cpu, kernels/triton), and the
+path of layers that slide (Gemma's local layers) or cap their scores (Gemma 2) wherever the
+compiled kernels are not used (PyTorch backend, head sizes they are not built for), for every
+prefill segment and decode of the step. Correct, not fast: each query row materialises its
+scores against its whole context.
 
 Numerics follow transformers' eager attention (Gemma2's `eager_attention_forward`): scores =
 q @ k^T * scale; capped = cap * tanh(scores / cap); masked keys get -inf; softmax in float32,

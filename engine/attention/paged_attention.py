@@ -13,10 +13,10 @@ With `meta.prefill_batch` set (compiled kernels loaded) all prefill segments are
 segment gathers its context and runs `F.scaled_dot_product_attention`. Decodes use
 `paged_decode_attention` when `meta.use_decode_kernel`, else a padded PyTorch batch.
 
-A layer built with a sliding window or a logit cap (Gemma) passes both to the Triton kernel,
-which implements them; on the CPU paths it attends every row through
-`engine.attention.masked_reference` instead (exact, not fast): the compiled C++ kernels
-implement neither yet.
+A layer built with a sliding window or a logit cap (Gemma) passes both to the kernels (C++
+and Triton), which implement them; the shared-prefix decode kernel does not, so such a layer
+decodes every request alone. Where the compiled kernels are not used (PyTorch backend, head
+sizes or dtypes they lack) it attends through `engine.attention.masked_reference`.
 """
 
 from __future__ import annotations
@@ -76,19 +76,20 @@ class PagedAttention(nn.Module):
 
         # Contiguous (query may be a strided view of the fused qkv projection).
         out = query.new_empty(query.shape)
-        if self.masked:
-            masked_attention_into(out, query, flat_k, flat_v, meta, self.scale,
-                                  self.sliding_window, self.logit_cap)
-            return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
         use_kernels = (
             self.kernel_fits and query.dtype == kv_cache.dtype and query.stride(-1) == 1
         )
+        if self.masked and not (use_kernels and meta.use_decode_kernel):
+            masked_attention_into(out, query, flat_k, flat_v, meta, self.scale,
+                                  self.sliding_window, self.logit_cap)
+            return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
         batch = meta.prefill_batch
         if batch is not None and use_kernels:
             # Reads the strided query in place; writes every prefill row of `out`.
             torch.ops.kvfleet_cpu.paged_prefill_attention(
                 out, query, kv_cache[0], kv_cache[1], batch.block_tables, batch.query_starts,
-                batch.query_lens, batch.context_lens, self.scale,
+                batch.query_lens, batch.context_lens, self.scale, self.sliding_window or 0,
+                self.logit_cap or 0.0,
             )
             prefills: tuple[PrefillSegment, ...] = ()
         else:
@@ -126,7 +127,7 @@ class PagedAttention(nn.Module):
         if meta.use_decode_kernel and use_kernels:
             # The kernel reads q through its strides (a view of the fused qkv projection).
             result = dest if dest is not None else torch.empty_like(q)
-            if decode.shared is not None:  # shared prefixes attended once per group
+            if decode.shared is not None and not self.masked:  # shared prefixes once per group
                 torch.ops.kvfleet_cpu.paged_decode_attention_shared(
                     result, q, kv_cache[0], kv_cache[1], decode.block_tables,
                     decode.context_lens, self.scale, decode.shared.group_of,
@@ -135,7 +136,8 @@ class PagedAttention(nn.Module):
             else:
                 torch.ops.kvfleet_cpu.paged_decode_attention(
                     result, q, kv_cache[0], kv_cache[1], decode.block_tables,
-                    decode.context_lens, self.scale,
+                    decode.context_lens, self.scale, self.sliding_window or 0,
+                    self.logit_cap or 0.0,
                 )
         else:
             result = self._decode(q, flat_k, flat_v, meta)
