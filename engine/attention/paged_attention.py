@@ -50,7 +50,7 @@ class PagedAttention(nn.Module):
         self.masked = sliding_window is not None or logit_cap is not None
         # The compiled kernels are instantiated for these head sizes only; other models keep
         # the PyTorch paths.
-        self.kernel_fits = head_dim in (16, 32, 64, 128)
+        self.kernel_fits = head_dim in (16, 32, 64, 128, 256)
 
     def forward(
         self,

@@ -3,7 +3,7 @@
 //
 // Shapes: q, out [B, H, D] (any token/head strides, unit stride over D); k_cache, v_cache
 // [num_blocks, block_size, KVH, D] contiguous; block_tables [B, max_blocks] int32;
-// context_lens [B] int32 (this step's token included). D in {16, 32, 64, 128}; float32 or
+// context_lens [B] int32 (this step's token included). D in {16, 32, 64, 128, 256}; float32 or
 // bfloat16, arithmetic in float32.
 //
 // Work item = a request (or, with few requests, one KV head of a request so both threads
@@ -272,7 +272,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
           case 16: prefix_partials<T, 16>(pb, sh.items[i], pre); break;
           case 32: prefix_partials<T, 32>(pb, sh.items[i], pre); break;
           case 64: prefix_partials<T, 64>(pb, sh.items[i], pre); break;
-          default: prefix_partials<T, 128>(pb, sh.items[i], pre); break;
+          case 128: prefix_partials<T, 128>(pb, sh.items[i], pre); break;
+          default: prefix_partials<T, 256>(pb, sh.items[i], pre); break;
         }
       }
     });
@@ -287,7 +288,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         case 16: dispatch_item<T, 16>(pb, items[i], start, &pre); break;
         case 32: dispatch_item<T, 32>(pb, items[i], start, &pre); break;
         case 64: dispatch_item<T, 64>(pb, items[i], start, &pre); break;
-        default: dispatch_item<T, 128>(pb, items[i], start, &pre); break;
+        case 128: dispatch_item<T, 128>(pb, items[i], start, &pre); break;
+        default: dispatch_item<T, 256>(pb, items[i], start, &pre); break;
       }
     }
   });
@@ -300,7 +302,8 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
               "q and out must be [B, H, D] with unit stride over D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "head_dim must be 16, 32, 64 or 128");
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256,
+              "head_dim must be 16, 32, 64, 128 or 256");
   TORCH_CHECK(k_cache.size(3) == d, "cache head_dim differs from q");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),

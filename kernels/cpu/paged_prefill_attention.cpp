@@ -10,7 +10,7 @@
 //
 // Shapes: q, out [T, H, D] (any token/head strides, unit stride over D); k_cache, v_cache
 // [num_blocks, block_size, KVH, D] contiguous; block_tables [S, max_blocks], query_starts,
-// query_lens, context_lens [S], all int32. D in {16, 32, 64, 128}; float32 or bfloat16,
+// query_lens, context_lens [S], all int32. D in {16, 32, 64, 128, 256}; float32 or bfloat16,
 // arithmetic in float32.
 //
 // Work item = (segment, tile of query tokens, KV head, run of that KV head's query heads).
@@ -51,7 +51,7 @@ constexpr int kChunk = 16;    // keys per softmax step
 constexpr int kMaxRows = 64;  // (token, head) rows per item: four vectors
 constexpr float kNeg = -1e30f;
 constexpr float kLog2e = 1.4426950408889634f;
-alignas(64) const float kZeros[128] = {};
+alignas(64) const float kZeros[256] = {};  // >= the largest D
 
 template <typename T>
 struct Problem {
@@ -382,7 +382,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         case 16: dispatch_item<T, 16>(pb, items[i], sc); break;
         case 32: dispatch_item<T, 32>(pb, items[i], sc); break;
         case 64: dispatch_item<T, 64>(pb, items[i], sc); break;
-        default: dispatch_item<T, 128>(pb, items[i], sc); break;
+        case 128: dispatch_item<T, 128>(pb, items[i], sc); break;
+        default: dispatch_item<T, 256>(pb, items[i], sc); break;
       }
     }
   });
@@ -398,7 +399,8 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
               "q and out must be [T, H, D] with unit stride over D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "head_dim must be 16, 32, 64 or 128");
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256,
+              "head_dim must be 16, 32, 64, 128 or 256");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "cache head_dim differs from q");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   for (const at::Tensor* t : {&block_tables, &query_starts, &query_lens, &context_lens})

@@ -2,7 +2,8 @@
 plain float32 attention with transformers' masks: keys j visible from position p when
 j <= p and p - j < window, scores capped to cap * tanh(s / cap). Chunks with earlier context
 cross the window, contexts run several windows long (whole key chunks skipped), head sizes
-16 and 64, GQA, float32 and bfloat16."""
+16, 64 and 256 (Gemma's), GQA, float32 and bfloat16; window 0 and cap 0 are the plain
+kernels."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def reference(q, k_cache, v_cache, tables, starts, lens, ctx, window, cap):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(16, 4, 2), (64, 2, 1)])
-@pytest.mark.parametrize(("window", "cap"), [(16, 0.0), (0, 5.0), (24, 3.0)])
+@pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(16, 4, 2), (64, 2, 1), (256, 2, 1)])
+@pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (16, 0.0), (0, 5.0), (24, 3.0)])
 def test_prefill_kernel(dtype, dim, heads, kv_heads, window, cap):
     case = make_case(SEGMENTS, heads, kv_heads, dim, dtype, 16, seed=3)
     q, k_cache, v_cache, tables, starts, lens, ctx = case
@@ -54,10 +55,11 @@ def test_prefill_kernel(dtype, dim, heads, kv_heads, window, cap):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("window", "cap"), [(16, 0.0), (0, 5.0), (24, 3.0)])
-def test_decode_kernel(dtype, window, cap):
+@pytest.mark.parametrize("dim", [64, 256])
+@pytest.mark.parametrize(("window", "cap"), [(0, 0.0), (16, 0.0), (0, 5.0), (24, 3.0)])
+def test_decode_kernel(dtype, dim, window, cap):
     # One query row per request: the context's last position.
-    case = make_case([(1, c) for c in (1, 15, 16, 17, 40, 130)], 4, 2, 64, dtype, 16, seed=4)
+    case = make_case([(1, c) for c in (1, 15, 16, 17, 40, 130)], 4, 2, dim, dtype, 16, seed=4)
     q, k_cache, v_cache, tables, starts, lens, ctx = case
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     torch.ops.kvfleet_cpu.paged_decode_attention(
