@@ -40,7 +40,7 @@ def test_adapter_and_base_in_one_chunked_batch(tmp_path, model_type):
     prompts = random_prompts(model_dir, PROMPT_LENGTHS, seed=5)
     expected = _peft_greedy(peft_model(model_dir, spec), prompts)
     llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=1,
-              max_num_batched_tokens=16)
+              max_num_batched_tokens=16, linear_backend="dense")
     engine = llm.engine
     adapter = LoRARequest(spec.name, 1, str(adapter_dir))
     requests = [engine.add_request(f"lora-{i}", p, GREEDY, lora_request=adapter)

@@ -26,7 +26,7 @@ def reference(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     return family_reference(model_dir)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(MODES))  # every mode: window, caps, tied head
 def test_gemma2_greedy_matches_transformers(model_dir, reference, mode):
     check_mode(model_dir, *reference, mode)
 
