@@ -22,8 +22,11 @@ class Family:
     model: type[LlamaForCausalLM]
     lora: bool = True
     spec_decode: bool = True
-    # The Triton attention kernel (every CUDA run, CPU when asked) and CUDA graphs on it.
+    # The Triton attention kernel (every CUDA run, CPU when asked).
     triton: bool = True
+    # Decode steps as captured CUDA graphs. MoE reads its per-expert row counts on the host
+    # (engine.models.moe), which a graph cannot capture: those decode eagerly (logged).
+    cuda_graphs: bool = True
 
 
 _LLAMA = Family(LlamaForCausalLM)
@@ -34,6 +37,7 @@ _LLAMA = Family(LlamaForCausalLM)
 # which the adapter loader does not split, and MoE experts have no LoRA slots.
 _QWEN3 = Family(LlamaForCausalLM)
 _NO_LORA = Family(LlamaForCausalLM, lora=False)
+_MOE = Family(LlamaForCausalLM, lora=False, cuda_graphs=False)
 _GEMMA = Family(GemmaForCausalLM)
 
 FAMILIES: dict[str, Family] = {
@@ -42,8 +46,8 @@ FAMILIES: dict[str, Family] = {
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _QWEN3,
     "Phi3ForCausalLM": _NO_LORA,
-    "MixtralForCausalLM": _NO_LORA,
-    "Qwen3MoeForCausalLM": _NO_LORA,
+    "MixtralForCausalLM": _MOE,
+    "Qwen3MoeForCausalLM": _MOE,
     "Gemma2ForCausalLM": _GEMMA,
     "Gemma3ForCausalLM": _GEMMA,
 }
@@ -61,6 +65,10 @@ def model_class(architecture: str) -> type[LlamaForCausalLM]:
         raise ValueError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(FAMILIES)}")
     return family.model
+
+
+def supports_cuda_graphs(architecture: str) -> bool:
+    return FAMILIES[architecture].cuda_graphs
 
 
 def check_features(architecture: str, lora: bool, spec_decode: bool, triton: bool) -> None:

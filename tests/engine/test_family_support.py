@@ -15,7 +15,7 @@ import pytest
 
 from engine import LLM
 from engine.models import ModelConfig
-from engine.models.registry import FAMILIES
+from engine.models.registry import FAMILIES, supports_cuda_graphs
 
 BASE: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
@@ -73,3 +73,10 @@ def test_qwen3_moe_layers() -> None:
 def test_unsupported_feature_refused_at_start(tmp_path, architecture, engine_args, feature):
     with pytest.raises(ValueError, match=f"{architecture} does not support .*{feature}"):
         LLM(str(write_config(tmp_path, architecture)), **engine_args)
+
+
+def test_moe_decodes_without_cuda_graphs() -> None:
+    """MoE reads per-expert row counts on the host, which a captured graph cannot."""
+    assert not supports_cuda_graphs("MixtralForCausalLM")
+    assert not supports_cuda_graphs("Qwen3MoeForCausalLM")
+    assert supports_cuda_graphs("Gemma2ForCausalLM") and supports_cuda_graphs("Qwen3ForCausalLM")
