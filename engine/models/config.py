@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.models.family_config import FAMILY_ARCHITECTURES, family_fields
+from engine.models.family_config import (
+    FAMILY_ARCHITECTURES,
+    TEXT_OF_MULTIMODAL,
+    family_fields,
+    text_config_of,
+)
 from engine.models.rope_scaling import (
     LinearRopeScaling,
     Llama3RopeScaling,
@@ -29,6 +34,7 @@ __all__ = ["Llama3RopeScaling", "LinearRopeScaling", "ModelConfig", "RopeScaling
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", *FAMILY_ARCHITECTURES,
+    *TEXT_OF_MULTIMODAL,
 )
 
 # transformers' config-class defaults, applied when config.json omits the key.
@@ -104,6 +110,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()
+    # The text model of a multimodal checkpoint (Gemma3ForConditionalGeneration): its
+    # tensors sit under language_model., the vision tower's are skipped.
+    multimodal: bool = False
 
     def is_moe_layer(self, index: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[index]
@@ -151,6 +160,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        raw = text_config_of(raw)
         architecture = _architecture(raw)
         _check_supported_features(raw, architecture)
         hidden_size = int(raw["hidden_size"])

@@ -22,10 +22,27 @@ FAMILY_ARCHITECTURES = (
     "MixtralForCausalLM",
 )
 
+# Multimodal checkpoints whose text model we serve: architecture -> the text model's.
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
 _GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
 _GEMMA_DEFAULT_WINDOW = 4096
 _GEMMA3_DEFAULT_PATTERN = 6
 _GEMMA3_DEFAULT_LOCAL_THETA = 10000.0
+
+
+def text_config_of(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's config.json as its text model's (`text_config` with the
+    text architecture; ids and tying from the outer config where it has them); others as
+    they are. Images are not supported: the engine serves the language model alone."""
+    architectures = raw.get("architectures") or []
+    if not architectures or architectures[0] not in TEXT_OF_MULTIMODAL:
+        return raw
+    text = dict(raw.get("text_config") or {})
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id", "dtype", "torch_dtype"):
+        if key in raw:
+            text[key] = raw[key]
+    return {**text, "architectures": [TEXT_OF_MULTIMODAL[architectures[0]]], "multimodal": True}
 
 
 def family_fields(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
@@ -33,7 +50,7 @@ def family_fields(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
     if architecture == "Qwen3ForCausalLM":
         return {"qk_norm": True}
     if architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
-        return _gemma_fields(raw, architecture)
+        return {**_gemma_fields(raw, architecture), "multimodal": bool(raw.get("multimodal"))}
     if architecture == "MixtralForCausalLM":
         return _moe_fields(raw, int(raw.get("intermediate_size", 14336)), renormalize=True,
                            moe_layers=(True,) * int(raw["num_hidden_layers"]))

@@ -37,9 +37,19 @@ class WeightNames:
     def __init__(self, config: ModelConfig, tied: bool) -> None:
         self.config = config
         self.tied = tied
+        # Multimodal (engine.models.family_config.TEXT_OF_MULTIMODAL): the language model's
+        # tensors under its prefix (transformers 4 and 5 spellings); the rest is not ours.
+        self.text_prefixes = (
+            ("language_model.", "model.language_model.") if config.multimodal else ())
 
     def target(self, hf_name: str) -> Target | None:
-        """Where `hf_name` goes, or None for a tensor we do not load (recomputed or tied)."""
+        """Where `hf_name` goes, or None for a tensor we do not load (recomputed, tied, or
+        a multimodal checkpoint's vision tower and projector)."""
+        if self.text_prefixes:
+            prefix = next((p for p in self.text_prefixes if hf_name.startswith(p)), None)
+            if prefix is None and hf_name != "lm_head.weight":
+                return None
+            hf_name = hf_name.removeprefix(prefix or "")
         name = hf_name.removeprefix("model.")
         if name.endswith("rotary_emb.inv_freq"):
             return None  # recomputed, never loaded
