@@ -19,6 +19,7 @@ and prefix-cache reset.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
+from engine.models.registry import check_features, supports_cuda_graphs
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
 from engine.structured.backend import GrammarBackend
@@ -53,6 +55,8 @@ from engine.worker.model_runner import ModelRunner, RunnerOutput
 from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.contracts.structured_grammar import check_compiles
 from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
+
+logger = logging.getLogger("kvfleet.engine")
 
 KVEventHook = Callable[[KVCacheEvents], None]
 
@@ -74,6 +78,12 @@ class LLMEngine:
                 "use auto or dense"
             )
         self.model_config = ModelConfig.from_dir(model_dir)
+        # Before loading: a feature the model family cannot run is refused, never run wrong.
+        check_features(
+            self.model_config.architecture, lora=config.enable_lora,
+            spec_decode=config.speculative_config is not None,
+            triton=self.attention_backend == "triton",
+        )
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         torch.manual_seed(config.seed)
         gpu_in_use: tuple[int, int] | None = None
@@ -103,7 +113,12 @@ class LLMEngine:
         self.lora = self._make_lora()
         # The LoRA delta reads per-step row maps that a captured graph would freeze: with
         # adapters on, decode steps run eagerly.
-        if self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora:
+        graphs_fit = supports_cuda_graphs(self.model_config.architecture)
+        if self.device.type == "cuda" and not config.enforce_eager and not graphs_fit:
+            logger.warning("%s decodes eagerly: its MoE layers cannot be captured in CUDA graphs",
+                           self.model_config.architecture)
+        if (self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora
+                and graphs_fit):
             self.runner.enable_decode_graphs(
                 capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
                 -(-self.max_model_len // config.block_size),
