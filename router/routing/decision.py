@@ -46,7 +46,7 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvfleet.contracts.block_hash import hash_token_blocks
@@ -139,6 +139,7 @@ class EngineSelector:
         metrics: RouterMetrics | None = None,
         discovery: EngineDiscovery | None = None,
         placer: LoRAPlacer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.placer = placer
@@ -154,7 +155,8 @@ class EngineSelector:
         # Adapter names seen in the last answers: their prompts are hashed with the adapter.
         self._adapters: set[str] = set()
         # This replica's own claims, before their Redis writes land (router.routing.pending).
-        self._local_pending = LocalPending()
+        # `clock`: when they expire (the fleet simulator's virtual clock, benchmarks/fleet_sim).
+        self._local_pending = LocalPending(clock)
 
     async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
         lora_hint = model if model in self._adapters else ""
