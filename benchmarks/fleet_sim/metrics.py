@@ -11,6 +11,8 @@
 - throughput_rps: requests finished / virtual seconds until the last finish.
 - decision_p50/p99_ms: wall time of `EngineSelector.decide` (hashing, one Redis round trip on
   the real Redis at this fleet size, the ranking); 0 for the oracle, which makes no call.
+  decision_cpu_p99_ms: the router process' CPU time of the same calls (the Redis server's is
+  not in it): what stays meaningful when the machine is oversubscribed.
 
 Requests arriving before `warmup_s` are left out of the hit rates and TTFTs (cold caches).
 """
@@ -42,6 +44,7 @@ def summarize(run: RunRecord, warmup_s: float, block_size: int) -> dict[str, flo
     busy = [e.busy_s for e in run.engines]
     received = [float(e.requests) for e in run.engines]
     ms = [s * 1000.0 for s in run.decision_s]
+    cpu_ms = [s * 1000.0 for s in run.decision_cpu_s]
     return {
         "requests": float(len(run.requests)),
         "unfinished": float(sum(1 for r in measured if r.first_token_s < 0)),
@@ -55,6 +58,7 @@ def summarize(run: RunRecord, warmup_s: float, block_size: int) -> dict[str, flo
         "throughput_rps": len(finished) / last,
         "decision_p50_ms": quantile(ms, 0.50),
         "decision_p99_ms": quantile(ms, 0.99),
+        "decision_cpu_p99_ms": quantile(cpu_ms, 0.99),
     }
 
 

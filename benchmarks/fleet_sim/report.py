@@ -14,6 +14,7 @@ COLUMNS = (
     ("ttft_p99_s", "ttft_p99", "{:.3f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
     ("decision_p99_ms", "dec_p99_ms", "{:.2f}"),
+    ("decision_cpu_p99_ms", "dec_cpu_p99", "{:.2f}"),
     ("unfinished", "unfinished", "{:.0f}"),
 )
 

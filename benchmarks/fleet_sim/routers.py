@@ -100,11 +100,12 @@ class RouterReplica:
         self.selector = EngineSelector(RoutingConfig(policy=policy, prefix=prefix), self.index,
                                        self.pool, clock=clock)
 
-    async def route(self, request: SimRequest) -> tuple[str, int, float]:
-        """(engine id, uncached prompt tokens it was charged, seconds the decision took)."""
-        started = time.perf_counter()
+    async def route(self, request: SimRequest) -> tuple[str, int, float, float]:
+        """(engine id, uncached prompt tokens it was charged, wall and router CPU seconds
+        the decision took)."""
+        cpu_started, started = time.process_time(), time.perf_counter()
         decision = await self.selector.decide(request.prompt, request.tenant)
-        took = time.perf_counter() - started
+        took, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         view = decision.ranking[0]
         tokens = 0
         if decision.claims is not None:
@@ -112,7 +113,7 @@ class RouterReplica:
             tokens = decision.claims.uncached_tokens(view.engine_id)
         self.pool.begin(view.engine_id, tokens)
         await pending.drain()
-        return view.engine_id, tokens, took
+        return view.engine_id, tokens, took, cpu
 
     def first_token(self, engine_id: str, tokens: int) -> None:
         self.pool.prefilled(engine_id, tokens)

@@ -52,6 +52,7 @@ class RunRecord:
     requests: list[SimRequest]
     engines: list[SimEngine]
     decision_s: list[float]
+    decision_cpu_s: list[float]
     end_s: float
     duration_s: float
 
@@ -83,6 +84,7 @@ class FleetSim:
         self._session_of: dict[int, tuple[int, int]] = {}
         self.requests: list[SimRequest] = []
         self.decision_s: list[float] = []
+        self.decision_cpu_s: list[float] = []
 
     def _clock(self) -> float:
         return self.now
@@ -108,7 +110,7 @@ class FleetSim:
         self.expiry.close()
         self.publisher.close()
         return RunRecord(self.config.policy, self.requests, self.engines, self.decision_s,
-                         self.now, self.workload.config.duration_s)
+                         self.decision_cpu_s, self.now, self.workload.config.duration_s)
 
     async def _arrive(self, session: int, index: int) -> None:
         turn = self.workload.turn(session, index)
@@ -131,8 +133,9 @@ class FleetSim:
         if self.oracle is not None:
             return self.oracle.route(request, _tie_key(request.prompt, request.tenant))
         replica_ix = request.request_id % len(self.replicas)
-        engine_id, tokens, took = await self.replicas[replica_ix].route(request)
+        engine_id, tokens, took, cpu = await self.replicas[replica_ix].route(request)
         self.decision_s.append(took)
+        self.decision_cpu_s.append(cpu)
         self._routed[request.request_id] = (replica_ix, engine_id, tokens)
         return engine_id
 

@@ -177,6 +177,10 @@ class EngineSelector:
         if not used_index and policy is Policy.PREFIX:
             policy = Policy.LEAST_LOAD
         shape = RequestShape(len(prompt_ids), self._block_size)
+        # Computed once for the ranking, its reason and the claims (a decision's cost grows
+        # with the fleet: each pass over 128 engines is ~0.3 ms of CPU).
+        estimates = (estimate_all(views, shape, self.config.prefix)
+                     if policy is Policy.PREFIX else None)
         ranking = rank(
             policy,
             views,
@@ -184,18 +188,18 @@ class EngineSelector:
             counter=next(self._counter),
             config=self.config.prefix,
             shape=shape,
+            costs=estimates,
         )
         # Engines that just failed are tried last, not never (they may have recovered).
         ranking.sort(key=lambda v: self._pool.is_suspect(v.engine_id, v.address))
-        reason = choice_reason(policy, ranking, self.config.prefix, shape)
+        reason = choice_reason(policy, ranking, self.config.prefix, shape, estimates)
         if lora_id and self.placer is not None and all(is_saturated(v) for v in views):
             target = await self._load_target(records, serving, lora_id, views)
             if target is not None:
                 ranking = [target, *(v for v in ranking if v.engine_id != target.engine_id)]
                 reason = "lora_placement"
         claims = None
-        if self._index is not None and used_index and hashes and policy is Policy.PREFIX:
-            estimates = estimate_all(views, shape, self.config.prefix)
+        if (self._index is not None and used_index and hashes and estimates is not None):
             claims = PendingClaims(self._index, hashes, estimates, self.config.pending,
                                    self._local_pending)
         return Decision(ranking, self._block_size, used_index, policy, lora_id, reason, claims,

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from router.routing.engine_view import EngineView
 from router.routing.ttft_cost import (
+    Estimate,
     PrefixPolicyConfig,
     RequestShape,
     estimate_all,
@@ -84,14 +85,17 @@ def rank_prefix(
     tie_key: bytes,
     config: PrefixPolicyConfig,
     shape: RequestShape | None = None,
+    costs: Mapping[str, Estimate] | None = None,
 ) -> list[EngineView]:
     """Cheapest estimated time to first token first (module docstring).
 
     `shape` None (a caller that knows no prompt length): one block past the longest match.
+    `costs`: `estimate_all(engines, shape, config)` when the caller has it already.
     """
     if not engines:
         return []
-    costs = estimate_all(engines, shape or infer_shape(engines), config)
+    if costs is None:
+        costs = estimate_all(engines, shape or infer_shape(engines), config)
     near = near_best(costs, config)
 
     def preference(e: EngineView) -> tuple[bool, float, float, int]:
@@ -110,6 +114,7 @@ def choice_reason(
     ranking: Sequence[EngineView],
     config: PrefixPolicyConfig,
     shape: RequestShape | None = None,
+    costs: Mapping[str, Estimate] | None = None,
 ) -> str:
     """Why `ranking[0]` won (module docstring); "" for an empty ranking."""
     if not ranking:
@@ -122,7 +127,8 @@ def choice_reason(
         if config.score(best) < most:
             return "spill"
         return "pending" if best.matched_pending_blocks else "cached"
-    costs = estimate_all(ranking, shape or infer_shape(ranking), config)
+    if costs is None:
+        costs = estimate_all(ranking, shape or infer_shape(ranking), config)
     tied = any(e.engine_id in near_best(costs, config) for e in rest)
     return "hash" if tied else "least_load"
 
@@ -152,10 +158,11 @@ def rank(
     counter: int,
     config: PrefixPolicyConfig,
     shape: RequestShape | None = None,
+    costs: Mapping[str, Estimate] | None = None,
 ) -> list[EngineView]:
-    """Dispatch to the policy's ranking function."""
+    """Dispatch to the policy's ranking function (`costs`: see `rank_prefix`)."""
     if policy is Policy.PREFIX:
-        return rank_prefix(engines, tie_key, config, shape)
+        return rank_prefix(engines, tie_key, config, shape, costs)
     if policy is Policy.LEAST_LOAD:
         return rank_least_load(engines, tie_key)
     return rank_round_robin(engines, counter)
