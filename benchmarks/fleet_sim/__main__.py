@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cal.add_argument("--default-calibration", action="store_true",
                      help="the small built-in calibration (tests)")
     p.add_argument("--redis-url", default=None)
+    p.add_argument("--progress-s", type=float, default=300.0,
+                   help="a progress line every this many simulated seconds (0: none)")
     return p.parse_args(argv)
 
 
@@ -76,7 +78,8 @@ async def run_policy(policy: str, args: argparse.Namespace, cal: calibration.Cal
                      wl: WorkloadConfig, redis_url: str) -> dict[str, float]:
     redis.Redis.from_url(redis_url).flushall()
     started = time.perf_counter()
-    sim = FleetSim(SimConfig(policy, args.engines, args.replicas), cal, Workload(wl), redis_url)
+    config = SimConfig(policy, args.engines, args.replicas, progress_every_s=args.progress_s)
+    sim = FleetSim(config, cal, Workload(wl), redis_url)
     run = await sim.run()
     warmup = args.warmup_s if args.warmup_s is not None else 0.1 * wl.duration_s
     row = metrics.summarize(run, warmup, cal.block_size)

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         doc = {"sizes": rows, "prompt_tokens": args.prompt_tokens,
                "notes": f"wall-clock on a shared {os.cpu_count()}-core machine: noisy"}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1))
     return 0
 

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+import sys
 from dataclasses import dataclass, field
 
 from benchmarks.fleet_sim.calibration import Calibration
@@ -41,6 +42,8 @@ class SimConfig:
     engines: int
     replicas: int = 1
     drain_s: float = 600.0
+    # Print a progress line every this many simulated seconds (0: never).
+    progress_every_s: float = 0.0
     prefix: PrefixPolicyConfig = field(default_factory=PrefixPolicyConfig)
 
 
@@ -98,9 +101,14 @@ class FleetSim:
         for session, start in enumerate(self.workload.session_starts):
             self._push(start, _ARRIVAL, session, 0)
         end_cap = self.workload.config.duration_s + self.config.drain_s
+        report_at = self.config.progress_every_s
         while self._heap and self._heap[0][0] <= end_cap:
             t, kind, _, a, b = heapq.heappop(self._heap)
             self.now = t
+            if report_at and t >= report_at:
+                report_at += self.config.progress_every_s
+                print(f"  {self.config.policy}: t={t:.0f}s requests={len(self.requests)}",
+                      file=sys.stderr, flush=True)
             if kind == _STEP:
                 self._step_done(self.engines[a])
             else:
