@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -138,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.blocks_per_engine or calibration.load_or_measure().kv_blocks
     prompt = [random.Random(1).randrange(100, 40000) for _ in range(args.prompt_tokens)]
     rows: dict[str, Any] = {}
-    with RedisServer() as server:
-        url = args.redis_url or server.url
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or stack.enter_context(RedisServer()).url
         for n in (int(s) for s in args.sizes.split(",")):
             rows[str(n)] = measure_size(url, n, blocks, prompt, args.decisions)
             print(json.dumps(rows[str(n)]), file=sys.stderr)

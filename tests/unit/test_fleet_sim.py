@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.fleet_sim import __main__ as cli
+from benchmarks.fleet_sim import decision_cost
 from benchmarks.fleet_sim.calibration import DEFAULT
 from benchmarks.fleet_sim.prefix_cache import PrefixCache
 from benchmarks.fleet_sim.workload import Workload, WorkloadConfig
@@ -90,3 +91,15 @@ def test_prefix_cache_evicts_free_blocks_oldest_first() -> None:
 
 def test_default_calibration_is_sane() -> None:
     assert DEFAULT.step_s(512, 256, 8, 4000) > DEFAULT.step_s(0, 0, 8, 4000) > 0
+
+
+def test_decision_cost_measures_every_size(redis_server: RedisServer, tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    assert decision_cost.main(["--sizes", "2,4", "--decisions", "5", "--blocks-per-engine",
+                               "50", "--prompt-tokens", "200", "--redis-url",
+                               redis_server.url, "--json", str(out)]) == 0
+    sizes = json.loads(out.read_text())["sizes"]
+    assert set(sizes) == {"2", "4"}
+    for row in sizes.values():
+        assert row["decision_p99_ms"] >= row["decision_p50_ms"] > 0
+        assert row["redis_bytes_per_block"] > 16  # at least the 16-byte hash itself
