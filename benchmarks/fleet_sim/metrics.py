@@ -2,6 +2,8 @@
 
 - hit_rate: prompt tokens served from the prefix cache / prompt tokens, over the requests
   admitted by an engine (token-level, as engines count prefix_cache_hits / queries).
+- miss_share: the share of those requests that found nothing of their prompt cached (a
+  tenant's system prompt computed again, or for the first time): they set the TTFT tail.
 - ideal_hit_rate: the same if every block were computed once fleet-wide (one infinite cache
   holding every prompt's and every answer's blocks).
 - ttft_p50/p90/p99_s: first token - arrival, in virtual seconds; a request with no first
@@ -49,6 +51,7 @@ def summarize(run: RunRecord, warmup_s: float, block_size: int) -> dict[str, flo
         "requests": float(len(run.requests)),
         "unfinished": float(sum(1 for r in measured if r.first_token_s < 0)),
         "hit_rate": sum(r.cached_tokens for r in admitted) / prompt,
+        "miss_share": sum(1 for r in admitted if r.cached_tokens == 0) / max(len(admitted), 1),
         "ideal_hit_rate": ideal_hit_rate(run, warmup_s, block_size),
         "max_over_mean_load": _max_over_mean(busy),
         "max_over_mean_requests": _max_over_mean(received),

@@ -8,6 +8,7 @@ COLUMNS = (
     ("hit_rate", "hit", "{:.3f}"),
     ("oracle_hit_rate", "oracle_hit", "{:.3f}"),
     ("ideal_hit_rate", "ideal_hit", "{:.3f}"),
+    ("miss_share", "miss_share", "{:.3f}"),
     ("max_over_mean_load", "max/mean", "{:.2f}"),
     ("ttft_p50_s", "ttft_p50", "{:.3f}"),
     ("ttft_p90_s", "ttft_p90", "{:.3f}"),
