@@ -20,7 +20,7 @@ FLEET_PEERS_STAMP := $(PEERS_VENV)/.kvfleet-fleet-peers-$(SGLANG_ROUTER_VERSION)
 TCMALLOC := libtcmalloc_minimal.so.4
 
 .PHONY: install model run test test-fast lint bench bench-serve bench-tenants chaos proto \
-	chart-test clean peers tcmalloc gpu-check bench-fleet fleet-sim
+	chart-test clean peers tcmalloc gpu-check bench-fleet
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -122,6 +122,7 @@ bench-fleet: model peers
 
 # The fleet simulator (docs/fleet-simulator.md): the router's own code over 64 simulated
 # engines and 1,000 tenants on a real Redis; calibrates from the real engine on first use.
+.PHONY: fleet-sim
 fleet-sim: model
 	$(PY) -m benchmarks.fleet_sim --engines 64 --tenants 1000 --system-tokens 1500 \
 		--sessions-per-s 3.2 --json bench_results/fleet_sim.json $(FLEET_SIM_ARGS)
