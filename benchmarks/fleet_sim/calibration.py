@@ -6,7 +6,7 @@ the real engine (engine.core.llm_engine on the default model, one torch thread, 
 engine runs; each step's process CPU time, so other processes on a shared machine inflate it
 less than they would wall time) in about a minute of CPU; `load_or_measure()` caches the
 result as JSON under $KVFLEET_CACHE_DIR (default ~/.cache/kvfleet/fleet_sim_calibration.json).
-`DEFAULT` is a small built-in calibration (measured on a 2-core runner) for tests and
+`DEFAULT` is a built-in calibration (one such measurement) for tests and
 machines without the model.
 
 Step time model (seconds), fitted by least squares:
@@ -65,10 +65,11 @@ class Calibration:
         return cls(**known)
 
 
-# SmolLM2-135M, float32, one torch thread on a shared 2-core x86 runner (measure(), 2026-11).
+# SmolLM2-135M, float32, one torch thread, the engine's default KV size on CPU: `measure()`
+# on a shared 2-core x86 machine (2026-11-28, the figures in docs/fleet-simulator.md).
 DEFAULT = Calibration(
-    base_s=0.012, prefill_s_per_token=0.00035, prefill_attn_s=0.00002,
-    decode_s_per_seq=0.0012, decode_ctx_s=0.00002, kv_blocks=8192,
+    base_s=0.0128, prefill_s_per_token=0.00229, prefill_attn_s=0.00084,
+    decode_s_per_seq=0.00334, decode_ctx_s=0.00446, kv_blocks=1456,
 )
 
 
