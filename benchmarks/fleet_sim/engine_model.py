@@ -116,6 +116,8 @@ class SimEngine:
                 before = r.computed // bs
                 r.computed += n
                 for h in r.hashes[before:r.computed // bs]:
+                    if r.anonymous <= 0:
+                        break  # squeezed in with fewer blocks than it needs: not cached
                     self.cache.store(h)
                     r.held.append(h)
                     r.anonymous -= 1
