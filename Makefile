@@ -19,7 +19,7 @@ PANDAS_VERSION := 3.1.1
 FLEET_PEERS_STAMP := $(PEERS_VENV)/.kvfleet-fleet-peers-$(SGLANG_ROUTER_VERSION)-$(PANDAS_VERSION)
 TCMALLOC := libtcmalloc_minimal.so.4
 
-.PHONY: install model run test test-fast lint bench bench-serve bench-tenants chaos proto \
+.PHONY: install model run test test-fast lint bench bench-serve bench-tenants chaos security proto \
 	chart-test clean peers tcmalloc gpu-check bench-fleet
 
 $(STAMP): requirements.txt pyproject.toml
@@ -81,6 +81,13 @@ chart-test: install
 # 500-request burst, vanishing clients) under load on a tiny-model fleet: prints a table.
 chaos: install
 	$(PY) -m tests.faults.chaos
+
+# Security probes (docs/security.md) against a tiny-model fleet with API keys, an admin tenant,
+# runtime LoRA updates and an OTLP receiver: forged chat turns, admin-only routes, adapter
+# paths, content types, loose JSON types, the engine's router secret, secrets in spans.
+# Prints a table (probe, expected, observed); exits 1 if any observation differs.
+security: install
+	$(PY) -m tests.security.probe
 
 proto: install
 	$(PY) scripts/gen_proto.py

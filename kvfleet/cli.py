@@ -40,6 +40,7 @@ import grpc
 from kvfleet import router_client as router_client
 from kvfleet import run_logs
 from kvfleet.fleet import Fleet, FleetConfig, FleetError
+from kvfleet.runtime.redis_access import describe
 from kvfleet.v1 import common_pb2, router_pb2_grpc
 
 SERVICES = {
@@ -84,7 +85,22 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use this Redis (default: start one on a free port)")
     parser.add_argument("--policy", default="prefix",
                         choices=["prefix", "round_robin", "least_load"])
-    parser.add_argument("--api-keys", type=Path, default=None, help="router API key file")
+    parser.add_argument("--redis-password-file", type=Path, default=None,
+                        help="password of the Redis at --redis-url (the fleet's own Redis gets "
+                             "a generated one)")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS between the services and HTTPS on the router, with a "
+                             "throwaway CA in the run directory (docs/tls.md)")
+    parser.add_argument("--tenant-policy", "--api-keys", dest="api_keys", type=Path,
+                        default=None, help="router tenant policy / API key file (docs/tenants.md)")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="router serves /v1/load_lora_adapter and /v1/unload_lora_adapter to "
+                             "admin keys (needs --lora-allowed-dirs)")
+    parser.add_argument("--lora-allowed-dirs", nargs="+", type=Path, default=[], metavar="DIR",
+                        help="directories router and engines load LoRA adapters from at run time")
+    parser.add_argument("--allow-special-tokens-in-prompts", action="store_true",
+                        help="tokenizer parses special-token strings in prompts and message "
+                             "contents as control tokens (vLLM's behaviour; default: plain text)")
     parser.add_argument("--host", default="127.0.0.1", help="address every service binds")
     parser.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
     parser.add_argument("--http-port", type=int, default=8000,
@@ -101,6 +117,9 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "without one, or to replace theirs")
     parser.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
                         metavar="ARG", help="extra engine flag, e.g. --engine-arg=--max-num-seqs=8")
+    parser.add_argument("--router-arg", action="append", default=[], dest="router_args",
+                        metavar="ARG", help="extra router flag, e.g. "
+                                            "--router-arg=--enable-auto-tool-choice")
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="torch threads per engine (default: cores / engines)")
     parser.add_argument("--demo", action="store_true",
@@ -109,6 +128,9 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", required=True, help="router HOST:PORT")
+    parser.add_argument("--ca-file", type=Path, default=None,
+                        help="CA of the router's certificate: connect over TLS (kvfleet up "
+                             "--tls prints it)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user turn")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -176,7 +198,7 @@ def run_client(args: argparse.Namespace) -> int:
         request = router_client.build_request(args.prompt, params=params)
 
     async def call() -> router_client.Completion:
-        async with router_client.channel(args.router) as channel:
+        async with router_client.channel(args.router, args.ca_file) as channel:
             return await router_client.generate(
                 router_pb2_grpc.RouterStub(channel), request, api_key=args.api_key,
                 on_text=_print_text, timeout_s=args.timeout,
@@ -196,22 +218,32 @@ def _print_text(text: str) -> None:
     print(text, end="", flush=True)
 
 
+def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
+    """The fleet `kvfleet up` starts, from its arguments."""
+    return FleetConfig(
+        model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
+        host=args.host, router_port=args.port,
+        router_http_port=http_port_or_free(args.host, args.http_port),
+        policy=args.policy, api_keys=args.api_keys,
+        engine_args=tuple(args.engine_args), router_args=tuple(args.router_args),
+        log_dir=args.log_dir or run_logs.new_run_dir(),
+        engine_threads=args.engine_threads or default_engine_threads(args.engines),
+        metrics=not args.no_metrics, served_model_name=args.served_model_name,
+        chat_template=args.chat_template,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_allowed_dirs=tuple(args.lora_allowed_dirs),
+        allow_special_tokens_in_prompts=args.allow_special_tokens_in_prompts,
+        redis_password_file=args.redis_password_file, tls=args.tls,
+    )
+
+
 def run_up(args: argparse.Namespace, demo: bool) -> int:
     model_dir = args.model
     if model_dir is None:
         from engine.models.default_model import prepare_default_model
 
         model_dir = prepare_default_model()
-    config = FleetConfig(
-        model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
-        host=args.host, router_port=args.port,
-        router_http_port=http_port_or_free(args.host, args.http_port),
-        policy=args.policy, api_keys=args.api_keys,
-        engine_args=tuple(args.engine_args), log_dir=args.log_dir or run_logs.new_run_dir(),
-        engine_threads=args.engine_threads or default_engine_threads(args.engines),
-        metrics=not args.no_metrics, served_model_name=args.served_model_name,
-        chat_template=args.chat_template,
-    )
+    config = up_config(args, model_dir)
     fleet = Fleet(config)
     signals = _Signals(fleet)
     signals.install()
@@ -223,10 +255,13 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
         print(f"http: {fleet.http_url}", flush=True)
         for name, url in fleet.metrics_urls().items():
             print(f"metrics: {name} {url}", flush=True)
-        print(f"redis: {fleet.redis_url}", flush=True)
+        print(f"redis: {describe(fleet.redis_url)}", flush=True)
+        if fleet.ca_file is not None:
+            print(f"tls: CA {fleet.ca_file} (e.g. curl --cacert, kvfleet client --ca-file)",
+                  flush=True)
         print(f"logs: {fleet.log_dir}  (kvfleet logs [SERVICE] [-f])", flush=True)
         if demo:
-            asyncio.run(run_demo(fleet.router_address))
+            asyncio.run(run_demo(fleet.router_address, fleet.ca_file))
         print("serving; press Ctrl-C to stop", flush=True)
         signals.phase = "serving"
         _serve_until(signals.stop, fleet)
@@ -298,10 +333,10 @@ def _serve_until(stop: threading.Event, fleet: Fleet) -> None:
                       file=sys.stderr, flush=True)
 
 
-async def run_demo(router_address: str) -> None:
+async def run_demo(router_address: str, ca_file: Path | None = None) -> None:
     """Three chat prompts streamed, then the same again to show prefix hits per engine."""
     params = sampling_params(max_tokens=50, temperature=0.8, top_p=0.95)
-    async with router_client.channel(router_address) as channel:
+    async with router_client.channel(router_address, ca_file) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         rounds: list[list[router_client.Completion]] = []
         for round_index in (1, 2):

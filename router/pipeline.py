@@ -34,6 +34,8 @@ Invariants:
   sample) on the engine chosen for the first one. The siblings are sent once the first has
   produced its first token, so the prompt's full blocks are in that engine's prefix cache and
   they share them; each sample streams with its `index` and ends with its own final message.
+- Spans name the tenant, never its key, and carry no prompt text unless the operator asks
+  (`trace_prompts`, the router's --trace-prompts: `gen_ai.prompt` on the request's span).
 - The tenant is every engine request's `cache_salt`, so tenants never share cached blocks,
   and its `tenant` with its fair-share weight. Over a rate limit raises `RateLimitedError`
   (429 / RESOURCE_EXHAUSTED) before routing.
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
@@ -61,6 +64,7 @@ from opentelemetry import trace
 from kvfleet.contracts.parallel_sampling import child_request_id, child_seed
 from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.contracts.sampling_proto import to_sampling_params
+from kvfleet.contracts.structured_grammar import check_compiles
 from kvfleet.runtime.logs import set_request_id
 from kvfleet.runtime.tracing import tracer
 from kvfleet.text.stop_strings import StopStringMatcher
@@ -145,8 +149,11 @@ class GenerationPipeline:
         deadlines: StreamDeadlines | None = None,
         limits: RequestLimits | None = None,
         rate_limiter: TenantRateLimiter | None = None,
+        trace_prompts: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
+        # The operator's opt-in (--trace-prompts): prompts are tenant data, kept out of spans.
+        self._trace_prompts = trace_prompts
         self._rate_limiter = rate_limiter
         self._selector = selector
         self._limits = limits if limits is not None else RequestLimits()
@@ -195,6 +202,8 @@ class GenerationPipeline:
     async def _tokenize(self, request: router_pb2.RouterGenerateRequest, tenant: str) -> list[int]:
         span = trace.get_current_span()
         span.set_attribute("kvfleet.tenant", tenant)
+        if self._trace_prompts:
+            span.set_attribute("gen_ai.prompt", _traced_prompt(request))
         with tracer().start_as_current_span("tokenize"):
             prompt_ids = await self._prompt_ids(request)
         self._limits.check_prompt_tokens(len(prompt_ids), _prompt_param(request))
@@ -394,7 +403,22 @@ def validate_request(request: router_pb2.RouterGenerateRequest) -> SamplingParam
         raise ValueError("input must be set: one of prompt, messages or prompt_token_ids")
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
-    return to_sampling_params(request.sampling_params)
+    params = to_sampling_params(request.sampling_params)
+    if params.structured_outputs is not None:
+        # Before any engine work: a grammar that does not compile is the client's error.
+        check_compiles(params.structured_outputs)
+    return params
+
+
+def _traced_prompt(request: router_pb2.RouterGenerateRequest) -> str:
+    """The prompt as a span attribute: text, the messages as JSON, or the token ids."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return request.prompt
+    if kind == "messages":
+        return json.dumps([{"role": m.role, "content": m.content}
+                           for m in request.messages.messages], ensure_ascii=False)
+    return json.dumps(list(request.prompt_token_ids.ids))
 
 
 def _prompt_param(request: router_pb2.RouterGenerateRequest) -> str:

@@ -79,7 +79,7 @@ class RequestLimits:
         if kind == "prompt":
             self._check_chars("prompt", len(request.prompt), len(request.prompt.encode()))
         elif kind == "messages":
-            self._check_messages(request.messages.messages)
+            self._check_messages(request.messages.messages, request.messages.tools_json)
         elif kind == "prompt_token_ids":
             self.check_prompt_tokens(len(request.prompt_token_ids.ids), "prompt")
         self.check_stop(request.sampling_params)
@@ -115,14 +115,19 @@ class RequestLimits:
                 "input tokens are allowed",
             )
 
-    def _check_messages(self, messages: Sequence[common_pb2.ChatMessage]) -> None:
+    def _check_messages(
+        self, messages: Sequence[common_pb2.ChatMessage], tools_json: str = ""
+    ) -> None:
         if len(messages) > self.max_messages:
             raise InvalidFieldError(
                 "messages", f"messages has {len(messages)} entries; at most "
                 f"{self.max_messages} are allowed",
             )
-        chars = sum(len(m.role) + len(m.content) for m in messages)
-        encoded = sum(len(m.role.encode()) + len(m.content.encode()) + 8 for m in messages)
+        # Tool definitions and calls are rendered into the prompt too.
+        texts = [m.role + m.content + "".join(c.name + c.arguments for c in m.tool_calls)
+                 for m in messages] + [tools_json]
+        chars = sum(map(len, texts))
+        encoded = sum(len(t.encode()) + 8 for t in texts)
         self._check_chars("messages", chars, encoded)
 
     def _check_chars(self, param: str, chars: int, encoded_bytes: int) -> None:

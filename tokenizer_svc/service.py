@@ -12,6 +12,9 @@ Invariants:
 - Whole-prompt work (template rendering, encoding, full decodes) runs in a worker thread so
   one long prompt never stalls other streams on the event loop; the per-token streaming
   path decodes small windows inline (a thread hop would cost more than the work).
+- Special-token strings in a text prompt or a message's content are plain text, never
+  control tokens; the chat template's own stay special (`kvfleet.text.chat_encoding`).
+  `allow_special_tokens` (`--allow-special-tokens-in-prompts`) restores vLLM's behaviour.
 - The servicer keeps no state between RPCs; each DetokenizeStream owns its detokenizer.
 """
 
@@ -20,40 +23,47 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc.aio
 import jinja2
 from google.protobuf.message import Message
 
 from kvfleet.runtime.grpc_server import Service
+from kvfleet.text.chat_encoding import encode_chat
 from kvfleet.text.incremental import IncrementalDetokenizer
 from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
-from kvfleet.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from kvfleet.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.chat_input import CHAT_ROLES, parse_tools, validate_messages
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
-# OpenAI's chat roles ("developer" is the newer name for "system").
-CHAT_ROLES = ("assistant", "developer", "system", "tool", "user")
+__all__ = ["CHAT_ROLES", "TokenizerServicer", "build_info", "validate_messages"]
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, tokenizer: Tokenizer, info: tokenizer_pb2.TokenizerInfo) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, info: tokenizer_pb2.TokenizerInfo,
+        allow_special_tokens: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         self._info = info
         self._vocab_size = tokenizer.vocab_size
+        self._allow_special_tokens = allow_special_tokens
 
     @classmethod
     def from_model_dir(
         cls, model_dir: str | Path, model_name: str | None = None,
-        chat_template: str | None = None,
+        chat_template: str | None = None, allow_special_tokens: bool = False,
     ) -> TokenizerServicer:
-        """`chat_template` (source) replaces the model's own, or supplies a missing one."""
+        """`chat_template` (source) replaces the model's own, or supplies a missing one;
+        `allow_special_tokens`: prompts may spell control tokens (vLLM's behaviour)."""
         model_dir = Path(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
         if chat_template is not None:
             tokenizer.chat_template = chat_template
         eos_token_ids = load_generation_eos_ids(model_dir)
         info = build_info(tokenizer, eos_token_ids, model_name or model_dir.name)
-        return cls(tokenizer, info)
+        return cls(tokenizer, info, allow_special_tokens)
 
     def as_service(self) -> Service:
         """This servicer as a `kvfleet.runtime.grpc_server.Service` to host."""
@@ -70,13 +80,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             if not request.text:
                 raise ValueError("text must not be empty")
             add_special = _flag(request, "add_special_tokens", default=True)
-            ids = await asyncio.to_thread(self._tokenizer.encode, request.text, add_special)
+            ids = await asyncio.to_thread(self._tokenizer.encode, request.text, add_special,
+                                          not self._allow_special_tokens)
             return tokenizer_pb2.TokenizeResponse(token_ids=ids, prompt=request.text)
         if kind == "messages":
             messages = validate_messages(request.messages.messages)
+            tools = parse_tools(request.messages.tools_json)
             prompt, ids = await asyncio.to_thread(
                 self._render_and_encode,
                 messages,
+                tools,
                 _flag(request, "add_generation_prompt", default=True),
                 _flag(request, "add_special_tokens", default=False),
             )
@@ -132,16 +145,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return IncrementalDetokenizer(self._tokenizer, skip, prompt_ids)
 
     def _render_and_encode(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool, add_special: bool
+        self, messages: list[dict[str, Any]], tools: list[Any] | None,
+        add_generation_prompt: bool, add_special: bool,
     ) -> tuple[str, list[int]]:
         try:
-            prompt = self._tokenizer.apply_chat_template(messages, add_generation_prompt)
+            return encode_chat(self._tokenizer, messages, add_generation_prompt, add_special,
+                               self._allow_special_tokens, tools)
         except jinja2.TemplateSyntaxError:
             raise  # the model's template is broken: a server problem, not the request's
         except jinja2.TemplateError as e:
             # raise_exception() in templates, e.g. "roles must alternate user/assistant".
             raise ValueError(f"the chat template rejected the messages: {e}") from e
-        return prompt, self._tokenizer.encode(prompt, add_special)
 
     def _check_token_ids(self, ids: Sequence[int], field: str) -> None:
         # max() runs in C; only a failing request pays for finding the index.
@@ -155,19 +169,6 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 def _flag(message: Message, field: str, default: bool) -> bool:
     """An `optional bool` field's value, or its documented default when unset."""
     return bool(getattr(message, field)) if message.HasField(field) else default
-
-
-def validate_messages(messages: Sequence[common_pb2.ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as template input; ValueError naming the first bad message."""
-    if not messages:
-        raise ValueError("messages must not be empty")
-    for index, message in enumerate(messages):
-        if message.role not in CHAT_ROLES:
-            raise ValueError(
-                f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}; "
-                f"got {message.role!r}"
-            )
-    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 def build_info(

@@ -43,12 +43,15 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
+from engine.structured.backend import GrammarBackend
+from engine.structured.manager import StructuredOutputManager
 from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.device import resolve_attention_backend, resolve_device
 from engine.worker.gpu_memory import memory_in_use, out_of_memory
 from engine.worker.host_malloc import tune_for_reuse
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.contracts.structured_grammar import check_compiles
 from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
 
 KVEventHook = Callable[[KVCacheEvents], None]
@@ -107,6 +110,9 @@ class LLMEngine:
             )
         self.speculator = self._make_speculator()
         self.kv_event_hook = kv_event_hook
+        # Structured outputs: grammars compile on first use (engine.structured.manager).
+        self.structured = StructuredOutputManager(self._make_grammar_backend)
+        self.runner.structured = self.structured
         # What the last step did, for metrics and tracing (engine thread only).
         self.last_step = StepReport()
         # Steps paused between layers for a newly arrived tenant (engine.core.urgent_step).
@@ -164,6 +170,13 @@ class LLMEngine:
             block_size=self.config.block_size,
             dtype=self.dtype,
             linear_backend=self.runner.linear_backend,
+        )
+
+    def _make_grammar_backend(self) -> GrammarBackend:
+        from engine.structured.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
         )
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
@@ -234,6 +247,10 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary")
+        if params.structured_outputs is not None:
+            # The tokenizer-free check (cached, thread-safe): a bad grammar is refused before
+            # anything is queued; add_request compiles it for this tokenizer.
+            check_compiles(params.structured_outputs)
         return max_tokens
 
     def add_request(
@@ -251,6 +268,11 @@ class LLMEngine:
         name of a loaded adapter; None runs the base model."""
         max_tokens = self.validate_request(prompt_token_ids, params)
         lora_id = self.resolve_lora(lora_request)
+        # Compiled here, before the request is queued: a bad grammar fails this request alone.
+        grammar = (
+            None if params.structured_outputs is None
+            else self.structured.matcher_for(params.structured_outputs)
+        )
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -263,6 +285,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             lora_id=lora_id,
             share=share,
+            grammar=grammar,
         )
         self._arrival_seq += 1
         self.scheduler.add_request(request)

@@ -2,7 +2,10 @@
 
 `--enable-lora`, `--max-loras`, `--max-lora-rank`, `--max-cpu-loras` become `EngineConfig`
 fields; `--lora-modules name=path ...` names adapters loaded (and validated) at start, before
-the engine registers, so a bad one stops the start with its message.
+the engine registers, so a bad one stops the start with its message. `--lora-allowed-dirs`
+bounds where adapters may come from (`kvfleet.contracts.adapter_paths`): runtime loads
+(LoadLoRAAdapter) and, so that the router can place any adapter on any engine, the start-up
+ones too.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 from typing import Any
 
 from engine.lora.request import LoRARequest
+from kvfleet.contracts.adapter_paths import AdapterRoots, add_allowed_dirs_argument
 
 
 def parse_lora_module(text: str) -> tuple[str, str]:
@@ -31,6 +35,7 @@ def add_lora_arguments(group: argparse._ArgumentGroup) -> None:
                        help="loaded adapters kept in host memory, LRU (default: --max-loras)")
     group.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[],
                        metavar="NAME=PATH", help="adapters to serve from the start")
+    add_allowed_dirs_argument(group)
 
 
 def lora_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,8 +49,20 @@ def lora_config(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def lora_roots(args: argparse.Namespace) -> AdapterRoots:
+    """--lora-allowed-dirs, resolved; ValueError for a root that is not a directory."""
+    return AdapterRoots.of(args.lora_allowed_dirs)
+
+
 def lora_modules(args: argparse.Namespace) -> tuple[LoRARequest, ...]:
-    return tuple(
-        LoRARequest(name, index, path)
-        for index, (name, path) in enumerate(args.lora_modules, start=1)
-    )
+    roots = lora_roots(args)
+    modules = []
+    for index, (name, path) in enumerate(args.lora_modules, start=1):
+        try:
+            path = roots.check_inside(path)
+        except ValueError:
+            raise ValueError(
+                f"--lora-modules {name}={path} is outside --lora-allowed-dirs"
+            ) from None
+        modules.append(LoRARequest(name, index, path))
+    return tuple(modules)

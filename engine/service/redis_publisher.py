@@ -55,6 +55,7 @@ from engine.core.kv_cache_manager import KVCacheEvents
 from engine.service.engine_state import EngineLoad
 from kvfleet.contracts import redis_schema
 from kvfleet.contracts.block_hash import BlockHash
+from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ class RedisPublisher:
         *,
         epoch: str | None = None,
         heartbeat_s: float = redis_schema.HEARTBEAT_INTERVAL_S,
+        access: RedisAccess = NO_ACCESS,
     ) -> None:
         validate_engine_id(registration.engine_id)
         self.registration = registration
@@ -132,6 +134,7 @@ class RedisPublisher:
             socket_timeout=REDIS_TIMEOUT_S,
             socket_connect_timeout=REDIS_TIMEOUT_S,
             retry=Retry(NoBackoff(), 0),  # fail fast; the loop retries on its own schedule
+            **access.client_kwargs(redis_url),
         )
         self._cond = threading.Condition()
         # hash -> True (cached) / False (evicted): the net change since the last flush, for

@@ -31,7 +31,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -44,18 +44,26 @@ from engine.kv_tiers.flags import add_kv_tier_arguments, kv_tier_config
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
 from engine.service.engine_thread import EngineThread
-from engine.service.lora_flags import add_lora_arguments, lora_config, lora_modules
+from engine.service.lora_flags import (
+    add_lora_arguments,
+    lora_config,
+    lora_modules,
+    lora_roots,
+)
 from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
 from engine.service.servicer import EngineIdentity, EngineServicer
 from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_TIMEOUT_S
 from engine.service.step_watchdog import StepWatchdog
 from engine.spec_decode.spec_config import speculative_config_arg
+from kvfleet.contracts.adapter_paths import AdapterRoots
 from kvfleet.runtime import event_loop
 from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
+from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess, add_redis_access_arguments
 from kvfleet.runtime.service_auth import RouterCredentialInterceptor, read_secret
+from kvfleet.runtime.tls import TlsMaterial
 from kvfleet.runtime.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
@@ -87,6 +95,10 @@ class EngineServerOptions:
     router_secret_file: Path | None = None
     # Adapters served from the start (--lora-modules), loaded before registering.
     lora_modules: tuple[LoRARequest, ...] = ()
+    # Redis credentials and TLS (read from their files at start).
+    redis_access: RedisAccess = NO_ACCESS
+    # --lora-allowed-dirs: where LoadLoRAAdapter may read adapters from (none: anywhere).
+    lora_roots: AdapterRoots = field(default_factory=AdapterRoots)
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -166,13 +178,17 @@ class EngineServer:
             lambda: async_engine.progress, options.watchdog_timeout_s,
             self._set_serving, self._on_engine_death,
         )
-        servicer = EngineServicer(self._async_engine, identity, self._watchdog.problem)
+        servicer = EngineServicer(self._async_engine, identity, self._watchdog.problem,
+                                  options.lora_roots)
         self._grpc = GrpcServer(
             [servicer.as_service()],
             host=options.server.host,
             port=options.server.port,
             grace_s=options.server.grace_s,
             interceptors=_credential_check(options.router_secret_file),
+            # Mutual TLS: only holders of a fleet certificate get past the handshake.
+            credentials=None if options.server.tls is None else
+            TlsMaterial.load(options.server.tls).server_credentials(require_client_auth=True),
         )
         port = await self._grpc.start()
         registration = EngineRegistration(
@@ -185,7 +201,8 @@ class EngineServer:
             max_loras=llm_engine.config.max_loras if llm_engine.config.enable_lora else 0,
         )
         self._publisher = RedisPublisher(
-            options.redis_url, registration, self._async_engine, epoch=self.epoch
+            options.redis_url, registration, self._async_engine, epoch=self.epoch,
+            access=options.redis_access,
         )
         self._async_engine.add_step_listener(self._publisher.on_step)
         self._publisher.start()
@@ -272,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--advertise-host", default=None, help="host routers dial (default: --host or hostname)"
     )
+    add_redis_access_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)
     engine = parser.add_argument_group("engine (vLLM names)")
     engine.add_argument("--dtype", default="auto",
@@ -377,6 +395,8 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         watchdog_timeout_s=args.watchdog_timeout,
         router_secret_file=args.router_secret_file,
         lora_modules=lora_modules(args),
+        redis_access=RedisAccess.from_args(args),
+        lora_roots=lora_roots(args),
     )
 
 
@@ -405,6 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         options = options_from_args(args)
+        options.redis_access.check()  # now, not once the model has loaded
+        if options.server.tls is not None:
+            TlsMaterial.load(options.server.tls)
         tracing = init_tracing("kvfleet-engine")
         try:
             return event_loop.run(serve(options), server_options.event_loop)

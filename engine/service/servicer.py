@@ -42,6 +42,7 @@ from engine.service.async_engine import AsyncEngine
 from engine.service.engine_state import GenerateOutput
 from engine.service.output_text import StreamText, TokenTexts
 from kvfleet.contracts import keepalive
+from kvfleet.contracts.adapter_paths import AdapterRoots
 from kvfleet.contracts.errors import UnavailableError
 from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.contracts.sampling_proto import to_sampling_params
@@ -72,8 +73,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         engine: AsyncEngine,
         identity: EngineIdentity,
         health_problem: Callable[[], str | None] = lambda: None,
+        adapter_roots: AdapterRoots | None = None,
     ) -> None:
         self._engine = engine
+        self._adapter_roots = adapter_roots or AdapterRoots()
         self._identity = identity
         self._health_problem = health_problem
         # Immutable once loaded (decode never mutates it): safe to use on the event loop.
@@ -142,8 +145,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> engine_pb2.LoRAAdapterResponse:
         if not request.lora_name or not request.lora_path:
             raise ValueError("lora_name and lora_path are required")
+        # Before any file is opened: outside --lora-allowed-dirs, missing and unreadable are
+        # one answer, so a caller learns nothing about the file system.
+        path = self._adapter_roots.check_loadable(request.lora_path)
         # Index 1: vLLM's integer id has no meaning here (adapters are keyed by name).
-        lora = LoRARequest(request.lora_name, 1, request.lora_path)
+        lora = LoRARequest(request.lora_name, 1, path)
         engine = self._engine
         # On the engine thread, between steps: the step reads the registry and the slots.
         await asyncio.wrap_future(

@@ -11,7 +11,7 @@ headers), so no other module keeps a mapping of its own.
 Invariants:
 - A `ClientError` names its row (`kind`). `InvalidFieldError` is a ValueError that also
   names the offending field (`param`), set where it is raised; its row is INVALID_REQUEST
-  (400) or, given `http_status=413`, REQUEST_TOO_LARGE.
+  (400) or, given `http_status=413` / `415`, REQUEST_TOO_LARGE / UNSUPPORTED_MEDIA_TYPE.
 - A plain ValueError is INVALID_REQUEST too, with its message: raise ValueError only for
   problems with the *request*, phrased for the client. It carries no field, so its `param`
   falls back to the message's leading word when that is an OpenAI body field (the engine's
@@ -62,12 +62,21 @@ INVALID_REQUEST = ErrorKind("invalid_request", _Code.INVALID_ARGUMENT, 400, "Bad
 REQUEST_TOO_LARGE = ErrorKind("request_too_large", _Code.INVALID_ARGUMENT, 413,
                               "RequestTooLargeError", names_field=True,
                               default_message="request too large", relayed=False)
+# A body that is not JSON by its Content-Type (HTTP only; never relayed).
+UNSUPPORTED_MEDIA_TYPE = ErrorKind("unsupported_media_type", _Code.INVALID_ARGUMENT, 415,
+                                   "UnsupportedMediaTypeError",
+                                   default_message="unsupported media type", relayed=False)
 REQUEST_TIMEOUT = ErrorKind("request_timeout", _Code.DEADLINE_EXCEEDED, 408,
                             "RequestTimeoutError", default_message="request timeout",
                             relayed=False)
 UNAUTHENTICATED = ErrorKind("unauthenticated", _Code.UNAUTHENTICATED, 401,
                             "AuthenticationError", default_message="unauthenticated",
                             relayed=False)
+# A valid caller asking for what only an admin may do (docs/security.md). Not relayed: a
+# downstream refusing the router is not the client's fault.
+PERMISSION_DENIED = ErrorKind("permission_denied", _Code.PERMISSION_DENIED, 403,
+                              "PermissionDeniedError", default_message="permission denied",
+                              relayed=False)
 NOT_FOUND = ErrorKind("not_found", _Code.NOT_FOUND, 404, "NotFoundError",
                       default_message="not found")
 # HTTP only (a route called with the wrong method); no RPC is ever answered with it.
@@ -89,9 +98,9 @@ INTERNAL = ErrorKind("internal", _Code.INTERNAL, 500, "InternalServerError",
                      default_message="internal error")
 
 ERROR_KINDS: tuple[ErrorKind, ...] = (
-    INVALID_REQUEST, REQUEST_TOO_LARGE, REQUEST_TIMEOUT, UNAUTHENTICATED, NOT_FOUND,
-    METHOD_NOT_ALLOWED, OVERLOADED, UNAVAILABLE, CANCELLED, UNIMPLEMENTED, DEADLINE_EXCEEDED,
-    INTERNAL,
+    INVALID_REQUEST, REQUEST_TOO_LARGE, UNSUPPORTED_MEDIA_TYPE, REQUEST_TIMEOUT,
+    UNAUTHENTICATED, PERMISSION_DENIED, NOT_FOUND, METHOD_NOT_ALLOWED, OVERLOADED,
+    UNAVAILABLE, CANCELLED, UNIMPLEMENTED, DEADLINE_EXCEEDED, INTERNAL,
 )
 
 # What a client sees for an unexpected exception; the traceback goes to the server log.
@@ -157,6 +166,12 @@ class UnauthenticatedError(ClientError):
     """The caller presented no valid credentials (an API key)."""
 
     kind = UNAUTHENTICATED
+
+
+class PermissionDeniedError(ClientError):
+    """The caller is known but may not do this (e.g. change the fleet without being admin)."""
+
+    kind = PERMISSION_DENIED
 
 
 class NotFoundError(ClientError, LookupError):

@@ -17,6 +17,11 @@ transformers 5's `AutoTokenizer` for tokenizer.json-based checkpoints:
   (trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`, `tojson`, `strftime_now`,
   a `namespace` that refuses underscore attributes),
   with the named special tokens (`bos_token`, `eos_token`, ...) as variables.
+- `split_special_tokens=True` encodes special-token strings as the plain text they spell
+  (transformers' flag of that name; a second backend with `encode_special_tokens` set once at
+  load, so no call mutates shared state); `encode_with_spans` and
+  `encode_with_specials_at` let `kvfleet.text.chat_encoding` parse control tokens only where
+  the chat template put them.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES, in its order (it defines `all_special_ids`' order).
@@ -58,6 +63,12 @@ class Tokenizer:
         clean_up_tokenization_spaces: bool = False,
     ) -> None:
         self._backend = backend
+        # The same pipeline with special-token strings left as text (set once, here).
+        self._text_backend = BackendTokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
+        self._special_ids = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
         self.special_tokens = dict(special_tokens)
         self.extra_special_tokens = list(extra_special_tokens)
         self.chat_template = chat_template
@@ -95,6 +106,10 @@ class Tokenizer:
         """Number of token ids, added tokens included (transformers' `len(tokenizer)`)."""
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """tokenizer.json as loaded, added special tokens included (grammar backends read it)."""
+        return str(self._backend.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -126,8 +141,45 @@ class Tokenizer:
 
     # -- text ------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+    def encode(
+        self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False
+    ) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds BOS/EOS as the post-processor says,
+        `split_special_tokens` encodes `<|im_end|>` & co. as plain text, never as control
+        tokens."""
+        backend = self._text_backend if split_special_tokens else self._backend
+        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_with_spans(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)`, and the character spans of `text` that became special tokens (in
+        order; those the post-processor adds, e.g. BOS, span nothing and are left out)."""
+        encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
+        spans = [(start, end) for token, (start, end) in zip(encoding.ids, encoding.offsets,
+                                                             strict=True)
+                 if token in self._special_ids and start < end]
+        return list(encoding.ids), spans
+
+    def encode_with_specials_at(
+        self, text: str, spans: Sequence[tuple[int, int]], add_special_tokens: bool
+    ) -> list[int]:
+        """`text` with special tokens parsed only inside `spans` (sorted, disjoint, from
+        `encode_with_spans`); everything else is encoded as plain text. Special tokens
+        split the input into separately encoded pieces anyway, so cutting there changes
+        nothing else."""
+        pieces: list[Encoding] = []
+        position = 0
+        for start, end in spans:
+            if position < start:
+                pieces.append(self._text_backend.encode(text[position:start],
+                                                        add_special_tokens=False))
+            pieces.append(self._backend.encode(text[start:end], add_special_tokens=False))
+            position = end
+        if position < len(text) or not pieces:
+            pieces.append(self._text_backend.encode(text[position:], add_special_tokens=False))
+        merged = Encoding.merge(pieces, growing_offsets=True)
+        return list(self._backend.post_process(merged, None, add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

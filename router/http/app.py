@@ -47,7 +47,7 @@ from kvfleet.runtime.logs import set_tenant
 from kvfleet.runtime.tracing import tracer
 from kvfleet.v1 import router_pb2
 from router.engines.merge import merge_tagged
-from router.http.body import BodyReader, decode_json
+from router.http.body import BodyReader, read_json
 from router.http.errors import (
     error_body,
     error_response,
@@ -56,10 +56,11 @@ from router.http.errors import (
     logged_failure,
     status_of,
 )
-from router.http.lora_endpoints import LoRAEndpoints
+from router.http.lora_endpoints import LoRAEndpoints, RuntimeLoRAConfig
 from router.http.openapi_doc import install_openapi
 from router.http.vllm_endpoints import ServingExtras, kvfleet_version
 from router.metrics import RouterMetrics
+from router.openai.chat_output import ChatOutputConfig, ChatOutputPlan, plan_chat_output
 from router.openai.render import Choices, new_id
 from router.openai.requests import ChatCompletionRequest, CompletionRequest, parse_body
 from router.openai.responses import StreamRenderer
@@ -86,11 +87,15 @@ class ClientDisconnected(Exception):
 
 class OpenAIApi:
     def __init__(
-        self, pipeline: GenerationPipeline, policies: PolicyStore, metrics: RouterMetrics
+        self, pipeline: GenerationPipeline, policies: PolicyStore, metrics: RouterMetrics,
+        chat_output: ChatOutputConfig | None = None,
+        runtime_lora: RuntimeLoRAConfig | None = None,
     ) -> None:
         self._pipeline = pipeline
         self._policies = policies
         self._metrics = metrics
+        self._chat_output = chat_output or ChatOutputConfig()
+        self._runtime_lora = runtime_lora or RuntimeLoRAConfig()
 
     def app(self) -> FastAPI:
         app = FastAPI(
@@ -109,7 +114,8 @@ class OpenAIApi:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         ServingExtras(self._pipeline, self._policies, self._metrics).install(app)
-        LoRAEndpoints(self._pipeline, self._policies).install(app)
+        if self._runtime_lora.allow_updates:  # else unknown routes (404), as in vLLM
+            LoRAEndpoints(self._pipeline, self._policies, self._runtime_lora.roots).install(app)
         install_openapi(app)
         return app
 
@@ -153,11 +159,11 @@ class OpenAIApi:
                 # Here, not only in the pipeline: the span this handler owns carries its
                 # tenant whatever context the pipeline's first step later runs in.
                 span.set_attribute("kvfleet.tenant", tenant)
-                body = parse_body(cls, decode_json(await request.body()),
+                body = parse_body(cls, await read_json(request),
                                   self._pipeline.request_limits)
-                router_requests = self._checked(body, who)
+                router_requests, plan = self._checked(body, who)
                 started = await until_disconnected(
-                    request, self._start(body, router_requests, who, kind)
+                    request, self._start(body, router_requests, who, kind, plan)
                 )
             except ClientDisconnected:
                 span.end()
@@ -181,15 +187,24 @@ class OpenAIApi:
                 response.headers.update(headers)
             return response
 
-    def _checked(self, body: Body, tenant: Tenant) -> list[router_pb2.RouterGenerateRequest]:
-        """The body's router requests, every one checked before any is started."""
+    def _checked(
+        self, body: Body, tenant: Tenant
+    ) -> tuple[list[router_pb2.RouterGenerateRequest], ChatOutputPlan | None]:
+        """The body's router requests, every one checked before any is started, and how a
+        chat's output is read (tool calls, reasoning)."""
         requests = body.to_router_requests()
+        plan = None
+        if isinstance(body, ChatCompletionRequest):
+            plan = plan_chat_output(
+                body.tools, body.checked_tool_choice(), body.parallel_tool_calls is not False,
+                self._chat_output, requests,
+            )
         self._pipeline.check_requests(requests, tenant, body.n)
-        return requests
+        return requests, plan
 
     async def _start(
         self, body: Body, requests: Sequence[router_pb2.RouterGenerateRequest], tenant: Tenant,
-        kind: str,
+        kind: str, plan: ChatOutputPlan | None = None,
     ) -> Started:
         """Run the prompts up to their first message (tokenize, route, queue, prefill)."""
         model = await self._model(body.model)
@@ -201,7 +216,7 @@ class OpenAIApi:
         headers = admissions[-1].headers() if admissions else {}
         choices = Choices(n=body.n, kind=kind, logprobs=_wants_logprobs(body))
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        renderer = StreamRenderer(choices, *new_id(prefix), model, echo)
+        renderer = StreamRenderer(choices, *new_id(prefix), model, echo, plan)
         return renderer, first, stream, headers
 
     async def _whole(

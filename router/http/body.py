@@ -3,8 +3,9 @@
 Role: `BodyReader` is ASGI middleware in front of the OpenAI API. For a request with a body
 it reads the whole body before the app runs: at most `max_body_bytes`, all of it within
 `body_read_timeout_s`. The app then gets the buffered body followed by the server's own
-`receive`, so it still sees `http.disconnect` when the client leaves. `decode_json` turns
-the bytes into a Python object, with errors phrased for the client.
+`receive`, so it still sees `http.disconnect` when the client leaves. `read_json` checks the
+body is declared JSON and `decode_json` turns the bytes into a Python object, with errors
+phrased for the client.
 
 Invariants:
 - A declared Content-Length over the limit, or a body that grows past it (chunked), is
@@ -16,6 +17,9 @@ Invariants:
   sent) is answered 408.
 - Refused requests close their connection: their body was never read to its end.
 - A client that disconnects while sending gets no response and the app never runs.
+- A JSON body must say so: `Content-Type: application/json` (parameters such as
+  `charset=utf-8` allowed, any case); anything else, or none, is 415 before the body is
+  parsed, so a form post or a text/plain "simple" request from a browser page never runs.
 - Every refusal is OpenAI error JSON (`router.http.errors`).
 """
 
@@ -26,11 +30,13 @@ import contextlib
 import json
 from typing import Any
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfleet.contracts.errors import (
     REQUEST_TIMEOUT,
     REQUEST_TOO_LARGE,
+    UNSUPPORTED_MEDIA_TYPE,
     ErrorKind,
     InvalidFieldError,
 )
@@ -137,6 +143,26 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return bytes(value).decode("latin-1").strip().lower()
     return None
+
+
+JSON_MEDIA_TYPE = "application/json"
+
+
+async def read_json(request: Request) -> Any:
+    """The request's body as JSON, once its Content-Type says JSON (else 415)."""
+    check_json_content_type(request.headers.get("content-type"))
+    return decode_json(await request.body())
+
+
+def check_json_content_type(value: str | None) -> None:
+    """InvalidFieldError (415) unless `value` is application/json, parameters allowed."""
+    media_type = (value or "").split(";", 1)[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        shown = f"'{value}'" if value else "none"
+        raise InvalidFieldError(
+            None, f"the request body must be JSON sent with Content-Type: {JSON_MEDIA_TYPE}, "
+            f"got {shown}", UNSUPPORTED_MEDIA_TYPE.http_status,
+        )
 
 
 def decode_json(body: bytes) -> Any:

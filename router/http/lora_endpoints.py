@@ -1,5 +1,9 @@
 """vLLM's dynamic LoRA endpoints on the router, fanned out to every live engine.
 
+They exist only when the operator enables runtime adapter updates (`RuntimeLoRAConfig`,
+the router's `--allow-runtime-lora-updating`, vLLM's switch); otherwise both paths are
+unknown routes (404), as in vLLM.
+
 `POST /v1/load_lora_adapter` {"lora_name", "lora_path"} and `POST /v1/unload_lora_adapter`
 {"lora_name"} call LoadLoRAAdapter / UnloadLoRAAdapter on each live engine concurrently
 (with the router credential). Engines then publish their adapters to Redis, which is where
@@ -10,13 +14,20 @@ engine's message; engines that could not be reached make it 503 naming them.
 The router itself loads an adapter on one more engine when every engine serving it is
 saturated (router.routing.lora_placement); unloading here also makes it forget those loads.
 
-Invariants: a caller needs a valid API key (as for every API route); the path must be
-readable by the engines (it is their file system the adapter is read from).
+Invariants:
+- A caller needs a valid API key (401), then must be an admin (`admin: true` in the tenant
+  policy, on its tenant or its key): others get 403 before the body is read or any engine is
+  contacted.
+- `lora_path` must resolve inside `--lora-allowed-dirs` (`kvfleet.contracts.adapter_paths`);
+  the engines check again, with the files (it is their file system the adapter is read from).
+  Outside, missing and unreadable are one message.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -24,20 +35,52 @@ import grpc.aio
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from kvfleet.contracts.errors import InvalidFieldError, UnavailableError
+from kvfleet.contracts.adapter_paths import AdapterRoots, add_allowed_dirs_argument
+from kvfleet.contracts.errors import InvalidFieldError, PermissionDeniedError, UnavailableError
 from kvfleet.v1 import engine_pb2
-from router.http.body import decode_json
+from router.http.body import read_json
 from router.http.errors import error_response, status_of
 from router.pipeline import EngineCall, GenerationPipeline
 from router.tenancy.policy_reload import PolicyStore
 
 CALL_TIMEOUT_S = 60.0  # loading reads the adapter from disk on every engine
+NOT_ADMIN_MESSAGE = "only admin API keys may load or unload LoRA adapters"
+
+
+@dataclass(frozen=True)
+class RuntimeLoRAConfig:
+    """Whether the fleet's adapters may change at run time, and from where (start-up flags)."""
+
+    allow_updates: bool = False
+    roots: AdapterRoots = field(default_factory=AdapterRoots)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RuntimeLoRAConfig:
+        """ValueError when updates are on without roots, or a root is not a directory."""
+        # The adapters are on the engines' file system, which the router may not mount.
+        roots = AdapterRoots.of(args.lora_allowed_dirs, must_exist=False)
+        if args.allow_runtime_lora_updating and not roots.configured:
+            raise ValueError("--allow-runtime-lora-updating needs --lora-allowed-dirs (the "
+                             "directories adapters may be loaded from)")
+        return cls(args.allow_runtime_lora_updating, roots)
+
+
+def add_runtime_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter to admin API keys "
+             "(vLLM's switch; needs --lora-allowed-dirs; default: off, the routes are 404)",
+    )
+    add_allowed_dirs_argument(parser)
 
 
 class LoRAEndpoints:
-    def __init__(self, pipeline: GenerationPipeline, policies: PolicyStore) -> None:
+    def __init__(
+        self, pipeline: GenerationPipeline, policies: PolicyStore, roots: AdapterRoots
+    ) -> None:
         self._pipeline = pipeline
         self._policies = policies
+        self._roots = roots
 
     def install(self, app: FastAPI) -> None:
         app.add_api_route("/v1/load_lora_adapter", self.load, methods=["POST"])
@@ -66,8 +109,12 @@ class LoRAEndpoints:
         call: Callable[[dict[str, str]], EngineCall], done: str,
     ) -> Response:  # fmt: skip
         try:
-            self._policies.current.identify(list(request.headers.items()))
-            body = _body(decode_json(await request.body()), fields)
+            caller = self._policies.current.identify(list(request.headers.items()))
+            if not caller.admin:
+                raise PermissionDeniedError(NOT_ADMIN_MESSAGE)
+            body = _body(await read_json(request), fields)
+            if "lora_path" in body:
+                body["lora_path"] = self._roots.check_inside(body["lora_path"])
             await self._fan_out(call(body))
         except Exception as exc:
             status, text, param = status_of(exc)

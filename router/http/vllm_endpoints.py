@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 
 from kvfleet.contracts.errors import InvalidFieldError, NotFoundError, UnavailableError
-from router.http.body import decode_json
+from router.http.body import read_json
 from router.http.errors import error_response, status_of
 from router.metrics import RouterMetrics
 from router.openai.tokenize_bodies import (
@@ -83,7 +83,7 @@ class ServingExtras:
     async def tokenize(self, request: Request) -> Response:
         try:
             self._policies.current.identify(list(request.headers.items()))
-            body = parse_tokenize(decode_json(await request.body()), self._pipeline.request_limits)
+            body = parse_tokenize(await read_json(request), self._pipeline.request_limits)
             max_model_len = await self._context_len(body.model)
             response = await self._pipeline.tokenize_for_endpoint(body.tokenizer_request())
         except Exception as exc:
@@ -96,7 +96,7 @@ class ServingExtras:
     async def detokenize(self, request: Request) -> Response:
         try:
             self._policies.current.identify(list(request.headers.items()))
-            body = parse_detokenize(decode_json(await request.body()))
+            body = parse_detokenize(await read_json(request))
             await self._context_len(body.model)
             # Special tokens kept, as vLLM does: detokenize(tokenize(x)) gives x back.
             text = await self._detokenize(body.tokens)

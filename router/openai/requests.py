@@ -6,13 +6,18 @@ ignore_eos, min_tokens, include_stop_str_in_output, skip_special_tokens, stop_to
 `to_router_requests` turns one body into one router request per prompt.
 
 Invariants:
-- Every value is checked before anything is computed: field types and ranges here (pydantic,
-  with each integer bounded by its proto type so nothing overflows later), sizes by
+- Every value is checked before anything is computed: field types and ranges here (pydantic
+  in strict mode: a boolean is a JSON boolean, a number a JSON number, never a string; each
+  integer bounded by its proto type so nothing overflows later; messages per role), sizes by
   `router.request_limits`, sampling rules by the router with the engine's own validation. A problem
   is an `InvalidFieldError` naming the field (HTTP 400, `param` in the error JSON).
-- OpenAI and vLLM features kvfleet does not implement (tools, tool_choice, response_format,
-  logit_bias, suffix, best_of != n, guided decoding, ...) are refused by name when set to
+- Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) are
+  read and compiled by `router.openai.structured_bodies`, a bad one naming its exact field.
+- OpenAI and vLLM features kvfleet does not implement (logit_bias, suffix, best_of != n,
+  another guided_decoding_backend, tools outside chat, ...) are refused by name when set to
   anything but their no-op value, never silently ignored.
+- Chat `tools` / `tool_choice` are checked here (`router.openai.tools`), and assistant
+  `tool_calls` and tool turns' `tool_call_id` travel to the chat template.
 - Other unknown fields are ignored, as vLLM does.
 """
 
@@ -24,7 +29,10 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvfleet.contracts.errors import InvalidFieldError
+from kvfleet.contracts.structured_proto import to_proto as structured_to_proto
 from kvfleet.v1 import common_pb2, router_pb2
+from router.openai.structured_bodies import structured_outputs_of
+from router.openai.tools import ToolChoice, check_tools, message_tool_calls, tools_json
 from router.request_limits import RequestLimits
 
 INT32 = 2**31
@@ -71,18 +79,10 @@ def _empty(value: Any) -> bool:
 # Fields kvfleet does not implement -> whether a value is harmless (their "off" value).
 _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _empty,
-    "tools": _empty,
-    "tool_choice": lambda v: v in (None, "none"),
     "functions": _empty,
     "function_call": lambda v: v in (None, "none"),
-    "parallel_tool_calls": _unset,
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
-    "guided_decoding_backend": _unset,
-    "structured_outputs": _unset,
+    # One backend (llguidance): naming it, or leaving the choice to the server, is harmless.
+    "guided_decoding_backend": lambda v: v in (None, "auto", "guidance", "llguidance"),
     "allowed_token_ids": _unset,
     "bad_words": _empty,
     "logits_processors": _empty,
@@ -107,12 +107,21 @@ _UNSUPPORTED_CHAT: dict[str, Callable[[Any], bool]] = {
     "mm_processor_kwargs": _empty,
 }
 _UNSUPPORTED_COMPLETION: dict[str, Callable[[Any], bool]] = {
+    "tools": _empty,
+    "tool_choice": lambda v: v in (None, "none"),
+    "parallel_tool_calls": _unset,
     "suffix": _empty,
     "prompt_embeds": _unset,
 }
 
 
+# Strict: JSON types as they are ("stream": "yes" is a 400, not true); ints may fill floats.
+STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
@@ -120,7 +129,7 @@ class _SamplingBody(BaseModel):
     """Fields shared by completions and chat."""
 
     # extra="allow": unknown fields are kept (and ignored) so unsupported ones can be named.
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = _UNSUPPORTED
 
     model: str | None = None
@@ -155,9 +164,10 @@ class _SamplingBody(BaseModel):
             raise InvalidFieldError(
                 "stream_options", "stream_options is only allowed when stream is true"
             )
-        if self.top_k is not None and self.top_k not in (-1, 0) and self.top_k < 1:
+        if self.top_k is not None and (self.top_k == 0 or self.top_k < -1):
+            # The documented range (README: -1 disables; otherwise >= 1), as the engine's.
             raise InvalidFieldError(
-                "top_k", f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}"
+                "top_k", f"top_k must be -1 (disable) or at least 1, got {self.top_k}"
             )
         for index, token in enumerate(self.stop_token_ids or ()):
             if not 0 <= token < UINT32:
@@ -190,11 +200,14 @@ class _SamplingBody(BaseModel):
         )
         _set_if(params, "temperature", self.temperature)
         _set_if(params, "top_p", self.top_p)
-        _set_if(params, "top_k", self.top_k if self.top_k not in (None, -1, 0) else None)
+        _set_if(params, "top_k", self.top_k if self.top_k not in (None, -1) else None)
         _set_if(params, "seed", self.seed)
         _set_if(params, "max_tokens", max_tokens)
         _set_if(params, "repetition_penalty", self.repetition_penalty)
         _set_if(params, "logprobs", logprobs)
+        structured = structured_outputs_of(self)
+        if structured is not None:
+            params.structured_outputs.CopyFrom(structured_to_proto(structured))
         return params
 
     @property
@@ -257,19 +270,32 @@ class CompletionRequest(_SamplingBody):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = Field(None, json_schema_extra=CONTENT_SCHEMA)
     tool_calls: Any = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def add_to(self, messages: common_pb2.ChatMessages, index: int) -> None:
+        """Append this message (text, tool calls, tool_call_id) to the proto's messages."""
+        message = messages.messages.add(role=self.role, content=self.text(index))
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise InvalidFieldError(f"messages[{index}].tool_calls",
+                                        "only assistant messages have tool_calls")
+            message.tool_calls.extend(message_tool_calls(self.tool_calls, index))
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidFieldError(f"messages[{index}].tool_call_id",
+                                    "a tool message needs the tool_call_id it answers")
+        message.tool_call_id = _utf8(self.tool_call_id or "", f"messages[{index}].tool_call_id")
+        message.name = _utf8(self.name or "", f"messages[{index}].name")
 
     def text(self, index: int) -> str:
         param = f"messages[{index}].content"
-        if self.tool_calls:
-            raise InvalidFieldError(
-                f"messages[{index}].tool_calls", "`tool_calls` is not supported"
-            )
         if self.content is None:
+            self.check_role(param)
             return ""
         if isinstance(self.content, str):
             return _utf8(self.content, param)
@@ -285,6 +311,15 @@ class ChatMessage(BaseModel):
             parts.append(part["text"])
         return _utf8("".join(parts), param)
 
+    def check_role(self, param: str) -> None:
+        """A message without content: only an assistant's may lack it, and only when it
+        carries tool_calls (OpenAI's rule); every other role needs its content."""
+        if self.role == "assistant" and self.tool_calls:
+            return
+        needed = ("an assistant message without tool_calls" if self.role == "assistant"
+                  else f"a {self.role} message")
+        raise InvalidFieldError(param, f"{param} is required for {needed}")
+
 
 class ChatCompletionRequest(_SamplingBody):
     UNSUPPORTED: ClassVar[dict[str, Callable[[Any], bool]]] = {
@@ -296,16 +331,26 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: int | None = Field(None, ge=1, lt=UINT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # Checked by router.openai.tools (typed Any so every problem names its exact field).
+    tools: Any = Field(None, json_schema_extra={"type": ["array", "null"]})
+    tool_choice: Any = Field(None, json_schema_extra={"type": ["string", "object", "null"]})
+    parallel_tool_calls: bool | None = None
+
+    def checked_tool_choice(self) -> ToolChoice:
+        """The tool choice, after checking `tools` and `tool_choice` (InvalidFieldError)."""
+        return check_tools(self.tools, self.tool_choice)
 
     def to_router_requests(self) -> list[router_pb2.RouterGenerateRequest]:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidFieldError("top_logprobs", "top_logprobs requires logprobs to be true")
+        self.checked_tool_choice()
         k = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
         request = _router_request(self, self.sampling(max_tokens, k))
         for index, message in enumerate(self.messages):
-            request.messages.messages.add(role=message.role, content=message.text(index))
+            message.add_to(request.messages, index)
+        request.messages.tools_json = tools_json(self.tools)
         return [request]
 
 

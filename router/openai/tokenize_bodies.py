@@ -22,16 +22,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvfleet.contracts.errors import InvalidFieldError
 from kvfleet.v1 import common_pb2, router_pb2, tokenizer_pb2
 from router.openai.requests import UINT32, ChatMessage, validation_error
+from router.openai.tools import check_tools, tools_json
 from router.request_limits import RequestLimits
 
 # Fields of vLLM's tokenize bodies kvfleet does not implement -> is the value harmless?
 _REFUSED_UNLESS_OFF = ("return_token_strs", "continue_final_message", "chat_template",
-                       "chat_template_kwargs", "tools", "mm_processor_kwargs")
+                       "chat_template_kwargs", "mm_processor_kwargs")
 
 
 class _TokenizeBody(BaseModel):
-    # Unknown fields are ignored, as vLLM does; known-unsupported ones are named.
-    model_config = ConfigDict(extra="allow")
+    # Unknown fields are ignored, as vLLM does; known-unsupported ones are named. Strict, as
+    # the OpenAI bodies: "add_special_tokens": "no" is a 400, not true.
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     return_token_strs: bool | None = Field(
@@ -72,11 +74,15 @@ class TokenizeChatBody(_TokenizeBody):
         False, description="Add special tokens on top of the template's own."
     )
     continue_final_message: bool = Field(False, description="Not supported: must be false.")
+    tools: Any = Field(None, description="Tools the chat template renders, as in chat "
+                       "completions.", json_schema_extra={"type": ["array", "null"]})
 
     def router_request(self) -> router_pb2.RouterGenerateRequest:
         request = router_pb2.RouterGenerateRequest()
+        check_tools(self.tools, None)
         for index, message in enumerate(self.messages):
-            request.messages.messages.add(role=message.role, content=message.text(index))
+            message.add_to(request.messages, index)
+        request.messages.tools_json = tools_json(self.tools)
         return request
 
     def tokenizer_request(self) -> tokenizer_pb2.TokenizeRequest:
@@ -93,7 +99,7 @@ class DetokenizeBody(BaseModel):
     """Token ids to text; special tokens are kept, so tokenize -> detokenize gives back the
     text (or rendered chat) that was encoded."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     tokens: list[int] = Field(description=f"Token ids, each in [0, vocab size) (< {UINT32})")

@@ -36,6 +36,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from kvfleet.contracts.adapter_paths import AdapterRoots
 from kvfleet.v1 import engine_pb2
 from router.engines.pool import EnginePool
 from router.metrics import RouterMetrics
@@ -83,10 +84,15 @@ def choose_load_target(
 LoadAdapter = Callable[[EngineView, str, str], Awaitable[object]]
 
 
-def engine_loader(pool: EnginePool, timeout_s: float) -> LoadAdapter:
-    """Calls LoadLoRAAdapter(name, path) on an engine with the router credential."""
+def engine_loader(
+    pool: EnginePool, timeout_s: float, roots: AdapterRoots | None = None
+) -> LoadAdapter:
+    """Calls LoadLoRAAdapter(name, path) on an engine with the router credential; a path
+    outside `roots` (--lora-allowed-dirs: Redis entries are not trusted) is a failed load."""
 
     async def load(engine: EngineView, name: str, path: str) -> object:
+        if roots is not None:
+            path = roots.check_inside(path)
         stub = pool.stub(engine.engine_id, engine.address)
         request = engine_pb2.LoadLoRAAdapterRequest(lora_name=name, lora_path=path)
         return await stub.LoadLoRAAdapter(request, metadata=pool.credential, timeout=timeout_s)

@@ -48,6 +48,7 @@ from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 
 from kvfleet.contracts import redis_schema
+from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +255,10 @@ LEAN_CONNECTIONS: dict[str, Any] = {
 class PrefixIndex:
     """Async reader of the engines' registry and block index."""
 
-    def __init__(self, redis_url: str, config: PrefixIndexConfig | None = None) -> None:
+    def __init__(
+        self, redis_url: str, config: PrefixIndexConfig | None = None,
+        access: RedisAccess = NO_ACCESS,
+    ) -> None:
         self.config = config if config is not None else PrefixIndexConfig()
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             redis_url,
@@ -265,6 +269,7 @@ class PrefixIndex:
             # Fail fast: the fallback (load-only routing) beats waiting for Redis.
             retry=Retry(NoBackoff(), 0),
             **LEAN_CONNECTIONS,
+            **access.client_kwargs(redis_url),
         )
         self._client = redis.asyncio.Redis.from_pool(pool)
         self._script = self._client.register_script(LOOKUP_SCRIPT)

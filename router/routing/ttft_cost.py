@@ -38,6 +38,13 @@ ranking then prefers, among them, the engine holding most of the prompt, then th
 hash (`router.routing.ranking`). Rates measured on alike engines differ by noise, and a new
 prefix must spread over them by the hash rather than all go to whichever measured fastest.
 
+Alike engines: a measured rate within a factor `1 + rate_alike` (1.25) of the mean of the
+decision's rates is read as the mean (of two engines: up to 1.67x apart). Engines of one model
+on one kind of hardware measure rates that differ by noise (steps of other sizes, neighbours on
+a shared host: two engines of one CPU fleet measured rates far enough apart, under load, to
+break the tie), and a noisy rate must neither pull every new prefix to one engine nor move a
+hot one; a different GPU or model differs by more than that and keeps its own rate.
+
 Defaults, for engines that publish none of this yet (older engines, the first seconds): a
 missing rate is the mean of the rates the other engines of the decision publish, else the
 config default; missing queued tokens are `num_waiting` prompts as long as this one; missing
@@ -77,6 +84,8 @@ class PrefixPolicyConfig:
     # Extra share of the compute charged for prompt tokens another engine already holds or
     # is computing (the capacity a duplicate takes from later requests); 0: time alone.
     duplicate_weight: float = 0.5
+    # Rates within a factor 1 + rate_alike of the decision's mean count as the mean.
+    rate_alike: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.host_hit_weight <= 1.0:
@@ -89,6 +98,8 @@ class PrefixPolicyConfig:
             raise ValueError("tie tolerances must be >= 0")
         if self.duplicate_weight < 0:
             raise ValueError(f"duplicate weight must be >= 0, got {self.duplicate_weight}")
+        if self.rate_alike < 0:
+            raise ValueError(f"rate alike must be >= 0, got {self.rate_alike}")
 
     def score(self, engine: EngineView) -> float:
         """Cached-prefix score of an engine for this prompt, in device blocks."""
@@ -150,8 +161,8 @@ def _estimate(
     e: EngineView, shape: RequestShape, config: PrefixPolicyConfig, fleet: _FleetRates,
     most_matched: int,
 ) -> Estimate:
-    rate = e.prefill_tokens_per_s if e.prefill_tokens_per_s > 0 else fleet.prefill_tokens_per_s
-    step = e.decode_s_per_seq if e.decode_s_per_seq > 0 else fleet.decode_s_per_seq
+    rate = _own_or_fleet(e.prefill_tokens_per_s, fleet.prefill_tokens_per_s, config)
+    step = _own_or_fleet(e.decode_s_per_seq, fleet.decode_s_per_seq, config)
     published_queue = (e.queued_prefill_tokens if e.queued_prefill_tokens != UNKNOWN
                        else e.num_waiting * shape.prompt_tokens)
     queued = max(published_queue, e.own_prefill_tokens)
@@ -166,6 +177,14 @@ def _estimate(
     work *= 1.0 + config.kv_pressure_weight * min(max(pressure, 0.0), 1.0)
     ttft = (queued + work) / rate + decoding * step
     return Estimate(e.engine_id, ttft, matched, own)
+
+
+def _own_or_fleet(measured: float, mean: float, config: PrefixPolicyConfig) -> float:
+    """The engine's rate, or the fleet's mean when unknown or alike (module docstring)."""
+    if measured <= 0:
+        return mean
+    alike = 1.0 + config.rate_alike
+    return mean if mean / alike <= measured <= mean * alike else measured
 
 
 def _matched_tokens(e: EngineView, shape: RequestShape) -> int:

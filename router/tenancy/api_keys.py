@@ -42,10 +42,15 @@ class Authenticator:
 
     enabled: bool = False
     tenant_by_digest: Mapping[bytes, str] = field(default_factory=dict)
+    # Keys marked `admin: true` in the policy file (digests too).
+    admin_digests: frozenset[bytes] = frozenset()
 
     @classmethod
-    def from_keys(cls, keys: Mapping[str, str]) -> Authenticator:
-        return cls(True, {_digest(key): tenant for key, tenant in keys.items()})
+    def from_keys(
+        cls, keys: Mapping[str, str], admin_keys: Iterable[str] = ()
+    ) -> Authenticator:
+        return cls(True, {_digest(key): tenant for key, tenant in keys.items()},
+                   frozenset(_digest(key) for key in admin_keys))
 
     @property
     def num_keys(self) -> int:
@@ -53,17 +58,22 @@ class Authenticator:
 
     def tenant_for(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
         """The caller's tenant; AuthenticationError when auth is on and the key is bad."""
+        return self.caller(metadata)[0]
+
+    def caller(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> tuple[str, bool]:
+        """(tenant, whether the key itself is an admin key); AuthenticationError as above."""
         if not self.enabled:
-            return ANONYMOUS_TENANT
+            return ANONYMOUS_TENANT, False
         key = api_key_from_metadata(metadata or ())
         if key is None:
             raise AuthenticationError(
                 "missing API key: send metadata 'authorization: Bearer <key>' or 'x-api-key'"
             )
-        tenant = self.tenant_by_digest.get(_digest(key))
+        digest = _digest(key)
+        tenant = self.tenant_by_digest.get(digest)
         if tenant is None:
             raise AuthenticationError("invalid API key")
-        return tenant
+        return tenant, digest in self.admin_digests
 
 
 def api_key_from_metadata(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:

@@ -13,6 +13,8 @@ runs. The format is documented in docs/tenants.md; in short:
         priority: {min: 0, max: 10, default: 5}
         weight: 2
       legacy: [sk-legacy-1]          # the old key-file form: keys only, defaults apply
+      ops: {keys: [sk-ops-1], admin: true}   # may change the fleet (runtime LoRA updates)
+      mixed: {keys: [sk-m-1, {key: sk-m-admin, admin: true}]}   # one admin key
     keys: {sk-solo: solo}            # the old key-file form, too
 
 Invariants:
@@ -95,6 +97,9 @@ class TenantLimits:
 class Tenant:
     name: str
     limits: TenantLimits
+    # May change the fleet (docs/security.md): its tenant or its key is `admin: true`, or
+    # auth is off (no policy file: nobody is told apart, as in vLLM).
+    admin: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,11 +107,13 @@ class TenantPolicy:
     auth: Authenticator = field(default_factory=Authenticator)
     defaults: TenantLimits = field(default_factory=TenantLimits)
     tenants: Mapping[str, TenantLimits] = field(default_factory=dict)
+    admin_tenants: frozenset[str] = frozenset()
 
     def identify(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Tenant:
         """The caller's tenant and limits; AuthenticationError for a bad or missing key."""
-        name = self.auth.tenant_for(metadata)
-        return Tenant(name, self.limits_of(name))
+        name, admin_key = self.auth.caller(metadata)
+        admin = admin_key or name in self.admin_tenants or not self.auth.enabled
+        return Tenant(name, self.limits_of(name), admin)
 
     def limits_of(self, name: str) -> TenantLimits:
         return self.tenants.get(name, self.defaults)
@@ -133,6 +140,8 @@ def load_policy(path: str | Path) -> TenantPolicy:
         )
     defaults = _limits(data.get("defaults") or {}, TenantLimits(), ("defaults",), where)
     keys: dict[str, str] = {}
+    admin_keys: set[str] = set()
+    admin_tenants: set[str] = set()
     tenants: dict[str, TenantLimits] = {}
     for name, entry in _mapping(data.get("tenants"), ("tenants",), where).items():
         at: FieldPath = ("tenants", str(name))
@@ -146,14 +155,36 @@ def load_policy(path: str | Path) -> TenantPolicy:
         tenant_keys = entry.pop("keys", None)
         if not isinstance(tenant_keys, list) or not tenant_keys:
             raise where.error((*at, "keys"), "must be a non-empty list of keys")
+        if _admin_flag(entry.pop("admin", False), (*at, "admin"), where):
+            admin_tenants.add(name)
         for index, key in enumerate(tenant_keys):
-            _add_key(keys, key, name, (*at, "keys", str(index)), where)
+            key_at = (*at, "keys", str(index))
+            key, admin = _key_entry(key, key_at, where)
+            _add_key(keys, key, name, key_at, where)
+            if admin:
+                admin_keys.add(key.strip())
         tenants[name] = _limits(entry, defaults, at, where)
     for key, name in _mapping(data.get("keys"), ("keys",), where).items():
         _add_key(keys, key, name, ("keys", str(key)), where)
         tenants.setdefault(name, defaults)
-    auth = Authenticator.from_keys(keys) if keys else Authenticator()
-    return TenantPolicy(auth, defaults, tenants)
+    auth = Authenticator.from_keys(keys, admin_keys) if keys else Authenticator()
+    return TenantPolicy(auth, defaults, tenants, frozenset(admin_tenants))
+
+
+def _admin_flag(value: Any, at: FieldPath, where: Locator) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(at, f"must be true or false, got {value!r}")
+    return value
+
+
+def _key_entry(entry: Any, at: FieldPath, where: Locator) -> tuple[Any, bool]:
+    """A key list entry: the key, or {key: K, admin: true} for one admin key."""
+    if not isinstance(entry, dict):
+        return entry, False
+    unknown = sorted(set(entry) - {"key", "admin"})
+    if unknown:
+        raise where.error((*at, str(unknown[0])), "unknown field; known: key, admin")
+    return entry.get("key"), _admin_flag(entry.get("admin", False), (*at, "admin"), where)
 
 
 def _mapping(value: Any, at: FieldPath, where: Locator) -> dict[Any, Any]:

@@ -48,6 +48,26 @@ def test_tokenizer_command_line_parses(scenario: str) -> None:
     assert args.served_model_name == ("smollm2" if scenario == "everything" else None)
 
 
+def test_security_values_reach_the_services() -> None:
+    """docs/security.md: runtime LoRA updates (routers), adapter roots (routers and engines),
+    special tokens in prompts (tokenizers); none of them by default."""
+    from router.server import RouterConfig
+    from router.server import parse_args as router_args
+    from tokenizer_svc.server import parse_args as tokenizer_args
+
+    roots = ("/models/adapters", "/srv/more adapters")
+    config = RouterConfig.from_args(router_args(_service_argv("security", "router")))
+    assert config.runtime_lora.allow_updates and config.runtime_lora.roots.dirs == roots
+    engine = _service_argv("security", "engine")
+    at = engine.index("--lora-allowed-dirs")
+    assert tuple(engine[at + 1:at + 3]) == roots
+    assert tokenizer_args(_service_argv("security", "tokenizer")).allow_special_tokens_in_prompts
+    default = RouterConfig.from_args(router_args(_service_argv("default", "router")))
+    assert not default.runtime_lora.allow_updates and not default.runtime_lora.roots.configured
+    assert "--lora-allowed-dirs" not in _service_argv("default", "engine")
+    assert not tokenizer_args(_service_argv("default", "tokenizer")).allow_special_tokens_in_prompts
+
+
 @pytest.mark.parametrize("scenario", ["default", "everything", "external-redis-url"])
 def test_engine_command_line_parses(scenario: str) -> None:
     from engine.service.server import build_parser, options_from_args

@@ -101,6 +101,8 @@ def test_default_values_match_the_schema() -> None:
         ({"auth": {"enabled": True}}, "/auth/apiKeys"),
         ({"auth": {"enabled": True, "apiKeys": {"tenants": {"acme": []}}}}, "/auth/apiKeys"),
         ({"tracing": {"enabled": True}}, "/tracing/endpoint"),
+        ({"lora": {"allowRuntimeUpdating": True}}, "/lora/allowedDirs"),
+        ({"lora": {"allowedDirs": ["adapters"]}}, "/lora/allowedDirs/0"),
         ({"metrics": {"enabled": False, "serviceMonitor": {"enabled": True}}},
          "/metrics/enabled"),
         ({"router": {"policy": "random"}}, "/router/policy"),

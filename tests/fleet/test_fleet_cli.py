@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.cli import DEMO_PROMPTS, build_parser, http_port_or_free, main
+from kvfleet.fleet import FleetConfig, engine_command, router_command, tokenizer_command
 from tests.fixtures.router_fleet import child_pids, pid_alive, wait_until
 
 pytestmark = pytest.mark.timeout(240)
@@ -92,6 +93,31 @@ def test_serve_dispatches_to_each_service() -> None:
         with pytest.raises(SystemExit) as info:
             main(["serve", service, "--help"])
         assert info.value.code == 0
+
+
+def test_up_passes_the_security_flags_on(tmp_path: Path) -> None:
+    """`--tenant-policy` is `--api-keys` (as on the router); the LoRA and special-token
+    switches reach the router, the engines and the tokenizer (docs/security.md)."""
+    policy, adapters = tmp_path / "policy.yaml", tmp_path / "adapters"
+    args = build_parser().parse_args([
+        "up", "--tenant-policy", str(policy), "--allow-runtime-lora-updating",
+        "--lora-allowed-dirs", str(adapters), "--allow-special-tokens-in-prompts"])
+    assert args.api_keys == policy
+    assert build_parser().parse_args(["up", "--api-keys", str(policy)]).api_keys == policy
+    config = FleetConfig(model_dir=tmp_path, api_keys=args.api_keys,
+                         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                         lora_allowed_dirs=tuple(args.lora_allowed_dirs),
+                         allow_special_tokens_in_prompts=args.allow_special_tokens_in_prompts)
+    router = router_command(config, "t:1", "redis://r", "prefix", 0)
+    assert router[router.index("--api-keys") + 1] == str(policy)
+    assert "--allow-runtime-lora-updating" in router
+    assert router[router.index("--lora-allowed-dirs") + 1] == str(adapters)
+    engine = engine_command(config, "engine-0", "redis://r")
+    assert engine[engine.index("--lora-allowed-dirs") + 1] == str(adapters)
+    assert "--allow-special-tokens-in-prompts" in tokenizer_command(config)
+    plain = FleetConfig(model_dir=tmp_path)
+    assert "--allow-runtime-lora-updating" not in router_command(plain, "t:1", "r", "prefix", 0)
+    assert "--allow-special-tokens-in-prompts" not in tokenizer_command(plain)
 
 
 def test_client_requires_router_and_prompt() -> None:

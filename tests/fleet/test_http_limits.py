@@ -137,12 +137,16 @@ def test_a_5mb_prompt_is_413_which_the_sdk_does_not_retry(fleet: Fleet, model: s
         ("stop", {"prompt": "hi", "stop": [str(i) for i in range(LIMITS.max_stop_sequences + 1)]}),
         ("stop", {"prompt": "hi", "stop": "x" * (LIMITS.max_stop_chars + 1)}),
         ("prompt", {"prompt": ["a", "b", "c"], "n": LIMITS.max_choices // 2}),
-        ("tools", {"messages": [{"role": "user", "content": "hi"}],
-                   "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        ("tools[0].function.parameters",
+         {"messages": [{"role": "user", "content": "hi"}],
+          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]}),
         ("tool_choice", {"messages": [{"role": "user", "content": "hi"}],
                          "tool_choice": "auto"}),
-        ("response_format", {"messages": [{"role": "user", "content": "hi"}],
-                             "response_format": {"type": "json_object"}}),
+        ("response_format.json_schema.schema",
+         {"messages": [{"role": "user", "content": "hi"}],
+          "response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "nope"}}}}),
+        ("structured_outputs.regex", {"prompt": "hi", "structured_outputs": {"regex": "("}}),
         ("max_tokens", {"prompt": "hi", "max_tokens": 10**20}),
         ("priority", {"prompt": "hi", "priority": 2**40}),
         ("top_k", {"prompt": "hi", "top_k": 2**40}),
@@ -169,11 +173,21 @@ def test_over_limit_or_unsupported_is_400_naming_the_field_before_any_work(
 
 def test_the_sdk_sees_unsupported_fields_refused_by_name(openai_client: OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
+        openai_client.completions.create(
+            model=model, prompt="hi", max_tokens=2,
+            extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]},
+        )
+    assert info.value.param == "tools" and "`tools` is not supported" in info.value.message
+
+
+def test_auto_tool_choice_needs_the_router_flags(openai_client: OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
-    assert info.value.param == "tools" and "`tools` is not supported" in info.value.message
+    assert info.value.param == "tool_choice"
+    assert "--enable-auto-tool-choice and --tool-call-parser" in info.value.message
 
 
 @pytest.mark.parametrize(

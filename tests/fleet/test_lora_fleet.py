@@ -6,7 +6,10 @@ equal the offline engine's with the same adapter; `POST /v1/load_lora_adapter` f
 both engines, and with the adapter then held by one engine only, every request for it goes
 there; `POST /v1/unload_lora_adapter` removes it from `/v1/models`; bad calls are 400 naming
 the problem; a tenant whose policy does not list the adapter is refused (404 naming it, as for
-any model the tenant may not use) while one that lists it is served.
+any model the tenant may not use) while one that lists it is served. The fleet runs with
+`--allow-runtime-lora-updating` and `--lora-allowed-dirs` (the adapters' directory): only the
+admin tenant's key may load or unload (others get 403), and a path outside the directory,
+missing, or a symlink out of it all get one identical 400.
 
 Last, on a second fleet (`fleet_options` parametrized with `--max-num-seqs 1`): with the
 adapter held by one engine only and that engine's one sequence slot taken by a long request,
@@ -28,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, LoRARequest, SamplingParams
 from kvfleet.contracts import redis_schema
+from kvfleet.contracts.adapter_paths import REFUSED_MESSAGE
 from kvfleet.fleet import Fleet
 from kvfleet.router_client import build_request
 from kvfleet.runtime.service_auth import credential_metadata, read_secret
@@ -38,6 +42,7 @@ from tests.fixtures.router_fleet import API_KEYS, RouterClient, greedy, wait_unt
 pytestmark = pytest.mark.timeout(300)
 
 KEY = API_KEYS["tenant-0"]
+ADMIN_KEY = "key-admin"
 # Tenants whose policy lists models: the adapter all-r8 only, or the base model only.
 ADAPTER_KEY, BASE_KEY = "key-adapter-only", "key-base-only"
 PROMPT = list(range(30, 70))  # 40 tokens: two cacheable blocks
@@ -55,6 +60,8 @@ def fleet_options(request, tiny_model_dir, tiny_lora_dirs) -> FleetOptions:
         "engine_args": ("--num-kv-blocks", "128", "--enable-lora", "--max-loras", "2",
                         "--lora-modules", f"all-r8={tiny_lora_dirs['all-r8']}",
                         *getattr(request, "param", ())),
+        "allow_runtime_lora_updating": True,
+        "lora_allowed_dirs": (tiny_lora_dirs["all-r8"].parent,),
         "start_timeout_s": 180,
     }  # fmt: skip
 
@@ -63,6 +70,7 @@ def policy(base_model: str) -> dict[str, Any]:
     tenants: dict[str, Any] = {name: [key] for name, key in API_KEYS.items()}
     tenants["adapter-only"] = {"keys": [ADAPTER_KEY], "models": ["all-r8"]}
     tenants["base-only"] = {"keys": [BASE_KEY], "models": [base_model]}
+    tenants["ops"] = {"keys": [ADMIN_KEY], "admin": True}
     return {"tenants": tenants}
 
 
@@ -149,7 +157,7 @@ def test_model_field_selects_the_adapter(client, offline, redis_client):
 def test_load_fans_out_and_routing_prefers_holders(fleet, client, offline, tiny_lora_dirs,
                                                     redis_client):  # fmt: skip
     body = {"lora_name": "qv-r4", "lora_path": str(tiny_lora_dirs["qv-r4"])}
-    status, text = http(fleet, "POST", "/v1/load_lora_adapter", body)
+    status, text = http(fleet, "POST", "/v1/load_lora_adapter", body, ADMIN_KEY)
     assert (status, text) == (200, "Success: LoRA adapter 'qv-r4' added successfully.")
     wait_until(lambda: all("qv-r4" in a for a in adapters_of(redis_client).values()))
     engines = list(adapters_of(redis_client))
@@ -159,7 +167,8 @@ def test_load_fans_out_and_routing_prefers_holders(fleet, client, offline, tiny_
         ids, engine_id = generate(client, "qv-r4")
         assert ids == offline["qv-r4"]
         assert engine_id == engines[1]
-    status, text = http(fleet, "POST", "/v1/unload_lora_adapter", {"lora_name": "qv-r4"})
+    status, text = http(fleet, "POST", "/v1/unload_lora_adapter", {"lora_name": "qv-r4"},
+                        ADMIN_KEY)
     # engines[0] no longer serves it: the first refusal is answered, naming the adapter.
     assert status == 400 and "'qv-r4' is not loaded" in text
     wait_until(lambda: "qv-r4" not in models(fleet))
@@ -169,16 +178,43 @@ def test_load_fans_out_and_routing_prefers_holders(fleet, client, offline, tiny_
     ("path", "body", "message"),
     [
         ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/dir"},
-         "is not a directory"),
+         REFUSED_MESSAGE),
         ("/v1/load_lora_adapter", {"lora_name": "x"}, "lora_path is required"),
         ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"},
          "'never-loaded' is not loaded"),
     ],
 )  # fmt: skip
 def test_bad_lora_calls_are_400(fleet, path, body, message):
-    status, text = http(fleet, "POST", path, body)
+    status, text = http(fleet, "POST", path, body, ADMIN_KEY)
     assert status == 400, text
     assert message in json.loads(text)["error"]["message"]
+
+
+def test_only_admins_change_adapters(fleet, tiny_lora_dirs, redis_client):
+    body = {"lora_name": "qv-r4", "lora_path": str(tiny_lora_dirs["qv-r4"])}
+    for path, payload in (("/v1/load_lora_adapter", body),
+                          ("/v1/unload_lora_adapter", {"lora_name": "all-r8"})):
+        status, text = http(fleet, "POST", path, payload, KEY)
+        assert status == 403, text
+        assert json.loads(text)["error"]["type"] == "PermissionDeniedError"
+        status, _ = http(fleet, "POST", path, payload, "no-such-key")
+        assert status == 401
+    assert all(a == ["all-r8"] for a in adapters_of(redis_client).values())
+
+
+def test_adapter_paths_outside_the_roots_get_one_answer(fleet, tiny_lora_dirs, tmp_path):
+    root = tiny_lora_dirs["all-r8"].parent
+    escape = root / "escape"
+    if not escape.exists():
+        escape.symlink_to(tmp_path, target_is_directory=True)  # a symlink out of the root
+    paths = ["/etc", str(root / ".." / "x"), str(root / "missing"), str(escape),
+             "relative/dir", str(tiny_lora_dirs["qv-r4"] / "adapter_config.json")]
+    answers = set()
+    for path in paths:
+        status, text = http(fleet, "POST", "/v1/load_lora_adapter",
+                            {"lora_name": "x", "lora_path": path}, ADMIN_KEY)
+        answers.add((status, json.loads(text)["error"]["message"]))
+    assert answers == {(400, REFUSED_MESSAGE)}
 
 
 def completion(fleet: Fleet, model: str, key: str) -> tuple[int, dict[str, Any]]:

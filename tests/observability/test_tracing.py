@@ -9,23 +9,18 @@ lines (KVFLEET_LOG_FORMAT=json): the router's line for the request carries its i
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-import threading
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from kvfleet.fleet import Fleet
 from kvfleet.router_client import build_request
 from kvfleet.runtime.tracing import tracing_enabled
 from kvfleet.v1 import router_pb2_grpc
 from tests.fixtures.fleets import FleetOptions
+from tests.fixtures.otlp import ReceivedSpan, Receiver, otlp_env
 from tests.fixtures.router_fleet import greedy, wait_until
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,81 +29,11 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 
 
-@dataclass
-class ReceivedSpan:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_span_id: str
-    attributes: dict[str, Any]
-    events: list[str]
-
-
-@dataclass
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    """A minimal OTLP trace collector: keeps every span it is sent."""
-
-    spans: list[ReceivedSpan] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        received = []
-        for resource_spans in request.resource_spans:
-            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    received.append(ReceivedSpan(
-                        service=resource.get("service.name", ""),
-                        name=span.name,
-                        trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(),
-                        attributes={a.key: _value(a.value) for a in span.attributes},
-                        events=[e.name for e in span.events],
-                    ))
-        with self.lock:
-            self.spans.extend(received)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def of_trace(self, trace_id: str) -> list[ReceivedSpan]:
-        with self.lock:
-            return [s for s in self.spans if s.trace_id == trace_id]
-
-
-def _value(value: Any) -> Any:
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(v) for v in value.array_value.values]
-    return getattr(value, kind) if kind else None
-
-
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[tuple[Receiver, int]]:
-    collector = Receiver()
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield collector, port
-    server.stop(None)
-
-
 @pytest.fixture(scope="module")
 def fleet_options(receiver: tuple[Receiver, int]) -> FleetOptions:
     return {
         "num_engines": 1, "engine_threads": 1, "log_level": "DEBUG",
-        "env": {  # inherited by the service processes
-            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver[1]}",
-            "OTEL_EXPORTER_OTLP_INSECURE": "true",
-            "OTEL_TRACES_SAMPLER": "parentbased_always_on",
-            "OTEL_BSP_SCHEDULE_DELAY": "100",
-            "KVFLEET_LOG_FORMAT": "json",
-            "OTEL_SDK_DISABLED": None,
-            "OTEL_TRACES_EXPORTER": None,
-        },
+        "env": {**otlp_env(receiver[1]), "KVFLEET_LOG_FORMAT": "json"},
     }
 
 

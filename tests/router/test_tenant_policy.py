@@ -131,3 +131,36 @@ def test_max_tokens_cap_default_and_models(tmp_path: Path) -> None:
     assert caught.value.param == "max_tokens"
     with pytest.raises(NotFoundError):
         rules(tmp_path, model="large")
+
+
+ADMIN_POLICY = """\
+tenants:
+  ops: {keys: [sk-ops], admin: true}
+  acme:
+    keys: [sk-acme, {key: sk-acme-admin, admin: true}]
+    weight: 2
+keys:
+  sk-solo: solo
+"""
+
+
+def test_admin_tenants_and_admin_keys(tmp_path: Path) -> None:
+    policy = load_policy(write(tmp_path, "policy.yaml", ADMIN_POLICY))
+    admins = {key: policy.identify([("x-api-key", key)]).admin
+              for key in ("sk-ops", "sk-acme", "sk-acme-admin", "sk-solo")}
+    assert admins == {"sk-ops": True, "sk-acme": False, "sk-acme-admin": True, "sk-solo": False}
+    acme_admin = policy.identify([("x-api-key", "sk-acme-admin")])
+    assert acme_admin.name == "acme" and acme_admin.limits.weight == 2.0
+    # Without a policy file nobody is told apart (as vLLM): the one caller is admin.
+    assert PolicyStore.open().current.identify([]).admin
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("tenants: {t: {keys: [k], admin: 'yes'}}", "tenants.t.admin: must be true or false"),
+    ("tenants: {t: {keys: [{key: k, admin: 1}]}}", "tenants.t.keys.0.admin: must be true or"),
+    ("tenants: {t: {keys: [{key: k, root: true}]}}", "tenants.t.keys.0.root: unknown field"),
+    ("defaults: {admin: true}\ntenants: {t: [k]}", "defaults.admin: unknown field"),
+])
+def test_bad_admin_fields_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        load_policy(write(tmp_path, "policy.yaml", text))

@@ -117,7 +117,13 @@ def test_a_new_prefix_spreads_by_the_hash_despite_rate_noise() -> None:
     engines = [engine(HASH_FIRST, rate=900.0), engine(HASH_SECOND, rate=1000.0)]
     assert ranked(engines) == [HASH_FIRST, HASH_SECOND]
     assert reason(engines) == "hash"
-    # By time alone the faster one would take every new prefix.
+    # Rates 1.5x apart are still alike (noise): read as their mean, equal estimates.
+    engines = [engine(HASH_FIRST, rate=800.0), engine(HASH_SECOND, rate=1200.0)]
+    assert ttft(engines) == {HASH_FIRST: 0.544, HASH_SECOND: 0.544}
+    assert ranked(engines, TIME_ONLY) == [HASH_FIRST, HASH_SECOND]
+    # A faster kind of engine (2x) keeps its rate: by time alone it takes every new prefix.
+    engines = [engine(HASH_FIRST, rate=1000.0), engine(HASH_SECOND, rate=2000.0)]
+    assert ttft(engines) == {HASH_FIRST: 0.544, HASH_SECOND: 0.272}
     assert ranked(engines, TIME_ONLY) == [HASH_SECOND, HASH_FIRST]
     # A real difference in queued work is no tie: 300 queued tokens is 55% more.
     engines = [engine(HASH_FIRST, queued_prefill_tokens=300), engine(HASH_SECOND)]

@@ -17,6 +17,7 @@ from kvfleet.contracts.errors import (
     InvalidFieldError,
     NotFoundError,
     OverloadedError,
+    PermissionDeniedError,
     UnauthenticatedError,
     UnavailableError,
     failure_of,
@@ -55,6 +56,8 @@ def test_the_rows_clients_see() -> None:
     assert rows == {
         ("INVALID_ARGUMENT", 400, "BadRequestError", True),
         ("INVALID_ARGUMENT", 413, "RequestTooLargeError", True),
+        ("INVALID_ARGUMENT", 415, "UnsupportedMediaTypeError", False),
+        ("PERMISSION_DENIED", 403, "PermissionDeniedError", False),
         ("DEADLINE_EXCEEDED", 408, "RequestTimeoutError", False),
         ("UNAUTHENTICATED", 401, "AuthenticationError", False),
         ("NOT_FOUND", 404, "NotFoundError", False),
@@ -68,6 +71,7 @@ def test_the_rows_clients_see() -> None:
     }
     # What the OpenAPI document lists: the statuses with a type of their own.
     assert ERROR_TYPES == {400: "BadRequestError", 401: "AuthenticationError",
+                           403: "PermissionDeniedError", 415: "UnsupportedMediaTypeError",
                            404: "NotFoundError", 405: "MethodNotAllowedError",
                            408: "RequestTimeoutError", 413: "RequestTooLargeError",
                            429: "RateLimitError", 503: "ServiceUnavailableError"}
@@ -81,6 +85,8 @@ def test_the_rows_clients_see() -> None:
     (AuthenticationError("invalid API key"), "UNAUTHENTICATED", 401),
     (UnauthenticatedError("no key"), "UNAUTHENTICATED", 401),
     (NotFoundError("model"), "NOT_FOUND", 404),
+    (PermissionDeniedError("admin only"), "PERMISSION_DENIED", 403),
+    (InvalidFieldError(None, "not JSON", 415), "INVALID_ARGUMENT", 415),
     (OverloadedError("full"), "RESOURCE_EXHAUSTED", 429),
     (UnavailableError("none"), "UNAVAILABLE", 503),
 ])
