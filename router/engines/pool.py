@@ -144,7 +144,9 @@ class EnginePool:
 
     def remember(self, records: Iterable[EngineRecord]) -> None:
         """The live engines just reported; drops the channels of engines that are gone."""
-        self._known = {r.engine_id: replace(r, matched_blocks=0) for r in records if r.address}
+        # Kept as reported (a copy per record per decision cost ~1 us x engines); `known`
+        # strips the prompt's match when it is read (rarely: only routing without Redis).
+        self._known = {r.engine_id: r for r in records if r.address}
         for engine_id in list(self._dialed):
             if engine_id not in self._known and self.in_flight(engine_id) == 0:
                 self._close_unused(self._dialed.pop(engine_id))
@@ -152,7 +154,7 @@ class EnginePool:
     @property
     def known(self) -> list[EngineRecord]:
         """The last engine list learned (matched_blocks 0: it belongs to no prompt)."""
-        return list(self._known.values())
+        return [replace(r, matched_blocks=0) for r in self._known.values()]
 
     async def poll(self, addresses: Collection[str], timeout_s: float) -> list[EngineRecord]:
         """Every engine at `addresses` or known from before, as its GetLoad reports it.
