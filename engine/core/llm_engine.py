@@ -41,6 +41,8 @@ from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
+from engine.quant.gguf_file import companion_dir, is_gguf
+from engine.quant.gguf_model import load_gguf_model
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
 from engine.worker.cuda_graphs import capture_sizes
@@ -56,7 +58,10 @@ KVEventHook = Callable[[KVCacheEvents], None]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_event_hook: KVEventHook | None = None) -> None:
-        model_dir = Path(config.model)
+        # A GGUF file is served directly: its config and tokenizer come from a companion
+        # directory made from its metadata (engine.quant.gguf_file), its weights from the file.
+        self.gguf_file = Path(config.model) if is_gguf(config.model) else None
+        model_dir = companion_dir(self.gguf_file) if self.gguf_file else Path(config.model)
         if not (model_dir / "config.json").is_file():
             raise ValueError(
                 f"model {config.model!r} is not a Hugging Face-format directory with config.json"
@@ -168,6 +173,8 @@ class LLMEngine:
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         try:
+            if self.gguf_file is not None:
+                return load_gguf_model(self.gguf_file, self.model_config, self.dtype, self.device)
             return load_model(model_dir, self.dtype, self.device)[0]
         except torch.OutOfMemoryError as exc:
             itemsize = torch.empty((), dtype=self.dtype).element_size()

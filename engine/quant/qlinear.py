@@ -37,6 +37,11 @@ class QuantTensor:
         return int(self.raw.shape[0])
 
     def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], by the C++ op where it applies (fast), else formats.dequantize."""
+        if self.qtype in formats.KERNEL_TYPES and _kernel_ready():
+            out = torch.empty(self.rows, self.k)
+            torch.ops.kvfleet_quant.quant_dequantize(out, self.raw, self.qtype)
+            return out
         return formats.dequantize(self.raw, self.qtype, self.k)
 
 

@@ -150,10 +150,42 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int
   });
 }
 
+// out [N, K] float32 = dequant(w): the large-M path's tile for BLAS (same values as gguf-py,
+// up to the contraction of d * q + m into one rounding).
+void quant_dequantize(at::Tensor& out, const at::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "quant_dequantize: w must be contiguous uint8 [N, row bytes]");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                  out.size(0) == w.size(0) && out.size(1) % kBlock == 0,
+              "quant_dequantize: out must be contiguous float32 [N, K]");
+  const int64_t n = w.size(0), k = out.size(1), nb = k / kBlock, row_bytes = w.size(1);
+  const int64_t bb = qtype == kQ8_0 ? 34 : qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : -1;
+  TORCH_CHECK(bb > 0 && row_bytes == nb * bb, "quant_dequantize: type or row bytes");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = n0; r < n1; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        v16 lo, hi;
+        const uint8_t* blk = wp + r * row_bytes + b * bb;
+        if (qtype == kQ8_0) dequant<kQ8_0>(blk, lo, hi);
+        else if (qtype == kQ4_0) dequant<kQ4_0>(blk, lo, hi);
+        else dequant<kQ4_1>(blk, lo, hi);
+        std::memcpy(op + r * k + b * kBlock, &lo, sizeof lo);
+        std::memcpy(op + r * k + b * kBlock + 16, &hi, sizeof hi);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvfleet_quant, m) {
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor w, int qtype) -> ()");
+  m.def("quant_dequantize(Tensor(a!) out, Tensor w, int qtype) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvfleet_quant, CPU, m) { m.impl("quant_linear", &quant_linear); }
+TORCH_LIBRARY_IMPL(kvfleet_quant, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}
