@@ -44,7 +44,7 @@ _NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 def _unpermute(t: QuantTensor, heads: int) -> QuantTensor:
     """transformers' reverse_permute_weights on the rows of `t` (a q or k projection)."""
     n = t.rows
-    order = torch.arange(n).view(heads, 2, n // heads // 2).transpose(1, 2).reshape(n)
+    order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
     return QuantTensor(t.raw.index_select(0, order), t.qtype, t.k)
 
 
@@ -145,8 +145,8 @@ def _fill_layer(layer: LlamaDecoderLayer, i: int, config: ModelConfig,
     qkv_bias = None
     if all(b is not None for b in biases):
         bq, bk, bv = (_as_float(b, torch.float32) for b in biases if b is not None)
-        bq = bq.view(config.num_attention_heads, 2, -1).transpose(1, 2).reshape(-1)
-        bk = bk.view(config.num_key_value_heads, 2, -1).transpose(1, 2).reshape(-1)
+        bq = bq.view(config.num_attention_heads, -1, 2).transpose(1, 2).reshape(-1)
+        bk = bk.view(config.num_key_value_heads, -1, 2).transpose(1, 2).reshape(-1)
         qkv_bias = torch.cat([bq, bk, bv])
     attn = layer.self_attn
     attn.qkv_proj = QuantLinear([q, k, need("attn_v")], qkv_bias)  # type: ignore[assignment]
