@@ -229,9 +229,10 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
 def run_up(args: argparse.Namespace, demo: bool) -> int:
     model_dir = args.model
     if model_dir is None:
-        from engine.models.default_model import prepare_default_model
+        # The default model's GGUF, served directly (weights stay Q4_1; no conversion).
+        from engine.models.default_model import gguf_path
 
-        model_dir = prepare_default_model()
+        model_dir = gguf_path()
     config = up_config(args, model_dir)
     fleet = Fleet(config)
     signals = _Signals(fleet)

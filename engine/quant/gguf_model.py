@@ -119,7 +119,7 @@ def load_gguf_model(path: str | Path, config: ModelConfig, dtype: torch.dtype,
 def _fill(model: QuantLlamaForCausalLM, config: ModelConfig,
           tensors: dict[str, QuantTensor], dtype: torch.dtype) -> None:
     embed = _kept_format(tensors.pop("token_embd.weight"))
-    model.embed_tokens = QuantEmbedding(embed, dtype)
+    model.embed_tokens = QuantEmbedding(embed, dtype)  # type: ignore[assignment]
     head = tensors.pop("output.weight", None)
     model.head = QuantLinear([embed if head is None else _kept_format(head)])
     model.norm.weight = nn.Parameter(_as_float(tensors.pop("output_norm.weight"), dtype))
