@@ -43,6 +43,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
 from engine.quant.gguf_file import companion_dir, is_gguf
 from engine.quant.gguf_model import load_gguf_model
+from engine.quant.int8 import quantize_int8
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
 from engine.worker.cuda_graphs import capture_sizes
@@ -175,7 +176,10 @@ class LLMEngine:
         try:
             if self.gguf_file is not None:
                 return load_gguf_model(self.gguf_file, self.model_config, self.dtype, self.device)
-            return load_model(model_dir, self.dtype, self.device)[0]
+            model = load_model(model_dir, self.dtype, self.device)[0]
+            if self.config.quantization == "int8":
+                return quantize_int8(model)
+            return model
         except torch.OutOfMemoryError as exc:
             itemsize = torch.empty((), dtype=self.dtype).element_size()
             raise out_of_memory(

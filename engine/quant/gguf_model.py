@@ -63,7 +63,8 @@ def _as_float(t: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
 class QuantLlamaForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with QuantLinear projections and a quantized embedding / LM head."""
 
-    head: QuantLinear
+    # The LM head over quantized rows; None: the base class's dense head (int8 at load).
+    head: QuantLinear | None = None
 
     def prepack(self, requested: str = "auto", prefill_rows: int = MAX_PREFILL_ROWS) -> str:
         """Choose the kernel's row limit (measured unless `requested` forces a path)."""
@@ -76,23 +77,28 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
         return "gguf-kernel" if limit else "gguf-dequant"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            return super().compute_logits(hidden)
         return self.head.forward(hidden).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        if self.head is None:
+            return super().greedy_tokens(hidden)
         return None  # the sampler's argmax over compute_logits
 
     @property
     def weight_bytes(self) -> int:
-        quantized = sum(m.weight_bytes for m in self.modules()
-                        if isinstance(m, QuantLinear | QuantEmbedding) and m is not self.head)
-        dense = sum(p.numel() * p.element_size() for p in self.parameters())
-        tied = self.head.segments[0].raw is self.embed_quant.table.raw
-        return quantized + dense + (0 if tied else self.head.weight_bytes)
-
-    @property
-    def embed_quant(self) -> QuantEmbedding:
-        assert isinstance(self.embed_tokens, QuantEmbedding)
-        return self.embed_tokens
+        """Bytes of every weight as held (a tied head shares the embedding's rows)."""
+        seen: set[int] = set()
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for m in self.modules():
+            tensors = (m.segments if isinstance(m, QuantLinear)
+                       else [m.table] if isinstance(m, QuantEmbedding) else [])
+            for t in tensors:
+                if t.raw.data_ptr() not in seen:
+                    seen.add(t.raw.data_ptr())
+                    total += t.raw.numel()
+        return total
 
 
 def load_gguf_model(path: str | Path, config: ModelConfig, dtype: torch.dtype,
