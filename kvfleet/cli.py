@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=int, default=2, help="number of engines")
     parser.add_argument("--model", type=Path, default=None,
-                        help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+                        help="HF-format model directory or a GGUF file (default: "
+                             "SmolLM2-135M-Instruct's Q4_1 GGUF, served directly)")
     parser.add_argument("--redis-url", default=None,
                         help="use this Redis (default: start one on a free port)")
     parser.add_argument("--policy", default="prefix",

@@ -63,9 +63,6 @@ def _as_float(t: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
 class QuantLlamaForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with QuantLinear projections and a quantized embedding / LM head."""
 
-    # The LM head over quantized rows; None: the base class's dense head (int8 at load).
-    head: QuantLinear | None = None
-
     def prepack(self, requested: str = "auto", prefill_rows: int = MAX_PREFILL_ROWS) -> str:
         """Choose the kernel's row limit (measured unless `requested` forces a path)."""
         from engine.quant.select import choose_kernel_rows
@@ -76,13 +73,22 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
                 module.kernel_max_rows = limit
         return "gguf-kernel" if limit else "gguf-dequant"
 
+    @property
+    def quant_head(self) -> QuantLinear | None:
+        """The LM head over quantized rows (submodule `head`, set by the GGUF loader); None:
+        the base class's dense head (int8 at load). Read from `_modules`: a class-level
+        default would shadow the registered submodule."""
+        head = self._modules.get("head")
+        return head if isinstance(head, QuantLinear) else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.head is None:
+        head = self.quant_head
+        if head is None:
             return super().compute_logits(hidden)
-        return self.head.forward(hidden).float()
+        return head.forward(hidden).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        if self.head is None:
+        if self.quant_head is None:
             return super().greedy_tokens(hidden)
         return None  # the sampler's argmax over compute_logits
 
@@ -127,7 +133,7 @@ def _fill(model: QuantLlamaForCausalLM, config: ModelConfig,
     embed = _kept_format(tensors.pop("token_embd.weight"))
     model.embed_tokens = QuantEmbedding(embed, dtype)  # type: ignore[assignment]
     head = tensors.pop("output.weight", None)
-    model.head = QuantLinear([embed if head is None else _kept_format(head)])
+    model.add_module("head", QuantLinear([embed if head is None else _kept_format(head)]))
     model.norm.weight = nn.Parameter(_as_float(tensors.pop("output_norm.weight"), dtype))
     for index, layer in enumerate(model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
