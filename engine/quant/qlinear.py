@@ -57,10 +57,17 @@ def merge_segments(parts: list[QuantTensor]) -> list[QuantTensor]:
     return merged
 
 
-def _kernel_ready() -> bool:
-    from kernels.cpu.quant import load
+_ready: dict[str, bool] = {}
 
-    return load()
+
+def _kernel_ready() -> bool:
+    # Cached here: load() takes a lock, and a step calls this ~120 times.
+    ready = _ready.get("ok")
+    if ready is None:
+        from kernels.cpu.quant import load
+
+        ready = _ready["ok"] = load()
+    return ready
 
 
 class QuantLinear(nn.Module):
