@@ -90,6 +90,8 @@ class QuantLinear(nn.Module):
         return sum(s.raw.numel() for s in self.segments)
 
     def dequantized_weight(self) -> torch.Tensor:
+        if len(self.segments) == 1:  # the usual case: no 10 MB copy through torch.cat
+            return self.segments[0].dequantize()
         return torch.cat([s.dequantize() for s in self.segments])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
