@@ -3,10 +3,10 @@
 Systems (SmolLM2-135M-Instruct, one `LLM` each, loaded once): `gguf-q4_1` (the GGUF file,
 weights kept quantized; engine.quant), `dense-float32` and `dense-bfloat16` (the converted
 Hugging Face directory). For each batch size of `--batch-sizes` (1 and 32): that many prompts
-of `--prompt-len` random ids, `--output-len` greedy tokens each (EOS ignored); decode tokens/s
-= generated tokens / (wall time - the time of a 1-token run of the same batch, i.e. prefill).
-Best of `--repeats`. Prints a table and writes bench_results/quant_bench.json (--out), with
-each system's weight bytes as the start-up log reports them for the GGUF.
+of `--prompt-len` random ids, `--output-len` greedy tokens each (EOS ignored), queued
+together; decode tokens/s = tokens after the first / the time of the steps after every
+request's first token (prefill excluded). Best of `--repeats`. Prints a table and writes
+bench_results/quant_bench.json (--out), with each system's weight bytes.
 
 Usage: python -m benchmarks.quant_bench [--output-len 64] [--repeats 3]. A smoke run:
 --output-len 8 --repeats 1 --batch-sizes 1.
@@ -25,30 +25,32 @@ from engine import LLM, SamplingParams
 from engine.models.default_model import gguf_path, prepare_default_model
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict[str, Any]]:
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(100, vocab - 100) for _ in range(length)]}
-            for _ in range(n)]
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
-def _wall(llm: LLM, prompts: list[dict[str, Any]], tokens: int) -> float:
+def _decode_run(llm: LLM, prompts: list[list[int]], tokens: int, tag: str) -> float:
+    """Seconds of the decode steps alone: the batch's requests are queued, stepped until
+    every one has its first token (prefill), then timed until all are finished."""
+    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    llm.reset_prefix_cache()
+    requests = [engine.add_request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    while any(r.num_output_tokens == 0 for r in requests):
+        engine.step()
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    while engine.has_unfinished_requests():
+        engine.step()
     return time.perf_counter() - start
 
 
 def decode_tok_s(llm: LLM, batch: int, args: argparse.Namespace) -> float:
+    """Best decode tokens/s over `args.repeats` rounds (new prompts each: no prefix hits)."""
     best = 0.0
     for r in range(args.repeats):
-        # New prompts per round: no prefix hits between rounds.
         prompts = _prompts(batch, args.prompt_len, 49152, seed=1000 * batch + r)
-        prefill = _wall(llm, prompts, 1)
-        prompts = _prompts(batch, args.prompt_len, 49152, seed=1000 * batch + r + 500)
-        total = _wall(llm, prompts, args.output_len)
-        decode = max(total - prefill, 1e-9)
-        best = max(best, batch * (args.output_len - 1) / decode)
+        seconds = _decode_run(llm, prompts, args.output_len, f"b{batch}-r{r}")
+        best = max(best, batch * (args.output_len - 1) / seconds)
     return best
 
 
