@@ -69,8 +69,9 @@ def engine_id(index: int) -> str:
 
 
 def tokenizer_command(config: FleetConfig, port: int = 0) -> list[str]:
-    command = [sys.executable, "-m", "tokenizer_svc.server", "--model", str(config.model_dir),
-               "--host", config.host, "--port", str(port), *_served_name(config)]
+    command = [sys.executable, "-m", "tokenizer_svc.server", "--model",
+               str(_tokenizer_dir(config.model_dir)), "--host", config.host, "--port", str(port),
+               *_served_name(config)]
     if config.chat_template is not None:
         command += ["--chat-template", config.chat_template]
     if config.allow_special_tokens_in_prompts:
@@ -89,8 +90,18 @@ def _lora_dirs(config: FleetConfig) -> list[str]:
     return ["--lora-allowed-dirs", *map(str, dirs)] if dirs else []
 
 
+def _tokenizer_dir(model: Path) -> Path:
+    """A GGUF file's tokenizer lives in its companion directory (engine.quant.gguf_file)."""
+    from engine.quant.gguf_file import companion_dir, is_gguf
+
+    return companion_dir(model) if is_gguf(model) else model
+
+
 def _served_name(config: FleetConfig) -> list[str]:
     name = config.served_model_name
+    if name is None and str(config.model_dir).endswith(".gguf"):
+        # Engines name a model by its path's last part; the tokenizer reads another directory.
+        name = config.model_dir.name
     return [] if name is None else ["--served-model-name", name]
 
 

@@ -43,6 +43,9 @@ from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
 from engine.models.registry import check_features, supports_cuda_graphs
+from engine.quant.gguf_file import companion_dir, is_gguf
+from engine.quant.gguf_model import load_gguf_model
+from engine.quant.int8 import quantize_int8
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
 from engine.structured.backend import GrammarBackend
@@ -63,7 +66,10 @@ KVEventHook = Callable[[KVCacheEvents], None]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_event_hook: KVEventHook | None = None) -> None:
-        model_dir = Path(config.model)
+        # A GGUF file is served directly: its config and tokenizer come from a companion
+        # directory made from its metadata (engine.quant.gguf_file), its weights from the file.
+        self.gguf_file = Path(config.model) if is_gguf(config.model) else None
+        model_dir = companion_dir(self.gguf_file) if self.gguf_file else Path(config.model)
         if not (model_dir / "config.json").is_file():
             raise ValueError(
                 f"model {config.model!r} is not a Hugging Face-format directory with config.json"
@@ -196,7 +202,12 @@ class LLMEngine:
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         try:
-            return load_model(model_dir, self.dtype, self.device)[0]
+            if self.gguf_file is not None:
+                return load_gguf_model(self.gguf_file, self.model_config, self.dtype, self.device)
+            model = load_model(model_dir, self.dtype, self.device)[0]
+            if self.config.quantization == "int8":
+                return quantize_int8(model)
+            return model
         except torch.OutOfMemoryError as exc:
             itemsize = torch.empty((), dtype=self.dtype).element_size()
             raise out_of_memory(

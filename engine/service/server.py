@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvfleet serve engine",
         description="Serve a model over gRPC (kvfleet.v1.Engine) and publish to Redis.",
     )
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--model", required=True,
+                        help="Hugging Face model directory or a GGUF file (docs/quantization.md)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     parser.add_argument("--served-model-name", default=None, help="default: the model dir name")
     parser.add_argument(
@@ -322,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="speculative decoding as a JSON object with vLLM's keys, e.g. "
                              '\'{"method": "ngram", "num_speculative_tokens": 3}\' '
                              "(default: off)")
+    engine.add_argument("--quantization", default=None, choices=["int8"],
+                        help="weight-only int8 of the checkpoint's projections at load "
+                             "(docs/quantization.md; default: none)")
     engine.add_argument("--linear-backend", default="auto",
                         choices=["auto", "onednn", "mkl", "dense", "panel", "amx"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
@@ -373,6 +377,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         linear_backend=args.linear_backend,
+        quantization=args.quantization,
         scheduling_policy=args.scheduling_policy,
         preempt_steps_for_new_tenants=args.preempt_steps_for_new_tenants,
         attention_backend=args.attention_backend,
