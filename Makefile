@@ -70,7 +70,7 @@ model: install
 # The local fleet (Redis, tokenizer, 2 engines, router) on the default model: streams three
 # chats twice (prefix hits, which engine served each), then serves until Ctrl-C. The model is
 # the GGUF file itself, its weights kept Q4_1 (docs/quantization.md): no conversion step.
-run: install
+run: model
 	$(PY) -m kvfleet.cli demo
 
 # The Helm chart, offline: render (real Helm engine), lint --strict, strict Kubernetes 1.37

@@ -81,7 +81,7 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=int, default=2, help="number of engines")
     parser.add_argument("--model", type=Path, default=None,
                         help="HF-format model directory or a GGUF file (default: "
-                             "SmolLM2-135M-Instruct's Q4_1 GGUF, served directly)")
+                             "SmolLM2-135M-Instruct, converted once from its GGUF)")
     parser.add_argument("--redis-url", default=None,
                         help="use this Redis (default: start one on a free port)")
     parser.add_argument("--policy", default="prefix",
@@ -241,10 +241,12 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
 def run_up(args: argparse.Namespace, demo: bool) -> int:
     model_dir = args.model
     if model_dir is None:
-        # The default model's GGUF, served directly (weights stay Q4_1; no conversion).
-        from engine.models.default_model import gguf_path
+        # The dense model converted from the default GGUF: the Q4_1 file served directly is
+        # faster at batch 1 but half as fast at batch 32 (docs/quantization.md), and a fleet
+        # serves many streams at once.
+        from engine.models.default_model import prepare_default_model
 
-        model_dir = gguf_path()
+        model_dir = prepare_default_model()
     config = up_config(args, model_dir)
     fleet = Fleet(config)
     signals = _Signals(fleet)
