@@ -71,13 +71,22 @@ class StructuredOutputManager:
         markers = markers_for(params.reasoning_start, params.reasoning_end, backend.tokenize)
         return ReasoningGate(matcher, markers, backend.token_bytes)
 
-    def allowed_masks(self, matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
-        """bool [len(matchers), vocab_size]: the tokens each matcher allows next."""
+    def allowed_masks(
+        self, matchers: Sequence[GrammarMatcher], vocab_size: int
+    ) -> list[torch.Tensor | None]:
+        """Per matcher, bool [vocab_size]: the tokens it allows next; None when it allows every
+        token (a permissive grammar, or a reasoning phase): that row needs no masking, and
+        stays on the sampler's fast path if nothing else edits its logits."""
         start = time.perf_counter()
         packed = bitmask.allocate(len(matchers), self.backend.vocab_size)
         for row, matcher in enumerate(matchers):
             matcher.fill_bitmask(packed, row)
-        return self._unpacked(packed, vocab_size, start)
+        free = bitmask.allows_all(packed).tolist()
+        if all(free):
+            self.pending_mask_seconds.append(time.perf_counter() - start)
+            return [None] * len(matchers)
+        allowed = self._unpacked(packed, vocab_size, start)
+        return [None if free[row] else allowed[row] for row in range(len(matchers))]
 
     def draft_masks(
         self, matcher: GrammarMatcher, drafts: Sequence[int], vocab_size: int

@@ -217,7 +217,8 @@ class ModelRunner:
         allowed = self.structured.allowed_masks(matchers, self.vocab_size)
         rows = list(rows)
         for j, i in enumerate(index):
-            rows[i] = replace(rows[i], allowed_token_mask=allowed[j])
+            if allowed[j] is not None:
+                rows[i] = replace(rows[i], allowed_token_mask=allowed[j])
         return rows
 
     def _draft_masks(self, verify_rows: list[VerifyRows]) -> dict[str, torch.Tensor]:
