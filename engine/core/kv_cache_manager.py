@@ -325,6 +325,33 @@ class KVCacheManager:
         self.transfers.defer(swap.release_later(host_ids))
         self._num_cached_blocks.pop(request.request_id, None)
 
+    # ------------------------------------------------------------------ KV imports
+    def reserve(self, owner: str, num_blocks: int) -> list[KVCacheBlock] | None:
+        """Fresh blocks held under `owner` (a KV import, engine.disagg) until `adopt` hands
+        them to a request or `release` frees them; None if they do not fit."""
+        if owner in self.req_to_blocks:
+            raise ValueError(f"{owner!r} already holds blocks")
+        if num_blocks > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(num_blocks)
+        self.req_to_blocks[owner] = blocks
+        return blocks
+
+    def release(self, owner: str) -> bool:
+        """Free the blocks `owner` reserved; False if it holds none (already adopted)."""
+        blocks = self.req_to_blocks.pop(owner, None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
+
+    def adopt(self, owner: str, request: Request) -> None:
+        """Hand `owner`'s blocks to `request` (its KV for `num_computed_tokens` positions)
+        and cache its full blocks under the request's own hashes."""
+        self.req_to_blocks[request.request_id] = self.req_to_blocks.pop(owner)
+        self._num_cached_blocks[request.request_id] = 0
+        self.cache_computed_blocks(request)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 

@@ -19,7 +19,8 @@ and prefix-cache reset.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -28,11 +29,13 @@ from engine.config import EngineConfig
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.kv_sizing import log_kv_cache, make_kv_manager, size_host_kv, size_kv_cache
-from engine.core.request import Request, TenantShare
+from engine.core.request import Request, RequestStatus, TenantShare
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import RequestUpdate, SchedulerConfig, SchedulerOutput
 from engine.core.step_report import StepReport
 from engine.core.urgent_step import UrgentStepParts, UrgentSteps
+from engine.disagg.kv_imports import KVImport, KVImports, owner_key
+from engine.disagg.kv_payload import gather_blocks, scatter_blocks
 from engine.kv_tiers.offload import HostKVBuffer
 from engine.lora.admission import LoRAAdmission
 from engine.lora.config import LoRAConfig
@@ -106,6 +109,8 @@ class LLMEngine:
                 -(-self.max_model_len // config.block_size),
             )
         self.speculator = self._make_speculator()
+        # KV received from prefill engines, waiting for their requests (engine.disagg).
+        self.kv_imports = KVImports(self.kv, time.monotonic)
         self.kv_event_hook = kv_event_hook
         # What the last step did, for metrics and tracing (engine thread only).
         self.last_step = StepReport()
@@ -246,9 +251,11 @@ class LLMEngine:
         cache_salt: str | None = None,
         share: TenantShare | None = None,
         lora_request: LoRARequest | str | None = None,
+        prefill_only: bool = False,
     ) -> Request:
         """Queue a request; `lora_request` is a LoRARequest (loaded on first use) or the
-        name of a loaded adapter; None runs the base model."""
+        name of a loaded adapter; None runs the base model. `prefill_only`: end it after its
+        first token, its KV exported (engine.disagg)."""
         max_tokens = self.validate_request(prompt_token_ids, params)
         lora_id = self.resolve_lora(lora_request)
         request = Request(
@@ -263,11 +270,100 @@ class LLMEngine:
             cache_salt=cache_salt,
             lora_id=lora_id,
             share=share,
+            prefill_only=prefill_only,
         )
         self._arrival_seq += 1
         self.scheduler.add_request(request)
         self.runner.add_request(request_id, params.seed)
         return request
+
+    # ------------------------------------------------------------------ KV handoff
+    def begin_kv_import(
+        self, transfer_id: str, num_blocks: int, num_tokens: int, block_hashes: list[bytes]
+    ) -> list[int]:
+        """Reserve the blocks of a KV transfer (engine.disagg.kv_imports)."""
+        if num_blocks != -(-num_tokens // self.config.block_size):
+            raise ValueError(f"{num_blocks} blocks cannot hold exactly {num_tokens} tokens")
+        return self.kv_imports.begin(transfer_id, num_blocks, num_tokens, block_hashes)
+
+    def write_kv_import(self, transfer_id: str, indexes: list[int], blocks: object) -> None:
+        """Write received blocks ([n, layers, 2, ...] CPU tensor) into the import's blocks."""
+        targets = self.kv_imports.write_targets(transfer_id, indexes)
+        if self.host_kv is not None and self.kv.transfers:
+            # Reserving may have evicted blocks to the host tier: save them before overwriting.
+            self.host_kv.apply(self.kv.transfers.take())
+        assert isinstance(blocks, torch.Tensor)
+        scatter_blocks(self.runner.kv_caches, targets, blocks)
+
+    def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        *,
+        transfer_id: str = "",
+        num_cached_tokens: int = 0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        share: TenantShare | None = None,
+    ) -> Request:
+        """Queue a request that continues after its first token: with a complete KV import
+        it holds the prompt's KV (not recomputed); without one it recomputes the prompt."""
+        imported = self.kv_imports.take(transfer_id) if transfer_id else None
+        try:
+            request = self._imported_request(
+                request_id, prompt_token_ids, first_token_id, params, priority, cache_salt, share
+            )
+            if imported is not None:
+                self._adopt_import(request, imported)
+            request.num_cached_tokens = num_cached_tokens
+        except BaseException:
+            if imported is not None:
+                self.kv.release(owner_key(imported.transfer_id))
+            raise
+        self._arrival_seq += 1
+        self.scheduler.add_request(request)
+        self.runner.add_request(request_id, params.seed)
+        self._emit_kv_events()
+        return request
+
+    def _imported_request(
+        self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams,
+        priority: int, cache_salt: str | None, share: TenantShare | None,
+    ) -> Request:
+        max_tokens = self.validate_request(prompt, params)
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
+        request = Request(
+            request_id=request_id, prompt_token_ids=list(prompt), sampling_params=params,
+            max_tokens=max_tokens, block_size=self.config.block_size,
+            arrival_seq=self._arrival_seq, priority=priority, eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt, share=share,
+        )
+        request.append_output_token(first_token_id)
+        return request
+
+    def _adopt_import(self, request: Request, imported: KVImport) -> None:
+        if imported.num_tokens != request.num_prompt_tokens:
+            raise ValueError(f"the KV holds {imported.num_tokens} tokens, the prompt has "
+                             f"{request.num_prompt_tokens}")
+        if imported.block_hashes != request.block_hashes[: len(imported.block_hashes)]:
+            raise ValueError("the KV's block hashes differ from this engine's for the prompt "
+                             "(cache salt, adapter or block size differ)")
+        request.num_computed_tokens = imported.num_tokens
+        request.kv_imported = True
+        self.kv.adopt(owner_key(imported.transfer_id), request)
+
+    def _export_handoffs(self, updates: Sequence[RequestUpdate]) -> None:
+        """Copy out the KV of prefill-only requests that just handed off, before anything
+        can reuse their freed blocks (the partial last block is first in the free queue)."""
+        for update in updates:
+            request = update.request
+            if update.finished and request.status is RequestStatus.FINISHED_HANDOFF:
+                request.exported_kv = gather_blocks(
+                    self.runner.kv_caches, request.handoff_block_ids
+                )
 
     # ------------------------------------------------------------------ LoRA adapters
     def resolve_lora(self, lora_request: LoRARequest | str | None) -> str | None:
@@ -348,6 +444,7 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(
             out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs, sampled.verified
         )
+        self._export_handoffs(updates)
         if self.speculator is not None:
             self.speculator.after_step(
                 out.scheduled, sampled.verified, updates, self.scheduler.num_running

@@ -1,0 +1,122 @@
+"""KV imports on a decode engine: blocks reserved for a transfer until a request adopts them.
+
+Role: the engine-thread bookkeeping of `ReceiveKV` and `GenerateImported`. A transfer's
+header reserves its blocks (`begin`), its chunks are written into them (`write`), its end
+marks it complete (`complete`), and `GenerateImported` takes the blocks for its request
+(`take`). Everything that does not reach `take` is released: a failed or cancelled stream
+(`abort`), or a complete import nobody claimed within `timeout_s` (`expire`).
+
+Invariants:
+- Engine thread only (the KV manager and the caches belong to the step loop).
+- Every reserved block is owned by exactly one live import, under the KV manager owner key
+  `owner_key(transfer_id)`, until adopted by a request or freed; `check_integrity` of the KV
+  manager counts them as owned.
+- A transfer id is live at most once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.core.kv_cache_manager import KVCacheManager
+from kvfleet.contracts.errors import OverloadedError
+
+OWNER_PREFIX = "\x00kv-import:"
+DEFAULT_IMPORT_TIMEOUT_S = 30.0
+
+
+def owner_key(transfer_id: str) -> str:
+    """The KV manager owner of an import's blocks (no request id starts with NUL)."""
+    return OWNER_PREFIX + transfer_id
+
+
+@dataclass
+class KVImport:
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    block_hashes: list[bytes]
+    deadline: float
+    written: set[int] = field(default_factory=set)
+    complete: bool = False
+
+
+class KVImports:
+    def __init__(
+        self, kv: KVCacheManager, clock: Callable[[], float],
+        timeout_s: float = DEFAULT_IMPORT_TIMEOUT_S,
+    ) -> None:
+        self._kv = kv
+        self._clock = clock
+        self._timeout_s = timeout_s
+        self._imports: dict[str, KVImport] = {}
+
+    def __len__(self) -> int:
+        return len(self._imports)
+
+    def begin(
+        self, transfer_id: str, num_blocks: int, num_tokens: int, block_hashes: list[bytes]
+    ) -> list[int]:
+        """Reserve the transfer's blocks; their ids in order. OverloadedError if they do not
+        fit, ValueError for a live transfer id."""
+        if not transfer_id or transfer_id in self._imports:
+            raise ValueError(f"transfer_id {transfer_id!r} is empty or already in use")
+        blocks = self._kv.reserve(owner_key(transfer_id), num_blocks)
+        if blocks is None:
+            raise OverloadedError(
+                f"no room for {num_blocks} KV blocks ({self._kv.num_free_blocks} free)"
+            )
+        block_ids = [block.block_id for block in blocks]
+        self._imports[transfer_id] = KVImport(
+            transfer_id, block_ids, num_tokens, list(block_hashes),
+            self._clock() + self._timeout_s,
+        )
+        return block_ids
+
+    def write_targets(self, transfer_id: str, indexes: list[int]) -> list[int]:
+        """The block ids chunks `indexes` go to (recorded as written); ValueError if unknown."""
+        entry = self._live(transfer_id)
+        for index in indexes:
+            if not 0 <= index < len(entry.block_ids):
+                raise ValueError(f"block_index {index} is outside [0, {len(entry.block_ids)})")
+        entry.written.update(indexes)
+        return [entry.block_ids[index] for index in indexes]
+
+    def complete(self, transfer_id: str) -> None:
+        """Every block arrived: the import may be taken until its deadline."""
+        entry = self._live(transfer_id)
+        missing = len(entry.block_ids) - len(entry.written)
+        if missing:
+            raise ValueError(f"transfer {transfer_id!r} ended with {missing} block(s) missing")
+        entry.complete = True
+        entry.deadline = self._clock() + self._timeout_s
+
+    def take(self, transfer_id: str) -> KVImport:
+        """A complete import, handed to its request (the caller adopts the blocks)."""
+        entry = self._imports.get(transfer_id)
+        if entry is None or not entry.complete:
+            raise KeyError(transfer_id)
+        del self._imports[transfer_id]
+        return entry
+
+    def abort(self, transfer_id: str) -> bool:
+        """Free a transfer's blocks (its stream failed); False if not live."""
+        if self._imports.pop(transfer_id, None) is None:
+            return False
+        self._kv.release(owner_key(transfer_id))
+        return True
+
+    def expire(self) -> list[str]:
+        """Free every import past its deadline; their transfer ids."""
+        now = self._clock()
+        gone = [tid for tid, entry in self._imports.items() if entry.deadline <= now]
+        for transfer_id in gone:
+            self.abort(transfer_id)
+        return gone
+
+    def _live(self, transfer_id: str) -> KVImport:
+        entry = self._imports.get(transfer_id)
+        if entry is None:
+            raise ValueError(f"no KV transfer {transfer_id!r} in progress")
+        return entry
