@@ -35,7 +35,7 @@ from engine.core.scheduler_output import RequestUpdate, SchedulerConfig, Schedul
 from engine.core.step_report import StepReport
 from engine.core.urgent_step import UrgentStepParts, UrgentSteps
 from engine.disagg.kv_imports import KVImport, KVImports, owner_key
-from engine.disagg.kv_payload import gather_blocks, scatter_blocks
+from engine.disagg.kv_payload import BlockFormat, KVExport, gather_blocks, scatter_blocks
 from engine.kv_tiers.offload import HostKVBuffer
 from engine.lora.admission import LoRAAdmission
 from engine.lora.config import LoRAConfig
@@ -361,8 +361,12 @@ class LLMEngine:
         for update in updates:
             request = update.request
             if update.finished and request.status is RequestStatus.FINISHED_HANDOFF:
-                request.exported_kv = gather_blocks(
-                    self.runner.kv_caches, request.handoff_block_ids
+                caches = self.runner.kv_caches
+                num_full = request.num_prompt_tokens // self.config.block_size
+                request.exported_kv = KVExport(
+                    gather_blocks(caches, request.handoff_block_ids), BlockFormat.of(caches),
+                    request.num_prompt_tokens, self.config.block_size,
+                    tuple(request.block_hashes[:num_full]), request.num_cached_tokens or 0,
                 )
 
     # ------------------------------------------------------------------ LoRA adapters

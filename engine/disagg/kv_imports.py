@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.core.kv_cache_manager import KVCacheManager
-from kvfleet.contracts.errors import OverloadedError
+from kvfleet.contracts.errors import OverloadedError, UnavailableError
 
 OWNER_PREFIX = "\x00kv-import:"
 DEFAULT_IMPORT_TIMEOUT_S = 30.0
@@ -29,6 +29,21 @@ DEFAULT_IMPORT_TIMEOUT_S = 30.0
 def owner_key(transfer_id: str) -> str:
     """The KV manager owner of an import's blocks (no request id starts with NUL)."""
     return OWNER_PREFIX + transfer_id
+
+
+class MissingImportError(UnavailableError):
+    """GenerateImported named a transfer that failed, expired or never completed here; the
+    router falls back to recomputing (UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class ImportedStart:
+    """How a decode engine's request starts: after `first_token_id`, with the KV received
+    under `transfer_id` (empty: recompute the prompt)."""
+
+    first_token_id: int
+    transfer_id: str = ""
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -96,7 +111,9 @@ class KVImports:
         """A complete import, handed to its request (the caller adopts the blocks)."""
         entry = self._imports.get(transfer_id)
         if entry is None or not entry.complete:
-            raise KeyError(transfer_id)
+            raise MissingImportError(
+                f"no complete KV transfer {transfer_id!r} here (it failed or expired)"
+            )
         del self._imports[transfer_id]
         return entry
 

@@ -57,6 +57,26 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> t
     return per_layer.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
 
+@dataclass(frozen=True)
+class KVExport:
+    """A prefill-only request's KV: [num_blocks, *fmt.shape] on the CPU."""
+
+    blocks: torch.Tensor
+    fmt: BlockFormat
+    num_tokens: int  # positions with KV (the prompt)
+    block_size: int
+    block_hashes: tuple[bytes, ...]  # its full blocks'
+    num_cached_tokens: int
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.fmt.num_bytes
+
+
 def block_bytes(blocks: torch.Tensor, index: int) -> bytes:
     """Block `index` of a `gather_blocks` result, as wire bytes."""
     one = blocks[index].contiguous()

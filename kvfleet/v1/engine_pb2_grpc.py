@@ -143,7 +143,7 @@ class EngineServicer:
         """On a decode engine: continues a request from its first token with the KV received under
         transfer_id, without recomputing the prompt. Empty transfer_id: the engine recomputes
         the prompt and first token itself (the fallback when a transfer failed). An unknown or
-        expired transfer_id -> FAILED_PRECONDITION.
+        expired transfer_id -> UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

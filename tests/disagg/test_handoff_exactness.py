@@ -14,7 +14,7 @@ import pytest
 from engine import LLM
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import RequestStatus
-from engine.disagg.kv_payload import BlockFormat, block_bytes, blocks_from_bytes
+from engine.disagg.kv_payload import BlockFormat, KVExport, block_bytes, blocks_from_bytes
 from kvfleet.contracts.sampling_params import SamplingParams
 from tests.engine.test_exactness import GREEDY, NEW_TOKENS, prompts, reference  # noqa: F401
 
@@ -37,11 +37,14 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, batch: list[list[int]], tag:
     for i, (request, prompt) in enumerate(zip(requests, batch, strict=True)):
         assert request.status is RequestStatus.FINISHED_HANDOFF
         exported = request.exported_kv
-        chunks = [block_bytes(exported, b) for b in range(exported.shape[0])]
+        assert isinstance(exported, KVExport)
+        assert exported.num_tokens == len(prompt)
+        chunks = [block_bytes(exported.blocks, b) for b in range(exported.num_blocks)]
         transfer = f"t-{tag}-{i}"
         num_full = len(prompt) // prefill.config.block_size
+        assert list(exported.block_hashes) == request.block_hashes[:num_full]
         ids = decode.begin_kv_import(transfer, len(chunks), len(prompt),
-                                     request.block_hashes[:num_full])
+                                     list(exported.block_hashes))
         assert len(ids) == len(chunks)
         decode.write_kv_import(transfer, list(range(len(chunks))), blocks_from_bytes(chunks, fmt))
         decode.kv_imports.complete(transfer)
