@@ -101,10 +101,26 @@ class FleetConfig:
     allow_special_tokens_in_prompts: bool = False
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    # Prefill/decode disaggregation (docs/disaggregation.md): when either is set, the fleet's
+    # engines are these many prefill-role engines then decode-role ones (num_engines unused).
+    prefill_engines: int = 0
+    decode_engines: int = 0
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ValueError(f"a fleet needs at least one engine, got {self.num_engines}")
+        if self.prefill_engines < 0 or self.decode_engines < 0:
+            raise ValueError("prefill_engines and decode_engines must be >= 0")
+        if bool(self.prefill_engines) != bool(self.decode_engines):
+            raise ValueError("a disaggregated fleet needs prefill and decode engines, got "
+                             f"{self.prefill_engines} and {self.decode_engines}")
+
+    @property
+    def engine_roles(self) -> tuple[str, ...]:
+        """Engine i's --role: prefill ones first, then decode ones; else all both."""
+        if self.prefill_engines:
+            return ("prefill",) * self.prefill_engines + ("decode",) * self.decode_engines
+        return ("both",) * self.num_engines
 
 
 @dataclass
@@ -236,7 +252,9 @@ class Fleet:
                 ).start()
             self.tokenizer = self._launch("tokenizer", tokenizer_command(self.config))
             self._wait_ready([self.tokenizer])
-            self.engines = [self.start_engine_process(i) for i in range(self.config.num_engines)]
+            self.engines = [
+                self.start_engine_process(i) for i in range(len(self.config.engine_roles))
+            ]
             self._wait_ready(self.engines)
             self.start_router()
         except BaseException:
@@ -250,6 +268,9 @@ class Fleet:
         if index < len(self.config.engine_args_by_index):
             command += self.config.engine_args_by_index[index]
         command += ["--router-secret-file", str(self.router_secret_file)]
+        roles = self.config.engine_roles
+        if index < len(roles) and roles[index] != "both":
+            command += ["--role", roles[index]]
         env = None
         if self.config.engine_threads is not None:
             threads = str(self.config.engine_threads)

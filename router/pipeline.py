@@ -69,6 +69,12 @@ from kvfleet.runtime.tracing import tracer
 from kvfleet.text.stop_strings import StopStringMatcher
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, tokenizer_pb2
 from router.engines.context_window import ContextWindows, check_fits
+from router.engines.disagg import (
+    DisaggConfig,
+    open_disagg_stream,
+    plan_disagg,
+    without_prefill_engines,
+)
 from router.engines.dispatch import EngineStream, StreamDeadlines, open_engine_stream
 from router.engines.merge import merge_tagged
 from router.engines.pool import EnginePool
@@ -149,8 +155,11 @@ class GenerationPipeline:
         limits: RequestLimits | None = None,
         rate_limiter: TenantRateLimiter | None = None,
         trace_prompts: bool = False,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        # Prefill/decode disaggregation; it applies only to fleets with both roles.
+        self._disagg = disagg if disagg is not None else DisaggConfig()
         # The operator's opt-in (--trace-prompts): prompts are tenant data, kept out of spans.
         self._trace_prompts = trace_prompts
         self._rate_limiter = rate_limiter
@@ -272,11 +281,7 @@ class GenerationPipeline:
         span = trace.get_current_span()
         streams: list[EngineStream] = []
         try:
-            streams.append(await open_engine_stream(
-                plan.decision.ranking, self._pool, plan.samples[0].engine_request,
-                self._max_attempts, self._deadlines, on_retry=self._metrics.record_retry,
-                claims=plan.decision.claims,
-            ))
+            streams.append(await self._open_first(plan))
             chosen = streams[0].engine
             predicted = self._record_choice(span, plan, chosen)
             streams.extend(
@@ -293,6 +298,25 @@ class GenerationPipeline:
         finally:
             for stream in streams:
                 stream.close()
+
+    async def _open_first(self, plan: _Plan) -> EngineStream:
+        """Sample 0's stream: through a prefill engine then a decode engine when the fleet
+        is disaggregated and the prompt is long enough (router.engines.disagg), else whole."""
+        request = plan.samples[0].engine_request
+        ranking = plan.decision.ranking
+        disagg = plan_disagg(ranking, len(plan.prompt_ids), self._disagg,
+                             num_samples=len(plan.samples), lora_id=request.lora_id)
+        if disagg is not None:
+            stream = await open_disagg_stream(
+                disagg, self._pool, request, self._max_attempts, self._deadlines, self._disagg
+            )
+            if stream is not None:
+                return stream
+        return await open_engine_stream(
+            without_prefill_engines(ranking), self._pool, request,
+            self._max_attempts, self._deadlines, on_retry=self._metrics.record_retry,
+            claims=plan.decision.claims,
+        )
 
     def _record_choice(self, span: trace.Span, plan: _Plan, chosen: EngineView) -> int:
         """Metrics and span attributes of the engine the request went to; its predicted
