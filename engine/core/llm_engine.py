@@ -19,8 +19,7 @@ and prefix-cache reset.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,14 +27,13 @@ import torch
 from engine.config import EngineConfig
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheEvents
+from engine.core.kv_handoff import KVHandoff
 from engine.core.kv_sizing import log_kv_cache, make_kv_manager, size_host_kv, size_kv_cache
-from engine.core.request import Request, RequestStatus, TenantShare
+from engine.core.request import Request, TenantShare
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import RequestUpdate, SchedulerConfig, SchedulerOutput
 from engine.core.step_report import StepReport
 from engine.core.urgent_step import UrgentStepParts, UrgentSteps
-from engine.disagg.kv_imports import KVImport, KVImports, owner_key
-from engine.disagg.kv_payload import BlockFormat, KVExport, gather_blocks, scatter_blocks
 from engine.kv_tiers.offload import HostKVBuffer
 from engine.lora.admission import LoRAAdmission
 from engine.lora.config import LoRAConfig
@@ -109,8 +107,8 @@ class LLMEngine:
                 -(-self.max_model_len // config.block_size),
             )
         self.speculator = self._make_speculator()
-        # KV received from prefill engines, waiting for their requests (engine.disagg).
-        self.kv_imports = KVImports(self.kv, time.monotonic)
+        # Prefill/decode handoffs (engine.disagg): KV export and import.
+        self.handoff = KVHandoff(self.kv, self.runner.kv_caches, self.host_kv)
         self.kv_event_hook = kv_event_hook
         # What the last step did, for metrics and tracing (engine thread only).
         self.last_step = StepReport()
@@ -278,23 +276,6 @@ class LLMEngine:
         return request
 
     # ------------------------------------------------------------------ KV handoff
-    def begin_kv_import(
-        self, transfer_id: str, num_blocks: int, num_tokens: int, block_hashes: list[bytes]
-    ) -> list[int]:
-        """Reserve the blocks of a KV transfer (engine.disagg.kv_imports)."""
-        if num_blocks != -(-num_tokens // self.config.block_size):
-            raise ValueError(f"{num_blocks} blocks cannot hold exactly {num_tokens} tokens")
-        return self.kv_imports.begin(transfer_id, num_blocks, num_tokens, block_hashes)
-
-    def write_kv_import(self, transfer_id: str, indexes: list[int], blocks: object) -> None:
-        """Write received blocks ([n, layers, 2, ...] CPU tensor) into the import's blocks."""
-        targets = self.kv_imports.write_targets(transfer_id, indexes)
-        if self.host_kv is not None and self.kv.transfers:
-            # Reserving may have evicted blocks to the host tier: save them before overwriting.
-            self.host_kv.apply(self.kv.transfers.take())
-        assert isinstance(blocks, torch.Tensor)
-        scatter_blocks(self.runner.kv_caches, targets, blocks)
-
     def add_imported_request(
         self,
         request_id: str,
@@ -310,18 +291,19 @@ class LLMEngine:
     ) -> Request:
         """Queue a request that continues after its first token: with a complete KV import
         it holds the prompt's KV (not recomputed); without one it recomputes the prompt."""
-        imported = self.kv_imports.take(transfer_id) if transfer_id else None
         try:
+            if request_id in self.scheduler.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
             request = self._imported_request(
-                request_id, prompt_token_ids, first_token_id, params, priority, cache_salt, share
+                request_id, prompt_token_ids, first_token_id, params, priority, cache_salt,
+                share,
             )
-            if imported is not None:
-                self._adopt_import(request, imported)
-            request.num_cached_tokens = num_cached_tokens
         except BaseException:
-            if imported is not None:
-                self.kv.release(owner_key(imported.transfer_id))
+            self.handoff.imports.abort(transfer_id)  # its blocks are nobody's now
             raise
+        if transfer_id:
+            self.handoff.adopt(request, transfer_id)
+        request.num_cached_tokens = num_cached_tokens
         self._arrival_seq += 1
         self.scheduler.add_request(request)
         self.runner.add_request(request_id, params.seed)
@@ -343,31 +325,6 @@ class LLMEngine:
         )
         request.append_output_token(first_token_id)
         return request
-
-    def _adopt_import(self, request: Request, imported: KVImport) -> None:
-        if imported.num_tokens != request.num_prompt_tokens:
-            raise ValueError(f"the KV holds {imported.num_tokens} tokens, the prompt has "
-                             f"{request.num_prompt_tokens}")
-        if imported.block_hashes != request.block_hashes[: len(imported.block_hashes)]:
-            raise ValueError("the KV's block hashes differ from this engine's for the prompt "
-                             "(cache salt, adapter or block size differ)")
-        request.num_computed_tokens = imported.num_tokens
-        request.kv_imported = True
-        self.kv.adopt(owner_key(imported.transfer_id), request)
-
-    def _export_handoffs(self, updates: Sequence[RequestUpdate]) -> None:
-        """Copy out the KV of prefill-only requests that just handed off, before anything
-        can reuse their freed blocks (the partial last block is first in the free queue)."""
-        for update in updates:
-            request = update.request
-            if update.finished and request.status is RequestStatus.FINISHED_HANDOFF:
-                caches = self.runner.kv_caches
-                num_full = request.num_prompt_tokens // self.config.block_size
-                request.exported_kv = KVExport(
-                    gather_blocks(caches, request.handoff_block_ids), BlockFormat.of(caches),
-                    request.num_prompt_tokens, self.config.block_size,
-                    tuple(request.block_hashes[:num_full]), request.num_cached_tokens or 0,
-                )
 
     # ------------------------------------------------------------------ LoRA adapters
     def resolve_lora(self, lora_request: LoRARequest | str | None) -> str | None:
@@ -448,7 +405,7 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(
             out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs, sampled.verified
         )
-        self._export_handoffs(updates)
+        self.handoff.export(updates)
         if self.speculator is not None:
             self.speculator.after_step(
                 out.scheduled, sampled.verified, updates, self.scheduler.num_running

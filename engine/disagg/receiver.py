@@ -51,16 +51,16 @@ async def receive_kv(
                          "dtype on both sides?)")
     transfer_id = header.transfer_id
     await _on_engine(engine, functools.partial(
-        llm.begin_kv_import, transfer_id, header.num_blocks, header.num_tokens,
+        llm.handoff.begin_import, transfer_id, header.num_blocks, header.num_tokens,
         list(header.block_hashes),
     ))
     _expire_later(engine)
     try:
         received = await _write_all(engine, transfer_id, chunks, fmt)
-        await _on_engine(engine, functools.partial(llm.kv_imports.complete, transfer_id))
+        await _on_engine(engine, functools.partial(llm.handoff.imports.complete, transfer_id))
     except BaseException:
         with contextlib.suppress(Exception):
-            await _on_engine(engine, functools.partial(llm.kv_imports.abort, transfer_id))
+            await _on_engine(engine, functools.partial(llm.handoff.imports.abort, transfer_id))
         raise
     _expire_later(engine)
     return ReceivedKV(received, received * fmt.num_bytes)
@@ -92,7 +92,7 @@ async def _write(
 ) -> int:
     blocks = blocks_from_bytes(data, fmt)
     await _on_engine(engine, functools.partial(
-        engine.engine.write_kv_import, transfer_id, list(indexes), blocks
+        engine.engine.handoff.write_import, transfer_id, list(indexes), blocks
     ))
     return len(indexes)
 
@@ -116,4 +116,4 @@ def _expire_later(engine: AsyncEngine) -> None:
     loop = asyncio.get_running_loop()
     llm = engine.engine
     loop.call_later(DEFAULT_IMPORT_TIMEOUT_S + 0.5,
-                    lambda: engine.call_in_engine_thread(llm.kv_imports.expire))
+                    lambda: engine.call_in_engine_thread(llm.handoff.imports.expire))

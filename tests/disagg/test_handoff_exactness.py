@@ -43,11 +43,13 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, batch: list[list[int]], tag:
         transfer = f"t-{tag}-{i}"
         num_full = len(prompt) // prefill.config.block_size
         assert list(exported.block_hashes) == request.block_hashes[:num_full]
-        ids = decode.begin_kv_import(transfer, len(chunks), len(prompt),
+        ids = decode.handoff.begin_import(transfer, len(chunks), len(prompt),
                                      list(exported.block_hashes))
         assert len(ids) == len(chunks)
-        decode.write_kv_import(transfer, list(range(len(chunks))), blocks_from_bytes(chunks, fmt))
-        decode.kv_imports.complete(transfer)
+        decode.handoff.write_import(
+            transfer, list(range(len(chunks))), blocks_from_bytes(chunks, fmt)
+        )
+        decode.handoff.imports.complete(transfer)
         decode.add_imported_request(request.request_id, prompt, first[request.request_id][0],
                                     params, transfer_id=transfer)
     rest = _drain(decode)
@@ -67,7 +69,7 @@ def test_handoff_matches_transformers(tiny_model_dir, prompts, reference, engine
     assert prefill.kv.stats.hits > 0
     for engine in (prefill, decode):
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
-        assert len(engine.kv_imports) == 0
+        assert len(engine.handoff.imports) == 0
 
 
 def test_first_token_that_ends_the_request_is_no_handoff(tiny_model_dir, prompts):  # noqa: F811

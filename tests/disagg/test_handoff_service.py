@@ -129,7 +129,8 @@ def test_stream_cut_mid_transfer_frees_reserved_blocks(engines):
     with pytest.raises(grpc.RpcError):
         _stub(decode).ReceiveKV(chunks(), timeout=TIMEOUT_S)
     wait_all_blocks_free(_stub(decode))
-    assert decode.in_engine_thread(lambda: len(decode.server.async_engine.engine.kv_imports)) == 0
+    imports = decode.server.async_engine.engine.handoff.imports
+    assert decode.in_engine_thread(lambda: len(imports)) == 0
 
 
 def test_roles_are_published_and_transfers_counted(engines, redis_server):
