@@ -80,6 +80,24 @@ def test_short_prompt_goes_straight_to_decode(fleet, client, reference):
     _all_free(fleet)
 
 
+def test_decode_engine_dying_after_handoff_fails_clearly_and_prefill_frees(fleet, client):
+    """The request is committed once its first token went out: a clear UNAVAILABLE, and the
+    prefill engine holds nothing of it."""
+    stream = client.stream(build_request(prompt_token_ids=LONG[::-1],
+                                         params=greedy(200, ignore_eos=True)), KEY)
+    with pytest.raises(grpc.RpcError) as info:
+        for response in stream:
+            if response.token_ids:
+                fleet.engines[1].kill()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    load = engine_load(fleet.engines[0].address)
+    assert wait_until(lambda: engine_load(fleet.engines[0].address).kv_blocks_free
+                      == load.kv_blocks_total)
+    fleet.engines[1].wait(10)
+    fleet.engines[1] = fleet.start_engine_process(1)
+    fleet.wait_ready([fleet.engines[1]])
+
+
 def test_dead_prefill_engine_falls_back_to_decode(fleet, client, reference):
     fleet.engines[0].kill()
     ids, engine, _ = _ids(client, LONG)

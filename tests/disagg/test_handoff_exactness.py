@@ -56,13 +56,11 @@ def _handoff(prefill: LLMEngine, decode: LLMEngine, batch: list[list[int]], tag:
     return [first[r.request_id] + rest[r.request_id] for r in requests]
 
 
-@pytest.mark.parametrize("engine_args", [
-    pytest.param({}, id="whole-prompts"),
-    pytest.param({"max_num_batched_tokens": 32}, id="chunked-32"),
-])
-def test_handoff_matches_transformers(tiny_model_dir, prompts, reference, engine_args):  # noqa: F811
-    prefill = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=128, **engine_args).engine
-    decode = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=128, **engine_args).engine
+def test_handoff_matches_transformers(tiny_model_dir, prompts, reference):  # noqa: F811
+    """Chunked prefill on the prefill side (whole prompts: tests/disagg/test_disagg_fleet.py)."""
+    prefill = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=128,
+                  max_num_batched_tokens=32).engine
+    decode = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=128).engine
     assert _handoff(prefill, decode, prompts, "a", GREEDY) == reference
     # Second round: prefix hits on both sides (prefill cache, decode's imported blocks).
     assert _handoff(prefill, decode, prompts, "b", GREEDY) == reference

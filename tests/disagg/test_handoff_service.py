@@ -4,7 +4,9 @@ both sides ends free, also when a transfer fails, is cut short or is never claim
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -108,6 +110,37 @@ def test_transfer_to_a_dead_address_fails_and_frees(engines):
             decode_address="127.0.0.1:1", transfer_id="t-dead", transfer_timeout_s=2.0,
         ), timeout=TIMEOUT_S))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    wait_all_blocks_free(_stub(prefill))
+
+
+class _HangingReceiver(engine_pb2_grpc.EngineServicer):
+    """A decode engine that takes the header and then never answers."""
+
+    def ReceiveKV(self, request_iterator, context):  # noqa: N802 - gRPC's name
+        next(request_iterator)
+        time.sleep(10)
+        return engine_pb2.ReceiveKVResponse()
+
+
+def test_transfer_timeout_fails_and_frees(engines):
+    prefill, _ = engines
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    engine_pb2_grpc.add_EngineServicer_to_server(_HangingReceiver(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            list(_stub(prefill).Prefill(engine_pb2.PrefillRequest(
+                request=gen_request("slow", make_prompt(5, 40), 8),
+                decode_address=f"127.0.0.1:{port}", transfer_id="t-slow",
+                transfer_timeout_s=1.0,
+            ), timeout=TIMEOUT_S))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "t-slow" in (info.value.details() or "")
+        assert time.monotonic() - started < 8
+    finally:
+        server.stop(0)
     wait_all_blocks_free(_stub(prefill))
 
 
