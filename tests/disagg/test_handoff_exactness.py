@@ -9,8 +9,6 @@ every block ends free.
 
 from __future__ import annotations
 
-import pytest
-
 from engine import LLM
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import RequestStatus
