@@ -55,7 +55,10 @@ async def prefill_responses(
     export = final.kv_export
     assert isinstance(export, KVExport)
     going_on = dataclasses.replace(final, finished=False, finish_reason=None, kv_export=None)
-    yield engine_pb2.PrefillResponse(output=respond(going_on, text.delta(going_on)))
+    first = respond(going_on, text.delta(going_on))
+    # Known only here: the router reports it on the decode engine's last message.
+    first.num_cached_tokens = final.num_cached_tokens
+    yield engine_pb2.PrefillResponse(output=first)
     timeout_s = request.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
     transfer = KVTransfer(request.transfer_id, request.request, export,
                           request.decode_address, timeout_s)

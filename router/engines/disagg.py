@@ -61,6 +61,9 @@ class DisaggConfig:
 class DisaggPlan:
     prefill: list[EngineView]  # the decision's order
     decode: EngineView
+    # The other decode engines, least loaded first: where the request is recomputed when
+    # `decode` fails before its first message.
+    spare_decode: tuple[EngineView, ...] = ()
 
 
 def without_prefill_engines(ranking: Sequence[EngineView]) -> list[EngineView]:
@@ -79,18 +82,20 @@ def plan_disagg(
     decode = [v for v in ranking if v.role == ROLE_DECODE]
     if not prefill or not decode:
         return None
-    best = min(decode, key=lambda v: (v.load, v.kv_cache_usage, v.engine_id))
-    return DisaggPlan(prefill, best)
+    ordered = sorted(decode, key=lambda v: (v.load, v.kv_cache_usage, v.engine_id))
+    return DisaggPlan(prefill, ordered[0], tuple(ordered[1:]))
 
 
 class DisaggStream(EngineStream):
     """The prefill engine's first token, then the decode engine's stream."""
 
-    def __init__(self, plan_decode: EngineView, prefill: EngineView,
+    def __init__(self, plan: DisaggPlan, prefill: EngineView,
                  prefill_call: grpc.aio.UnaryStreamCall, first: engine_pb2.GenerateResponse,
                  request: engine_pb2.PrefillRequest, pool: EnginePool,
                  deadlines: StreamDeadlines) -> None:
-        super().__init__(plan_decode, prefill_call, first, pool, deadlines.stall_s)
+        super().__init__(plan.decode, prefill_call, first, pool, deadlines.stall_s)
+        self._spares = list(plan.spare_decode)
+        self._decoding = False  # a decode engine's first message arrived
         self.prefill_engine = prefill
         self._prefill_call = prefill_call
         self._request = request
@@ -106,10 +111,33 @@ class DisaggStream(EngineStream):
         if self._needs_handoff and self._pending is None:  # the first token went out
             self._needs_handoff = False
             await self._hand_off()
-        message = await super().read()
+        message = await self._read_decode()
         if message is not None and message.HasField("finish_reason"):
             message.num_cached_tokens = self._num_cached_tokens
         return message
+
+    async def _read_decode(self) -> engine_pb2.GenerateResponse | None:
+        """The next message; a decode engine failing before its first one is replaced by
+        the next spare, which recomputes (nothing of the request reached the client from it)."""
+        while True:
+            try:
+                message = await super().read()
+            except grpc.aio.AioRpcError as e:
+                if self._decoding or not self._spares or e.code() not in RETRYABLE_CODES:
+                    raise
+                failed = self.engine
+                self._pool.mark_suspect(failed.engine_id, failed.address)
+                self._pool.end(failed.engine_id)
+                self.engine = self._spares.pop(0)
+                self._pool.begin(self.engine.engine_id, 0)
+                self._pool.prefilled(self.engine.engine_id, 0)
+                logger.warning("decode engine %s failed (%s); %s recomputes the request",
+                               failed.engine_id, e.code().name, self.engine.engine_id)
+                self._open_decode("")
+                continue
+            if self._call is not self._prefill_call:
+                self._decoding = True
+            return message
 
     async def _hand_off(self) -> None:
         """Wait for the transfer's result, then open the decode engine's stream (recompute
@@ -118,6 +146,9 @@ class DisaggStream(EngineStream):
             span.set_attribute("kvfleet.disagg.prefill_engine", self.prefill_engine.engine_id)
             span.set_attribute("kvfleet.disagg.decode_engine", self.engine.engine_id)
             transfer_id = await self._transfer_result(span)
+        self._open_decode(transfer_id)
+
+    def _open_decode(self, transfer_id: str) -> None:
         imported = engine_pb2.ImportedGenerateRequest(
             request=self._request.request, transfer_id=transfer_id,
             first_token_id=self._first_token,
@@ -173,7 +204,7 @@ async def open_disagg_stream(
         if first is not None:
             pool.begin(plan.decode.engine_id, 0)  # ended by close(), like any EngineStream
             pool.prefilled(plan.decode.engine_id, 0)
-            return DisaggStream(plan.decode, engine, call, first, prefill, pool, deadlines)
+            return DisaggStream(plan, engine, call, first, prefill, pool, deadlines)
     return None
 
 
