@@ -27,6 +27,7 @@ Memory tiers (both optional; without them nothing below runs):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -326,16 +327,29 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
 
     # ------------------------------------------------------------------ KV imports
-    def reserve(self, owner: str, num_blocks: int) -> list[KVCacheBlock] | None:
-        """Fresh blocks held under `owner` (a KV import, engine.disagg) until `adopt` hands
-        them to a request or `release` frees them; None if they do not fit."""
+    def reserve(
+        self, owner: str, num_blocks: int, prefix: Sequence[KVCacheBlock] = ()
+    ) -> list[KVCacheBlock] | None:
+        """`prefix` (cached blocks, referenced, not copied) then `num_blocks` fresh blocks,
+        held under `owner` (a KV import, engine.disagg) until `adopt` hands them to a
+        request or `release` frees them; None if they do not fit."""
         if owner in self.req_to_blocks:
             raise ValueError(f"{owner!r} already holds blocks")
-        if num_blocks > self.pool.num_free_blocks:
+        # Free prefix blocks leave the queue when touched, so they cannot also be allocated.
+        num_free_prefix = sum(1 for block in prefix if block.ref_cnt == 0)
+        if num_blocks > self.pool.num_free_blocks - num_free_prefix:
             return None
-        blocks = self.pool.allocate(num_blocks)
+        self.pool.touch(prefix)
+        blocks = [*prefix, *self.pool.allocate(num_blocks)]
         self.req_to_blocks[owner] = blocks
         return blocks
+
+    def cached_blocks(self, hashes: Sequence[BlockHash]) -> list[KVCacheBlock] | None:
+        """The cached blocks of these hashes, in order; None if any is not cached."""
+        blocks = [self.pool.get_cached_block(block_hash) for block_hash in hashes]
+        return None if any(block is None for block in blocks) else [
+            block for block in blocks if block is not None
+        ]
 
     def release(self, owner: str) -> bool:
         """Free the blocks `owner` reserved; False if it holds none (already adopted)."""

@@ -56,12 +56,14 @@ class KVHandoff:
             )
 
     def begin_import(
-        self, transfer_id: str, num_blocks: int, num_tokens: int, block_hashes: list[bytes]
+        self, transfer_id: str, num_blocks: int, num_tokens: int, block_hashes: list[bytes],
+        first_block: int = 0,
     ) -> list[int]:
         """Reserve a transfer's blocks (engine.disagg.kv_imports)."""
         if num_blocks != -(-num_tokens // self._kv.block_size):
             raise ValueError(f"{num_blocks} blocks cannot hold exactly {num_tokens} tokens")
-        return self.imports.begin(transfer_id, num_blocks, num_tokens, block_hashes)
+        return self.imports.begin(transfer_id, num_blocks, num_tokens, block_hashes,
+                                  first_block)
 
     def write_import(self, transfer_id: str, indexes: list[int], blocks: torch.Tensor) -> None:
         """Write received blocks ([n, layers, 2, ...] on the CPU) into the import's blocks."""

@@ -45,21 +45,22 @@ class GrpcKVConnector:
 
         async def chunks() -> AsyncIterator[engine_pb2.KVTransferChunk]:
             yield engine_pb2.KVTransferChunk(
-                header=transfer_header(export, transfer.transfer_id, transfer.request)
+                header=transfer_header(export, transfer.transfer_id, transfer.request,
+                                       transfer.first_block)
             )
-            for block in block_chunks(export):
+            for block in block_chunks(export, transfer.first_block):
                 yield engine_pb2.KVTransferChunk(block=block)
 
         reply = await self._stub(transfer.destination).ReceiveKV(
             chunks(), timeout=transfer.timeout_s,
             metadata=trace_metadata() + self._credential,
         )
-        if reply.num_blocks != export.num_blocks:
-            raise RuntimeError(f"decode engine took {reply.num_blocks} of "
-                               f"{export.num_blocks} blocks")
+        sent = export.num_blocks - transfer.first_block
+        if reply.num_blocks != sent:
+            raise RuntimeError(f"decode engine took {reply.num_blocks} of {sent} blocks")
         return engine_pb2.KVTransferResult(
-            transfer_id=transfer.transfer_id, num_blocks=export.num_blocks,
-            num_bytes=export.num_bytes, seconds=time.monotonic() - start,
+            transfer_id=transfer.transfer_id, num_blocks=sent,
+            num_bytes=sent * export.fmt.num_bytes, seconds=time.monotonic() - start,
             num_cached_tokens=export.num_cached_tokens,
         )
 

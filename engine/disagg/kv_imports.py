@@ -55,6 +55,8 @@ class KVImport:
     deadline: float
     written: set[int] = field(default_factory=set)
     complete: bool = False
+    # Blocks before it are cached blocks shared with others: never written.
+    first_block: int = 0
 
 
 class KVImports:
@@ -71,13 +73,21 @@ class KVImports:
         return len(self._imports)
 
     def begin(
-        self, transfer_id: str, num_blocks: int, num_tokens: int, block_hashes: list[bytes]
+        self, transfer_id: str, num_blocks: int, num_tokens: int, block_hashes: list[bytes],
+        first_block: int = 0,
     ) -> list[int]:
-        """Reserve the transfer's blocks; their ids in order. OverloadedError if they do not
-        fit, ValueError for a live transfer id."""
+        """Reserve the transfer's blocks; their ids in order. The first `first_block` are
+        this engine's cached blocks of those hashes (no chunk comes for them;
+        MissingImportError if one is no longer cached). OverloadedError if they do not fit,
+        ValueError for a live transfer id."""
         if not transfer_id or transfer_id in self._imports:
             raise ValueError(f"transfer_id {transfer_id!r} is empty or already in use")
-        blocks = self._kv.reserve(owner_key(transfer_id), num_blocks)
+        if not 0 <= first_block <= min(len(block_hashes), num_blocks):
+            raise ValueError(f"first_block {first_block} is past the full blocks")
+        prefix = self._kv.cached_blocks(block_hashes[:first_block])
+        if prefix is None:
+            raise MissingImportError("the skipped blocks are no longer cached here")
+        blocks = self._kv.reserve(owner_key(transfer_id), num_blocks - first_block, prefix)
         if blocks is None:
             raise OverloadedError(
                 f"no room for {num_blocks} KV blocks ({self._kv.num_free_blocks} free)"
@@ -85,7 +95,7 @@ class KVImports:
         block_ids = [block.block_id for block in blocks]
         self._imports[transfer_id] = KVImport(
             transfer_id, block_ids, num_tokens, list(block_hashes),
-            self._clock() + self._timeout_s,
+            self._clock() + self._timeout_s, first_block=first_block,
         )
         return block_ids
 
@@ -93,15 +103,16 @@ class KVImports:
         """The block ids chunks `indexes` go to (recorded as written); ValueError if unknown."""
         entry = self._live(transfer_id)
         for index in indexes:
-            if not 0 <= index < len(entry.block_ids):
-                raise ValueError(f"block_index {index} is outside [0, {len(entry.block_ids)})")
+            if not entry.first_block <= index < len(entry.block_ids):
+                raise ValueError(f"block_index {index} is outside "
+                                 f"[{entry.first_block}, {len(entry.block_ids)})")
         entry.written.update(indexes)
         return [entry.block_ids[index] for index in indexes]
 
     def complete(self, transfer_id: str) -> None:
         """Every block arrived: the import may be taken until its deadline."""
         entry = self._live(transfer_id)
-        missing = len(entry.block_ids) - len(entry.written)
+        missing = len(entry.block_ids) - entry.first_block - len(entry.written)
         if missing:
             raise ValueError(f"transfer {transfer_id!r} ended with {missing} block(s) missing")
         entry.complete = True

@@ -61,7 +61,7 @@ async def prefill_responses(
     yield engine_pb2.PrefillResponse(output=first)
     timeout_s = request.transfer_timeout_s or DEFAULT_TRANSFER_TIMEOUT_S
     transfer = KVTransfer(request.transfer_id, request.request, export,
-                          request.decode_address, timeout_s)
+                          request.decode_address, timeout_s, request.skip_blocks)
     try:
         result = await connector.send(transfer)
     except Exception as exc:

@@ -52,7 +52,7 @@ async def receive_kv(
     transfer_id = header.transfer_id
     await _on_engine(engine, functools.partial(
         llm.handoff.begin_import, transfer_id, header.num_blocks, header.num_tokens,
-        list(header.block_hashes),
+        list(header.block_hashes), header.first_block,
     ))
     _expire_later(engine)
     try:

@@ -22,19 +22,19 @@ from kvfleet.v1 import engine_pb2
 
 
 def transfer_header(
-    export: KVExport, transfer_id: str, request: engine_pb2.GenerateRequest
+    export: KVExport, transfer_id: str, request: engine_pb2.GenerateRequest, first_block: int = 0,
 ) -> engine_pb2.KVTransferHeader:
     return engine_pb2.KVTransferHeader(
         transfer_id=transfer_id, request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids, cache_salt=request.cache_salt,
         lora_id=request.lora_id, block_size=export.block_size, num_blocks=export.num_blocks,
         num_tokens=export.num_tokens, dtype=export.fmt.dtype, block_shape=list(export.fmt.shape),
-        block_hashes=list(export.block_hashes),
+        block_hashes=list(export.block_hashes), first_block=first_block,
     )
 
 
-def block_chunks(export: KVExport) -> Iterator[engine_pb2.KVBlockChunk]:
-    for index in range(export.num_blocks):
+def block_chunks(export: KVExport, first_block: int = 0) -> Iterator[engine_pb2.KVBlockChunk]:
+    for index in range(first_block, export.num_blocks):
         yield engine_pb2.KVBlockChunk(block_index=index, data=block_bytes(export.blocks, index))
 
 
@@ -47,6 +47,14 @@ class KVTransfer:
     export: KVExport
     destination: str  # the decode engine's host:port
     timeout_s: float
+    # Leading full blocks the destination already caches (not sent).
+    skip_blocks: int = 0
+
+    @property
+    def first_block(self) -> int:
+        """The first block sent: never past the full blocks (the receiver finds skipped
+        ones by hash)."""
+        return min(self.skip_blocks, len(self.export.block_hashes))
 
 
 class KVConnector(Protocol):

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "decode_address", "transfer_id", "transfer_timeout_s")
+    __slots__ = ("request", "decode_address", "transfer_id", "transfer_timeout_s", "skip_blocks")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request: GenerateRequest
     decode_address: str
     transfer_id: str
     transfer_timeout_s: float
-    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., decode_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    skip_blocks: int
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., decode_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_timeout_s: _Optional[float] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("output", "transfer")
@@ -42,7 +44,7 @@ class KVTransferResult(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "prompt_token_ids", "cache_salt", "lora_id", "block_size", "num_blocks", "num_tokens", "dtype", "block_shape", "block_hashes")
+    __slots__ = ("transfer_id", "request_id", "prompt_token_ids", "cache_salt", "lora_id", "block_size", "num_blocks", "num_tokens", "dtype", "block_shape", "block_hashes", "first_block")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class KVTransferHeader(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +68,8 @@ class KVTransferHeader(_message.Message):
     dtype: str
     block_shape: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    first_block: int
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
     __slots__ = ("block_index", "data")

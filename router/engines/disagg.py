@@ -5,7 +5,8 @@ Role: `plan_disagg` decides whether a request goes through the two stages (the f
 prefill-role and decode-role engines, the prompt reaches `--disagg-prefill-threshold`
 tokens, one sample, no LoRA adapter) and which engines: the prefill engines in the
 decision's ranking order (prefix-aware: the same selector as colocated routing) and the
-least loaded decode engine (fewest requests, then lowest KV usage). `open_disagg_stream`
+least loaded decode engine (fewest requests, then lowest KV usage); the prompt blocks the
+index says that engine caches are not sent. `open_disagg_stream`
 opens the prefill engine's Prefill stream, which names that decode engine, and returns a
 `DisaggStream` as soon as the first token is in; the relay reads it like any EngineStream.
 
@@ -196,6 +197,8 @@ async def open_disagg_stream(
         prefill = engine_pb2.PrefillRequest(
             request=request, decode_address=plan.decode.address,
             transfer_id=uuid.uuid4().hex, transfer_timeout_s=config.transfer_timeout_s,
+            # What the decode engine already caches of the prompt is not sent again.
+            skip_blocks=plan.decode.matched_blocks,
         )
         call = pool.stub(engine.engine_id, engine.address).Prefill(
             prefill, metadata=deadlines.metadata() + pool.credential

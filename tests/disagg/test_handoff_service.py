@@ -47,14 +47,17 @@ def _stub(harness: EngineHarness) -> engine_pb2_grpc.EngineStub:
 
 
 def _disaggregated(prefill: EngineHarness, decode: EngineHarness,
-                   request: engine_pb2.GenerateRequest, transfer_id: str,
+                   request: engine_pb2.GenerateRequest, transfer_id: str, skip_blocks: int = 0,
                    ) -> tuple[list[int], str, engine_pb2.GenerateResponse]:
     responses = list(_stub(prefill).Prefill(engine_pb2.PrefillRequest(
         request=request, decode_address=decode.address, transfer_id=transfer_id,
+        skip_blocks=skip_blocks,
     ), timeout=TIMEOUT_S))
     first = responses[0].output
     assert not first.HasField("finish_reason")
-    assert responses[-1].transfer.num_blocks == -(-len(request.prompt_token_ids) // 16)
+    num_blocks = -(-len(request.prompt_token_ids) // 16)
+    num_full = len(request.prompt_token_ids) // 16
+    assert responses[-1].transfer.num_blocks == num_blocks - min(skip_blocks, num_full)
     rest = list(_stub(decode).GenerateImported(engine_pb2.ImportedGenerateRequest(
         request=request, transfer_id=transfer_id, first_token_id=first.token_ids[0],
     ), timeout=TIMEOUT_S))
@@ -68,9 +71,11 @@ def test_handoff_equals_colocated(engines, length):
     prefill, decode = engines
     prompt = make_prompt(length, length)
     colocated = run(_stub(decode), gen_request(f"c{length}", prompt, 12))
-    for attempt in range(2):  # the second one hits both prefix caches
+    for attempt in range(2):  # the second one hits both prefix caches, and sends only
+        skip = attempt * (length - 1) // 16  # what the decode engine lacks
         tokens, text, last = _disaggregated(
-            prefill, decode, gen_request(f"d{length}-{attempt}", prompt, 12), f"t{length}-{attempt}"
+            prefill, decode, gen_request(f"d{length}-{attempt}", prompt, 12),
+            f"t{length}-{attempt}", skip,
         )
         assert tokens == tokens_of(colocated)
         assert text == "".join(r.text_delta for r in colocated)

@@ -65,3 +65,31 @@ def test_abort_expire_and_refusals():
     assert imports.expire() == ["b"]
     assert kv.pool.num_free_blocks == 4 and len(imports) == 0
     kv.check_integrity()
+
+
+def test_skipped_prefix_blocks_are_the_cached_ones_and_never_written():
+    kv, clock = KVCacheManager(8, 4), Clock()
+    imports = KVImports(kv, clock, timeout_s=5)
+    first = _request(10)
+    first.num_computed_tokens = 10
+    assert imports.begin("t1", 3, 10, first.block_hashes[:2]) == [0, 1, 2]
+    imports.write_targets("t1", [0, 1, 2])
+    imports.complete("t1")
+    imports.take("t1")
+    kv.adopt(owner_key("t1"), first)
+    kv.free(first)  # blocks 0 and 1 stay cached (free, ref_cnt 0)
+    second = _request(10)
+    # Skip the two cached blocks: they are referenced again, one fresh block for the rest.
+    assert imports.begin("t2", 3, 10, second.block_hashes[:2], first_block=2) == [0, 1, 2]
+    assert [b.ref_cnt for b in kv.pool.blocks[:3]] == [1, 1, 1]
+    with pytest.raises(ValueError, match="outside"):
+        imports.write_targets("t2", [1])  # a shared cached block: never overwritten
+    imports.write_targets("t2", [2])
+    imports.complete("t2")
+    assert imports.abort("t2")
+    assert kv.pool.num_free_blocks == 8
+    kv.check_integrity()
+    kv.reset_prefix_cache()
+    with pytest.raises(MissingImportError):
+        imports.begin("t3", 3, 10, second.block_hashes[:2], first_block=2)
+    assert kv.pool.num_free_blocks == 8
