@@ -5,12 +5,17 @@ failing before its first message is replaced by the next one, which recomputes."
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
 
 from kvfleet.v1 import engine_pb2
 from router.engines.disagg import DisaggConfig, open_disagg_stream, plan_disagg
@@ -135,3 +140,28 @@ def test_decode_engine_failing_after_its_first_token_ends_the_stream():
              "d1": [FakeCall([_token(6), _token(7, "length")])]}
     with pytest.raises(grpc.aio.AioRpcError):
         _run(calls, ["d0", "d1"])
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """The SDK with an in-memory exporter as the global provider, for one test."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    saved = (trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE)  # noqa: SLF001
+    trace._TRACER_PROVIDER_SET_ONCE = Once()  # noqa: SLF001 - the API sets it once per process
+    trace.set_tracer_provider(provider)
+    yield memory
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved  # noqa: SLF001
+    provider.shutdown()
+
+
+def test_handoff_span(spans):
+    calls = {"p0": [FakeCall([engine_pb2.PrefillResponse(output=_token(5)), _transfer("t")])],
+             "d0": [FakeCall([_token(6), _token(7, "length")])]}
+    _run(calls, ["d0"])
+    (span,) = [s for s in spans.get_finished_spans() if s.name == "kv_handoff"]
+    attributes = dict(span.attributes or {})
+    assert attributes["kvfleet.disagg.prefill_engine"] == "p0"
+    assert attributes["kvfleet.disagg.decode_engine"] == "d0"
+    assert attributes["kvfleet.disagg.blocks"] == 7
