@@ -69,12 +69,7 @@ from kvfleet.runtime.tracing import tracer
 from kvfleet.text.stop_strings import StopStringMatcher
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, tokenizer_pb2
 from router.engines.context_window import ContextWindows, check_fits
-from router.engines.disagg import (
-    DisaggConfig,
-    open_disagg_stream,
-    plan_disagg,
-    without_prefill_engines,
-)
+from router.engines.disagg import DisaggConfig, open_request_stream
 from router.engines.dispatch import EngineStream, StreamDeadlines, open_engine_stream
 from router.engines.merge import merge_tagged
 from router.engines.pool import EnginePool
@@ -300,22 +295,11 @@ class GenerationPipeline:
                 stream.close()
 
     async def _open_first(self, plan: _Plan) -> EngineStream:
-        """Sample 0's stream: through a prefill engine then a decode engine when the fleet
-        is disaggregated and the prompt is long enough (router.engines.disagg), else whole."""
-        request = plan.samples[0].engine_request
-        ranking = plan.decision.ranking
-        disagg = plan_disagg(ranking, len(plan.prompt_ids), self._disagg,
-                             num_samples=len(plan.samples), lora_id=request.lora_id)
-        if disagg is not None:
-            stream = await open_disagg_stream(
-                disagg, self._pool, request, self._max_attempts, self._deadlines, self._disagg
-            )
-            if stream is not None:
-                return stream
-        return await open_engine_stream(
-            without_prefill_engines(ranking), self._pool, request,
-            self._max_attempts, self._deadlines, on_retry=self._metrics.record_retry,
-            claims=plan.decision.claims,
+        """Sample 0's stream: prefill then decode engine, or whole (router.engines.disagg)."""
+        return await open_request_stream(
+            plan.decision.ranking, self._pool, plan.samples[0].engine_request,
+            len(plan.samples), self._max_attempts, self._deadlines, self._disagg,
+            on_retry=self._metrics.record_retry, claims=plan.decision.claims,
         )
 
     def _record_choice(self, span: trace.Span, plan: _Plan, chosen: EngineView) -> int:

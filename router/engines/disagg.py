@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -40,8 +40,14 @@ from kvfleet.contracts.errors import UnavailableError
 from kvfleet.contracts.redis_schema import ROLE_DECODE, ROLE_PREFILL
 from kvfleet.runtime.tracing import tracer
 from kvfleet.v1 import engine_pb2
-from router.engines.dispatch import RETRYABLE_CODES, EngineStream, StreamDeadlines
+from router.engines.dispatch import (
+    RETRYABLE_CODES,
+    EngineStream,
+    StreamDeadlines,
+    open_engine_stream,
+)
 from router.engines.pool import EnginePool
+from router.routing.pending import PendingClaims
 from router.routing.ranking import EngineView
 
 logger = logging.getLogger(__name__)
@@ -186,6 +192,26 @@ class DisaggStream(EngineStream):
     def close(self) -> None:
         self._prefill_call.cancel()
         super().close()
+
+
+async def open_request_stream(
+    ranking: Sequence[EngineView], pool: EnginePool, request: engine_pb2.GenerateRequest,
+    num_samples: int, max_attempts: int, deadlines: StreamDeadlines, config: DisaggConfig,
+    on_retry: Callable[[str], None] | None = None, claims: PendingClaims | None = None,
+) -> EngineStream:
+    """A request's first stream: through a prefill engine then a decode engine when the
+    fleet is disaggregated and the prompt long enough, else whole, on the ranking's engines
+    that take whole requests (router.engines.dispatch)."""
+    plan = plan_disagg(ranking, len(request.prompt_token_ids), config,
+                       num_samples=num_samples, lora_id=request.lora_id)
+    if plan is not None:
+        stream = await open_disagg_stream(plan, pool, request, max_attempts, deadlines, config)
+        if stream is not None:
+            return stream
+    return await open_engine_stream(
+        without_prefill_engines(ranking), pool, request, max_attempts, deadlines,
+        on_retry=on_retry, claims=claims,
+    )
 
 
 async def open_disagg_stream(
