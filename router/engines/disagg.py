@@ -189,6 +189,14 @@ class DisaggStream(EngineStream):
                 span.set_attribute("kvfleet.disagg.seconds", result.seconds)
                 return result.transfer_id
 
+    async def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:
+        """A stop string in the first token: no handoff at all (the prefill engine has
+        already freed the request; cancelling the call drops its transfer)."""
+        if self._call is self._prefill_call:
+            self.close()
+            return engine_pb2.GenerateResponse(num_cached_tokens=self._num_cached_tokens)
+        return await super().abort(request_id)
+
     def close(self) -> None:
         self._prefill_call.cancel()
         super().close()

@@ -165,3 +165,28 @@ def test_handoff_span(spans):
     assert attributes["kvfleet.disagg.prefill_engine"] == "p0"
     assert attributes["kvfleet.disagg.decode_engine"] == "d0"
     assert attributes["kvfleet.disagg.blocks"] == 7
+
+
+def test_stop_string_in_the_first_token_aborts_without_a_handoff():
+    pool = EnginePool()
+    log: list[tuple[str, str, str]] = []
+    prefill_call = FakeCall([engine_pb2.PrefillResponse(output=_token(5)), _transfer("t")])
+    calls = {"p0": [prefill_call], "d0": [FakeCall([_token(6)])]}
+    pool.stub = lambda engine_id, address: FakeStub(calls, engine_id, log)  # type: ignore[method-assign,assignment,return-value]
+    ranking = [EngineView("p0", "p0:1", role="prefill"), EngineView("d0", "d0:1", role="decode")]
+    plan = plan_disagg(ranking, 100, DisaggConfig(prefill_threshold=10))
+    assert plan is not None
+
+    async def go() -> engine_pb2.GenerateResponse | None:
+        request = engine_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1] * 100)
+        stream = await open_disagg_stream(plan, pool, request, 1, NO_DEADLINES,
+                                          DisaggConfig(prefill_threshold=10))
+        assert stream is not None
+        first = await stream.read()
+        assert first is not None and list(first.token_ids) == [5]
+        return await stream.abort("r")
+
+    last = asyncio.run(go())
+    assert last is not None and last.num_cached_tokens == 0
+    assert [entry[0] for entry in log] == ["Prefill"]
+    assert prefill_call.cancelled and pool.in_flight("d0") == 0
