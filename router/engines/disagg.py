@@ -213,7 +213,9 @@ async def open_request_stream(
     plan = plan_disagg(ranking, len(request.prompt_token_ids), config,
                        num_samples=num_samples, lora_id=request.lora_id)
     if plan is not None:
-        stream = await open_disagg_stream(plan, pool, request, max_attempts, deadlines, config)
+        stream = await open_disagg_stream(
+            plan, pool, request, max_attempts, deadlines, config, claims
+        )
         if stream is not None:
             return stream
     return await open_engine_stream(
@@ -225,8 +227,11 @@ async def open_request_stream(
 async def open_disagg_stream(
     plan: DisaggPlan, pool: EnginePool, request: engine_pb2.GenerateRequest,
     max_attempts: int, deadlines: StreamDeadlines, config: DisaggConfig,
+    claims: PendingClaims | None = None,
 ) -> DisaggStream | None:
-    """The first prefill engine that sends a first token; None if none did."""
+    """The first prefill engine that sends a first token; None if none did. Like a whole
+    request, it counts as prefilling on the prefill engine until then, with the prompt's
+    blocks marked pending there (`claims`, released if it fails)."""
     for engine in plan.prefill[:max_attempts]:
         prefill = engine_pb2.PrefillRequest(
             request=request, decode_address=plan.decode.address,
@@ -237,7 +242,21 @@ async def open_disagg_stream(
         call = pool.stub(engine.engine_id, engine.address).Prefill(
             prefill, metadata=deadlines.metadata() + pool.credential
         )
-        first = await _first_output(call, engine, pool, deadlines)
+        prefill_tokens = 0
+        if claims is not None:
+            claims.claim(engine)
+            prefill_tokens = claims.uncached_tokens(engine.engine_id)
+        pool.begin(engine.engine_id, prefill_tokens)
+        try:
+            first = await _first_output(call, engine, pool, deadlines)
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            pool.prefilled(engine.engine_id, prefill_tokens)
+            pool.end(engine.engine_id)
+        if first is None and claims is not None:
+            claims.release(engine)
         if first is not None:
             pool.begin(plan.decode.engine_id, 0)  # ended by close(), like any EngineStream
             pool.prefilled(plan.decode.engine_id, 0)
