@@ -68,7 +68,8 @@ model: install
 	$(PY) -m engine.models.default_model
 
 # The local fleet (Redis, tokenizer, 2 engines, router) on the default model: streams three
-# chats twice (prefix hits, which engine served each), then serves until Ctrl-C.
+# chats twice (prefix hits, which engine served each), then serves until Ctrl-C. The model is
+# the GGUF file itself, its weights kept Q4_1 (docs/quantization.md): no conversion step.
 run: model
 	$(PY) -m kvfleet.cli demo
 
@@ -126,6 +127,14 @@ bench-serve: model
 bench-fleet: model peers
 	$(PY) -m benchmarks.fleet_bench $(BENCH_FLEET_ARGS)
 	$(PY) -m benchmarks.fleet_bench --single-engine-defaults
+
+# The fleet simulator (docs/fleet-simulator.md): the router's own code over 64 simulated
+# engines and 1,000 tenants on a real Redis; calibrates from the real engine on first use.
+.PHONY: fleet-sim
+fleet-sim: model
+	$(PY) -m benchmarks.fleet_sim --engines 64 --tenants 1000 --system-tokens 1500 \
+		--sessions-per-s 3.2 --json bench_results/fleet_sim.json $(FLEET_SIM_ARGS)
+	$(PY) -m benchmarks.fleet_sim.decision_cost --json bench_results/fleet_sim_decision_cost.json
 
 # On a CUDA machine, with a Python that has a CUDA build of torch (not the CPU venv): the
 # GPU tests compiled for the GPU, and the offline bench; report in bench_results/gpu/.

@@ -4,8 +4,8 @@ Layout: the public API at this level (`llm.LLM`, `outputs`, `config`, `logprobs`
 `completion_tracker`); the loop in `core/` (`llm_engine`, scheduler, KV cache manager, block
 pool, urgent steps); the worker in `worker/` (inputs, model runner, sampler); `models/`,
 `attention/`, `lora/`, `spec_decode/` and `kv_tiers/` beside them; `service/` runs the engine
-as a gRPC service. `SamplingParams` lives in `kvfleet.contracts` (the router shares it) and is
-re-exported here.
+as a gRPC service. `SamplingParams` and `StructuredOutputsParams` live in `kvfleet.contracts`
+(the router shares them) and are re-exported here; `structured/` constrains decoding to them.
 
 Public names are imported lazily, so `import engine` pulls in no torch.
 """
@@ -19,13 +19,18 @@ if TYPE_CHECKING:
     from engine.lora.request import LoRARequest
     from engine.outputs import CompletionOutput, RequestOutput
     from kvfleet.contracts.sampling_params import SamplingParams
+    from kvfleet.contracts.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = [
+    "LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+    "CompletionOutput",
+]
 
 _LAZY = {
     "LLM": "engine.llm",
     "LoRARequest": "engine.lora.request",
     "SamplingParams": "kvfleet.contracts.sampling_params",
+    "StructuredOutputsParams": "kvfleet.contracts.structured_outputs",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
 }

@@ -48,6 +48,10 @@ class EngineConfig:
     # CPU GEMM path of every projection and the LM head: "auto" times the candidates on this
     # machine at start-up (engine.models.gemm_select); "onednn", "mkl" or "dense" force one.
     linear_backend: str = "auto"
+    # Weight-only quantization of a Hugging Face checkpoint at load (engine.quant.int8):
+    # None, or "int8" (the projections as int8 blocks of 32 with an fp16 scale, dequantized
+    # inside the GEMM). A GGUF model is quantized already and ignores it.
+    quantization: str | None = None
     # Order among tenants (cache salts): "fair" (weighted fair share, engine.core.fair_share)
     # or "fcfs" (priority, then arrival, whoever the tenant).
     scheduling_policy: str = "fair"
@@ -130,6 +134,8 @@ class EngineConfig:
                 "linear_backend must be auto, onednn, mkl, dense, panel or amx; "
                 f"got {self.linear_backend!r}"
             )
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8'; got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"

@@ -40,6 +40,7 @@ import grpc
 from kvfleet import router_client as router_client
 from kvfleet import run_logs
 from kvfleet.fleet import Fleet, FleetConfig, FleetError
+from kvfleet.runtime.redis_access import describe
 from kvfleet.v1 import common_pb2, router_pb2_grpc
 
 SERVICES = {
@@ -85,11 +86,18 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-engines", type=int, default=0,
                         help="this many decode-role engines (with --prefill-engines)")
     parser.add_argument("--model", type=Path, default=None,
-                        help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+                        help="HF-format model directory or a GGUF file (default: "
+                             "SmolLM2-135M-Instruct, converted once from its GGUF)")
     parser.add_argument("--redis-url", default=None,
                         help="use this Redis (default: start one on a free port)")
     parser.add_argument("--policy", default="prefix",
                         choices=["prefix", "round_robin", "least_load"])
+    parser.add_argument("--redis-password-file", type=Path, default=None,
+                        help="password of the Redis at --redis-url (the fleet's own Redis gets "
+                             "a generated one)")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS between the services and HTTPS on the router, with a "
+                             "throwaway CA in the run directory (docs/tls.md)")
     parser.add_argument("--tenant-policy", "--api-keys", dest="api_keys", type=Path,
                         default=None, help="router tenant policy / API key file (docs/tenants.md)")
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
@@ -127,6 +135,9 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router", required=True, help="router HOST:PORT")
+    parser.add_argument("--ca-file", type=Path, default=None,
+                        help="CA of the router's certificate: connect over TLS (kvfleet up "
+                             "--tls prints it)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user turn")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -194,7 +205,7 @@ def run_client(args: argparse.Namespace) -> int:
         request = router_client.build_request(args.prompt, params=params)
 
     async def call() -> router_client.Completion:
-        async with router_client.channel(args.router) as channel:
+        async with router_client.channel(args.router, args.ca_file) as channel:
             return await router_client.generate(
                 router_pb2_grpc.RouterStub(channel), request, api_key=args.api_key,
                 on_text=_print_text, timeout_s=args.timeout,
@@ -232,12 +243,16 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         lora_allowed_dirs=tuple(args.lora_allowed_dirs),
         allow_special_tokens_in_prompts=args.allow_special_tokens_in_prompts,
+        redis_password_file=args.redis_password_file, tls=args.tls,
     )
 
 
 def run_up(args: argparse.Namespace, demo: bool) -> int:
     model_dir = args.model
     if model_dir is None:
+        # The dense model converted from the default GGUF: the Q4_1 file served directly is
+        # faster at batch 1 but half as fast at batch 32 (docs/quantization.md), and a fleet
+        # serves many streams at once.
         from engine.models.default_model import prepare_default_model
 
         model_dir = prepare_default_model()
@@ -253,10 +268,13 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
         print(f"http: {fleet.http_url}", flush=True)
         for name, url in fleet.metrics_urls().items():
             print(f"metrics: {name} {url}", flush=True)
-        print(f"redis: {fleet.redis_url}", flush=True)
+        print(f"redis: {describe(fleet.redis_url)}", flush=True)
+        if fleet.ca_file is not None:
+            print(f"tls: CA {fleet.ca_file} (e.g. curl --cacert, kvfleet client --ca-file)",
+                  flush=True)
         print(f"logs: {fleet.log_dir}  (kvfleet logs [SERVICE] [-f])", flush=True)
         if demo:
-            asyncio.run(run_demo(fleet.router_address))
+            asyncio.run(run_demo(fleet.router_address, fleet.ca_file))
         print("serving; press Ctrl-C to stop", flush=True)
         signals.phase = "serving"
         _serve_until(signals.stop, fleet)
@@ -328,10 +346,10 @@ def _serve_until(stop: threading.Event, fleet: Fleet) -> None:
                       file=sys.stderr, flush=True)
 
 
-async def run_demo(router_address: str) -> None:
+async def run_demo(router_address: str, ca_file: Path | None = None) -> None:
     """Three chat prompts streamed, then the same again to show prefix hits per engine."""
     params = sampling_params(max_tokens=50, temperature=0.8, top_p=0.95)
-    async with router_client.channel(router_address) as channel:
+    async with router_client.channel(router_address, ca_file) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         rounds: list[list[router_client.Completion]] = []
         for round_index in (1, 2):

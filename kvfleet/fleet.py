@@ -16,13 +16,17 @@ Invariants:
 - Each service's stdout/stderr go to `<log_dir>/<name>.log`.
 - Engines serve only the fleet's routers: a random secret in `<log_dir>/router-secret`
   (mode 0600, deleted at stop) is given to both as `--router-secret-file`.
+- The fleet's own Redis requires a generated password (`<log_dir>/redis-password`, 0600,
+  deleted at stop), which services get as `--redis-password-file`: no secret is ever on a
+  service's command line. `redis_url` (with the password) is for clients in this process.
+- With `tls`, every gRPC hop is mutual TLS and the router's HTTP API is HTTPS, with
+  certificates from a throwaway CA (kvfleet.fleet_credentials, docs/tls.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -37,10 +41,26 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvfleet.fleet_config import (
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_STOP_TIMEOUT_S,
+    FleetConfig,
+    engine_command,
+    engine_id,
+    format_host,
+    router_command,
+    tokenizer_command,
+)
+from kvfleet.fleet_credentials import FleetCredentials
 from kvfleet.redis_server import RedisServer, find_redis_server
+from kvfleet.runtime.tls import ROUTER_ROLE, TOKENIZER_ROLE, name_options
 
-DEFAULT_START_TIMEOUT_S = 300.0
-DEFAULT_STOP_TIMEOUT_S = 15.0
+# Re-exported: callers import the fleet's configuration and command lines from here.
+__all__ = [
+    "DEFAULT_START_TIMEOUT_S", "DEFAULT_STOP_TIMEOUT_S", "Fleet", "FleetConfig", "FleetError",
+    "ServiceProcess", "engine_command", "engine_id", "router_command", "tokenizer_command",
+    "wait_until_serving",
+]
 # Every child starts through this shim, then execs the real program (same pid):
 # - its own session, so a terminal's Ctrl-C reaches only the fleet's owner, which then stops
 #   the services in order (Redis included: it would otherwise quit first);
@@ -66,63 +86,6 @@ class FleetError(RuntimeError):
     """A service did not come up (the message carries its log tail)."""
 
 
-@dataclass(frozen=True)
-class FleetConfig:
-    model_dir: Path
-    num_engines: int = 2
-    redis_url: str | None = None
-    host: str = "127.0.0.1"
-    router_port: int = 0
-    # The router's OpenAI HTTP API port (0: a free port, see Fleet.http_url).
-    router_http_port: int = 0
-    policy: str = "prefix"
-    api_keys: Path | None = None
-    # Extra engine flags, e.g. ("--num-kv-blocks", "256").
-    engine_args: tuple[str, ...] = ()
-    # Extra flags of engine i only, after engine_args (e.g. one engine speculating, one not);
-    # engines past the end of the tuple get none.
-    engine_args_by_index: tuple[tuple[str, ...], ...] = ()
-    router_args: tuple[str, ...] = ()
-    # Torch threads per engine (OMP_NUM_THREADS); None: torch's default (every core).
-    engine_threads: int | None = None
-    log_dir: Path | None = None
-    log_level: str = "INFO"
-    # Every service serves Prometheus /metrics on a free port, written to
-    # <log_dir>/<name>.metrics-port (see ServiceProcess.metrics_port); False: --no-metrics.
-    metrics: bool = True
-    # The model name engines and the tokenizer report (default: the model dir's name).
-    served_model_name: str | None = None
-    # The tokenizer's chat template (a file or the template itself), for models without one.
-    chat_template: str | None = None
-    # docs/security.md: the router's runtime adapter endpoints (admins only), the adapter
-    # directories (router and engines), and special tokens in prompts (tokenizer).
-    allow_runtime_lora_updating: bool = False
-    lora_allowed_dirs: tuple[Path, ...] = ()
-    allow_special_tokens_in_prompts: bool = False
-    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
-    stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
-    # Prefill/decode disaggregation (docs/disaggregation.md): when either is set, the fleet's
-    # engines are these many prefill-role engines then decode-role ones (num_engines unused).
-    prefill_engines: int = 0
-    decode_engines: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_engines < 1:
-            raise ValueError(f"a fleet needs at least one engine, got {self.num_engines}")
-        if self.prefill_engines < 0 or self.decode_engines < 0:
-            raise ValueError("prefill_engines and decode_engines must be >= 0")
-        if bool(self.prefill_engines) != bool(self.decode_engines):
-            raise ValueError("a disaggregated fleet needs prefill and decode engines, got "
-                             f"{self.prefill_engines} and {self.decode_engines}")
-
-    @property
-    def engine_roles(self) -> tuple[str, ...]:
-        """Engine i's --role: prefill ones first, then decode ones; else all both."""
-        if self.prefill_engines:
-            return ("prefill",) * self.prefill_engines + ("decode",) * self.decode_engines
-        return ("both",) * self.num_engines
-
-
 @dataclass
 class ServiceProcess:
     """One started service: its process, its port file and log."""
@@ -135,6 +98,9 @@ class ServiceProcess:
     port: int | None = None
     metrics_port_file: Path | None = None
     http_port_file: Path | None = None
+    # TLS fleets: what health checks dial with, and the name the certificate must carry.
+    credentials: grpc.ChannelCredentials | None = None
+    tls_name: str | None = None
 
     @property
     def http_port(self) -> int:
@@ -203,15 +169,26 @@ class Fleet:
     extra_routers: list[ServiceProcess] = field(default_factory=list)
     _log_dir: Path | None = None
     _tmp: tempfile.TemporaryDirectory[str] | None = None
+    _credentials: FleetCredentials | None = None
     _force: threading.Event = field(default_factory=threading.Event)
 
     @property
     def redis_url(self) -> str:
+        """Redis's URL for clients in this process (with the password when it has one)."""
         if self.config.redis_url:
             return self.config.redis_url
         if self.redis is None:
             raise RuntimeError("fleet not started")
         return self.redis.url
+
+    @property
+    def _service_redis_url(self) -> str:
+        """The URL services get: the password goes to them in a file."""
+        if self.config.redis_url:
+            return self.config.redis_url
+        if self.redis is None:
+            raise RuntimeError("fleet not started")
+        return self.redis.url_without_password
 
     @property
     def router_address(self) -> str:
@@ -224,7 +201,8 @@ class Fleet:
         """The router's OpenAI API base, e.g. http://127.0.0.1:8000 (append /v1)."""
         if self.router is None:
             raise RuntimeError("fleet not started")
-        return f"http://{self.config.host}:{self.router.http_port}"
+        scheme = "https" if self.config.tls else "http"
+        return f"{scheme}://{format_host(self.config.host)}:{self.router.http_port}"
 
     @property
     def log_dir(self) -> Path:
@@ -235,7 +213,19 @@ class Fleet:
     @property
     def router_secret_file(self) -> Path:
         """The shared secret engines require of routers (0600, removed when the fleet stops)."""
-        return self.log_dir / "router-secret"
+        return self.credentials.router_secret_file
+
+    @property
+    def credentials(self) -> FleetCredentials:
+        """The fleet's secrets; with TLS its CA and certificates (kvfleet.fleet_credentials)."""
+        if self._credentials is None:
+            raise RuntimeError("fleet not started")
+        return self._credentials
+
+    @property
+    def ca_file(self) -> Path | None:
+        """The throwaway CA's certificate (TLS fleets): clients verify the router with it."""
+        return self.credentials.ca_file
 
     @property
     def started(self) -> bool:
@@ -248,9 +238,10 @@ class Fleet:
         try:
             if not self.config.redis_url:
                 self.redis = RedisServer(
-                    host=self.config.host, executable=str(self._redis_shim())
+                    host=self.config.host, executable=str(self._redis_shim()),
+                    password=self.credentials.redis_password,
                 ).start()
-            self.tokenizer = self._launch("tokenizer", tokenizer_command(self.config))
+            self.tokenizer = self._launch_tokenizer(0)
             self._wait_ready([self.tokenizer])
             self.engines = [
                 self.start_engine_process(i) for i in range(len(self.config.engine_roles))
@@ -264,10 +255,12 @@ class Fleet:
 
     def start_engine_process(self, index: int) -> ServiceProcess:
         """Launch engine `index` (not awaited; see `wait_ready`). Tests restart engines so."""
-        command = engine_command(self.config, engine_id(index), self.redis_url)
+        name = engine_id(index)
+        command = engine_command(self.config, name, self._service_redis_url)
         if index < len(self.config.engine_args_by_index):
             command += self.config.engine_args_by_index[index]
-        command += ["--router-secret-file", str(self.router_secret_file)]
+        command += ["--router-secret-file", str(self.router_secret_file),
+                    *self._redis_flags(), *self.credentials.tls_flags(name)]
         roles = self.config.engine_roles
         if index < len(roles) and roles[index] != "both":
             command += ["--role", roles[index]]
@@ -275,7 +268,7 @@ class Fleet:
         if self.config.engine_threads is not None:
             threads = str(self.config.engine_threads)
             env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        return self._launch(engine_id(index), command, env)
+        return self._launch(name, command, env, tls_name=name)
 
     def restart_tokenizer(self, kill: bool = False) -> ServiceProcess:
         """Stop the tokenizer (SIGKILL if `kill`, else a graceful SIGTERM) and start it again
@@ -288,7 +281,7 @@ class Fleet:
         else:
             old.terminate()
         old.wait(self.config.stop_timeout_s, self._force)
-        self.tokenizer = self._launch("tokenizer", tokenizer_command(self.config, old.port))
+        self.tokenizer = self._launch_tokenizer(old.port)
         self._wait_ready([self.tokenizer])
         return self.tokenizer
 
@@ -312,10 +305,11 @@ class Fleet:
         http_port_file = self.log_dir / f"{name}.http-port"
         http_port_file.unlink(missing_ok=True)
         command = router_command(
-            self.config, self.tokenizer.address, self.redis_url, policy, port
+            self.config, self.tokenizer.address, self._service_redis_url, policy, port
         ) + ["--http-port", str(http_port), "--http-port-file", str(http_port_file),
-             "--router-secret-file", str(self.router_secret_file)]
-        router = self._launch(name, command)
+             "--router-secret-file", str(self.router_secret_file), *self._redis_flags(),
+             *self.credentials.tls_flags("router"), *self.credentials.router_http_flags()]
+        router = self._launch(name, command, tls_name=ROUTER_ROLE)
         router.http_port_file = http_port_file
         self._wait_ready([router])
         return router
@@ -334,8 +328,8 @@ class Fleet:
                 service.wait(timeout, self._force)
         if self.redis is not None:
             self.redis.stop()
-        if self._log_dir is not None:  # run logs are kept; the secret is not
-            self.router_secret_file.unlink(missing_ok=True)
+        if self._credentials is not None:  # run logs are kept; the secrets are not
+            self._credentials.remove()
 
     def force_stop(self) -> None:
         """Make a running `stop()` kill what is left instead of waiting (second Ctrl-C)."""
@@ -369,11 +363,22 @@ class Fleet:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvfleet-")
             self._log_dir = Path(self._tmp.name)
         self._log_dir.mkdir(parents=True, exist_ok=True)
-        # Engines serve only callers with this secret (kvfleet.runtime.service_auth): the fleet's
-        # routers, not any local process that finds an engine port.
-        fd = os.open(self.router_secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(32))
+        # Engines serve only callers with the router secret (kvfleet.runtime.service_auth): the
+        # fleet's routers, not any local process that finds an engine port.
+        engines = [engine_id(i) for i in range(len(self.config.engine_roles))]
+        self._credentials = FleetCredentials.create(self._log_dir, engines, self.config.tls,
+                                                    self.config.host)
+
+    def _redis_flags(self) -> list[str]:
+        """How services authenticate to Redis: the password as a file, never in argv."""
+        if self.config.redis_url:
+            password_file = self.config.redis_password_file
+            return [] if password_file is None else ["--redis-password-file", str(password_file)]
+        return ["--redis-password-file", str(self.credentials.redis_password_file)]
+
+    def _launch_tokenizer(self, port: int) -> ServiceProcess:
+        command = tokenizer_command(self.config, port) + self.credentials.tls_flags("tokenizer")
+        return self._launch("tokenizer", command, tls_name=TOKENIZER_ROLE)
 
     def _redis_shim(self) -> Path:
         """An executable that runs redis-server through the child shim (for RedisServer)."""
@@ -384,7 +389,8 @@ class Fleet:
         return shim
 
     def _launch(
-        self, name: str, command: list[str], env: dict[str, str] | None = None
+        self, name: str, command: list[str], env: dict[str, str] | None = None,
+        tls_name: str | None = None,
     ) -> ServiceProcess:
         port_file = self.log_dir / f"{name}.port"
         port_file.unlink(missing_ok=True)
@@ -406,8 +412,10 @@ class Fleet:
                 stderr=subprocess.STDOUT,
                 env=env,
             )
+        credentials = self.credentials.launcher_credentials()
         return ServiceProcess(name, process, port_file, log_path, self.config.host,
-                              metrics_port_file=metrics_port_file)
+                              metrics_port_file=metrics_port_file, credentials=credentials,
+                              tls_name=tls_name if credentials is not None else None)
 
     def _wait_ready(self, services: Sequence[ServiceProcess]) -> None:
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -425,69 +433,32 @@ def wait_until_serving(service: ServiceProcess, deadline: float) -> None:
         if service.port is None and service.port_file.exists():
             with contextlib.suppress(ValueError):
                 service.port = int(service.port_file.read_text().strip())
-        if service.port is not None and health_serving(service.address):
+        if service.port is not None and health_serving(
+            service.address, credentials=service.credentials, tls_name=service.tls_name
+        ):
             return
         if time.monotonic() > deadline:
             raise FleetError(f"{service.name} did not become ready:\n{service.log_tail()}")
         time.sleep(_POLL_S)
 
 
-def health_serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def health_serving(
+    address: str, timeout_s: float = 1.0, *,
+    credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None,
+) -> bool:
+    """Whether the gRPC health check at `address` answers SERVING (over TLS with
+    `credentials`, verifying the peer's certificate carries `tls_name`)."""
+    if credentials is None:
+        channel = grpc.insecure_channel(address)
+    else:
+        channel = grpc.secure_channel(address, credentials, name_options(tls_name or ""))
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:
             return False
     return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def engine_id(index: int) -> str:
-    return f"engine-{index}"
-
-
-def tokenizer_command(config: FleetConfig, port: int = 0) -> list[str]:
-    command = [sys.executable, "-m", "tokenizer_svc.server", "--model", str(config.model_dir),
-               "--host", config.host, "--port", str(port), *_served_name(config)]
-    if config.chat_template is not None:
-        command += ["--chat-template", config.chat_template]
-    if config.allow_special_tokens_in_prompts:
-        command.append("--allow-special-tokens-in-prompts")
-    return command
-
-
-def engine_command(config: FleetConfig, name: str, redis_url: str) -> list[str]:
-    return [sys.executable, "-m", "engine.service.server", "--model", str(config.model_dir),
-            "--engine-id", name, "--redis-url", redis_url, "--host", config.host,
-            "--port", "0", *_served_name(config), *_lora_dirs(config), *config.engine_args]
-
-
-def _lora_dirs(config: FleetConfig) -> list[str]:
-    dirs = config.lora_allowed_dirs
-    return ["--lora-allowed-dirs", *map(str, dirs)] if dirs else []
-
-
-def _served_name(config: FleetConfig) -> list[str]:
-    name = config.served_model_name
-    return [] if name is None else ["--served-model-name", name]
-
-
-def format_host(host: str) -> str:
-    """`host` as it goes in a URL (IPv6 in brackets)."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def router_command(
-    config: FleetConfig, tokenizer_address: str, redis_url: str, policy: str, port: int
-) -> list[str]:
-    command = [sys.executable, "-m", "router.server", "--tokenizer", tokenizer_address,
-               "--redis-url", redis_url, "--policy", policy, "--host", config.host,
-               "--port", str(port), *config.router_args]
-    if config.api_keys is not None:
-        command += ["--api-keys", str(config.api_keys)]
-    if config.allow_runtime_lora_updating:
-        command.append("--allow-runtime-lora-updating")
-    return command + _lora_dirs(config)
 
 
 def _shim_code(target: list[str]) -> str:

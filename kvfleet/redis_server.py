@@ -12,11 +12,17 @@ Invariants:
 - Nothing is written to disk except the log file in a private temporary directory, which
   `stop()` keeps until the object is garbage (its tail is shown when start-up fails).
 - No environment reads at import time; PATH is consulted only when a binary is needed.
+- With a `password`, Redis refuses every command of an unauthenticated client (NOAUTH).
+  The password goes to redis-server in a 0600 config file, never on its command line
+  (readable by every local user in /proc); `url` carries it for in-process clients, while
+  `kvfleet up` hands services `url_without_password` and a password file.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -24,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 DEFAULT_START_TIMEOUT_S = 10.0
 # A random free port can be grabbed by someone else between probing and binding: retry.
@@ -57,14 +64,36 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def ping(host: str, port: int, timeout_s: float = 0.5) -> bool:
+def ping(host: str, port: int, timeout_s: float = 0.5, password: str | None = None) -> bool:
     """True if a Redis server on host:port answers PING (raw RESP, no client library)."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            if password is not None:
+                sock.sendall(_command(b"AUTH", password.encode()))
+                if not _read_line(sock).startswith(b"+OK"):
+                    return False
             sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            return _read_line(sock).startswith(b"+PONG")
     except OSError:
         return False
+
+
+def _command(*parts: bytes) -> bytes:
+    """One RESP array (binary-safe, whatever characters a password holds)."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
+    return b"".join(out)
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\r\n"):
+        chunk = sock.recv(64)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 class RedisServer:
@@ -77,8 +106,13 @@ class RedisServer:
         host: str = "127.0.0.1",
         executable: str | None = None,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        password: str | None = None,
     ) -> None:
+        if password is not None and not re.fullmatch(r"[!#-~]+", password):
+            # It goes in a quoted config line: no quotes, spaces or control characters.
+            raise ValueError("a Redis password here is printable ASCII without '\"' or spaces")
         self.host = host
+        self.password = password
         self._port = port
         self._fixed_port = port is not None
         self._executable = executable
@@ -94,6 +128,13 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        """The URL with the password, if any (for clients in this process)."""
+        if self.password is None:
+            return self.url_without_password
+        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
+
+    @property
+    def url_without_password(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
     @property
@@ -154,10 +195,20 @@ class RedisServer:
         except OSError:
             return "(no log)"
 
+    def _config_file(self) -> Path:
+        """The settings kept off the command line (the password), in a 0600 file."""
+        path = Path(self._workdir.name) / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            if self.password is not None:
+                out.write(f'requirepass "{self.password}"\n')
+        return path
+
     def _launch(self, executable: str) -> bool:
         """Start one process on self._port; True once it answers PING."""
         command = [
             executable,
+            str(self._config_file()),
             "--port", str(self._port),
             "--bind", self.host,
             # Rebuildable state only: no RDB snapshots, no AOF.
@@ -175,7 +226,7 @@ class RedisServer:
             if self._process.poll() is not None:  # e.g. port taken
                 self._process = None
                 return False
-            if ping(self.host, self.port):
+            if ping(self.host, self.port, password=self.password):
                 return True
             time.sleep(0.02)
         self.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -114,5 +115,10 @@ def _take_final(completion: Completion, response: router_pb2.RouterGenerateRespo
     }
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address)
+def channel(address: str, ca_file: Path | None = None) -> grpc.aio.Channel:
+    """A channel to the router: plaintext, or TLS verifying its certificate against
+    `ca_file` (the router's front door asks no client certificate)."""
+    if ca_file is None:
+        return grpc.aio.insecure_channel(address)
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca_file.read_bytes())
+    return grpc.aio.secure_channel(address, credentials)

@@ -64,6 +64,7 @@ from opentelemetry import trace
 from kvfleet.contracts.parallel_sampling import child_request_id, child_seed
 from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.contracts.sampling_proto import to_sampling_params
+from kvfleet.contracts.structured_grammar import check_compiles
 from kvfleet.runtime.logs import set_request_id
 from kvfleet.runtime.tracing import tracer
 from kvfleet.text.stop_strings import StopStringMatcher
@@ -410,7 +411,11 @@ def validate_request(request: router_pb2.RouterGenerateRequest) -> SamplingParam
         raise ValueError("input must be set: one of prompt, messages or prompt_token_ids")
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
-    return to_sampling_params(request.sampling_params)
+    params = to_sampling_params(request.sampling_params)
+    if params.structured_outputs is not None:
+        # Before any engine work: a grammar that does not compile is the client's error.
+        check_compiles(params.structured_outputs)
+    return params
 
 
 def _traced_prompt(request: router_pb2.RouterGenerateRequest) -> str:

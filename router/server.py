@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 
@@ -29,13 +30,27 @@ from kvfleet.runtime import event_loop
 from kvfleet.runtime.grpc_server import GrpcServer, write_port_file
 from kvfleet.runtime.metrics import start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
+from kvfleet.runtime.redis_access import (
+    NO_ACCESS,
+    RedisAccess,
+    add_redis_access_arguments,
+    describe,
+)
 from kvfleet.runtime.service_auth import read_secret
+from kvfleet.runtime.tls import (
+    DEFAULT_ENGINE_NAME,
+    TOKENIZER_ROLE,
+    ClientTls,
+    TlsFiles,
+    TlsMaterial,
+)
 from kvfleet.runtime.tracing import init_tracing
 from router.engines.disagg import DisaggConfig
 from router.engines.discovery import DEFAULT_DNS_REFRESH_S, DiscoveryConfig, EngineDiscovery
 from router.engines.dispatch import StreamDeadlines
 from router.engines.pool import EnginePool
 from router.http.app import OpenAIApi
+from router.http.https import HttpsOptions, add_https_arguments
 from router.http.lora_endpoints import RuntimeLoRAConfig, add_runtime_lora_arguments
 from router.http.uvicorn_server import HttpServer
 from router.metrics import RouterMetrics
@@ -77,6 +92,14 @@ class RouterConfig:
     # The shared secret engines require of routers (kvfleet.runtime.service_auth); None: none sent.
     router_secret_file: Path | None = None
     lora: LoRAPlacementConfig = field(default_factory=LoRAPlacementConfig)
+    # Redis credentials and TLS (kvfleet.runtime.redis_access), read at start.
+    redis_access: RedisAccess = NO_ACCESS
+    # Mutual TLS to engines and the tokenizer, and TLS on the gRPC front door
+    # (kvfleet.runtime.tls); None: plaintext.
+    tls: TlsFiles | None = None
+    # The name an engine's certificate must carry ({engine_id}: the id it claims in Redis).
+    engine_tls_name: str = DEFAULT_ENGINE_NAME
+    tokenizer_tls_name: str = TOKENIZER_ROLE
     # Tool calls and reasoning in chat output (--enable-auto-tool-choice, --tool-call-parser,
     # --reasoning-parser).
     chat_output: ChatOutputConfig = field(default_factory=ChatOutputConfig)
@@ -98,6 +121,7 @@ class RouterConfig:
             duplicate_weight=args.duplicate_weight,
             tie_rel=args.tie_tolerance,
         )
+        redis_access = RedisAccess.from_args(args)
         return cls(
             tokenizer_address=args.tokenizer,
             redis_url=args.redis_url,
@@ -115,9 +139,14 @@ class RouterConfig:
             ),
             limits=RequestLimits.from_args(args),
             policy_reload_s=args.policy_reload_interval,
-            rate_limits=RateLimitConfig(redis_url=args.redis_url, replicas=args.router_replicas),
+            rate_limits=RateLimitConfig(redis_url=args.redis_url, replicas=args.router_replicas,
+                                        redis_access=redis_access),
             router_secret_file=args.router_secret_file,
             lora=LoRAPlacementConfig(enabled=args.lora_autoload),
+            redis_access=redis_access,
+            tls=TlsFiles.from_flags(args.tls_cert_file, args.tls_key_file, args.tls_ca_file),
+            engine_tls_name=args.engine_tls_name,
+            tokenizer_tls_name=args.tokenizer_tls_name,
             chat_output=args.chat_output,
             runtime_lora=RuntimeLoRAConfig.from_args(args),
             trace_prompts=args.trace_prompts,
@@ -127,14 +156,16 @@ class RouterConfig:
 
 @dataclass(frozen=True)
 class HttpOptions:
-    """The OpenAI HTTP API: port (0 picks a free one, None disables it) and port file."""
+    """The OpenAI HTTP API: port (0 picks a free one, None disables it), port file, HTTPS."""
 
     port: int | None = DEFAULT_HTTP_PORT
     port_file: Path | None = None
+    https: HttpsOptions | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HttpOptions:
-        return cls(None if args.no_http else args.http_port, args.http_port_file)
+        return cls(None if args.no_http else args.http_port, args.http_port_file,
+                   HttpsOptions.from_args(args))
 
 
 @dataclass
@@ -176,8 +207,14 @@ def build_router(
     Metrics go to `registry` (a private one when None); see router.metrics.
     """
     policy = policy if policy is not None else load_tenant_policy(config)
-    tokenizer = TokenizerClient(config.tokenizer_address)
-    index = PrefixIndex(config.redis_url, config.index) if config.redis_url else None
+    tls = None if config.tls is None else TlsMaterial.load(config.tls)
+    credentials = None if tls is None else tls.channel_credentials()
+    tokenizer = TokenizerClient(
+        config.tokenizer_address,
+        tls=None if credentials is None else ClientTls(credentials, config.tokenizer_tls_name),
+    )
+    index = (PrefixIndex(config.redis_url, config.index, config.redis_access)
+             if config.redis_url else None)
     metrics = RouterMetrics(registry)
     policies = PolicyStore(
         policy, config.api_keys_path, config.policy_reload_s,
@@ -185,7 +222,10 @@ def build_router(
     )
     rate_limiter = TenantRateLimiter(config.rate_limits, metrics)
     secret = read_secret(config.router_secret_file) if config.router_secret_file else None
-    pool = EnginePool(metrics=metrics, router_secret=secret)
+    pool = EnginePool(
+        metrics=metrics, router_secret=secret,
+        tls=None if credentials is None else ClientTls(credentials, config.engine_tls_name),
+    )
     discovery = EngineDiscovery(config.discovery) if config.discovery.enabled else None
     loader = engine_loader(pool, config.lora.load_timeout_s, config.runtime_lora.roots)
     placer = LoRAPlacer(config.lora, loader, metrics)
@@ -195,20 +235,37 @@ def build_router(
         config.limits, rate_limiter, config.trace_prompts, config.disagg,
     )
     servicer = RouterServicer(policies, pipeline, metrics)
-    server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s)
+    # The front door: TLS without client certificates (clients authenticate by API key).
+    server = GrpcServer([servicer.as_service()], host=host, port=port, grace_s=grace_s,
+                        credentials=None if tls is None else
+                        tls.server_credentials(require_client_auth=False))
     http = OpenAIApi(pipeline, policies, metrics, config.chat_output, config.runtime_lora)
     logger.info(
-        "router: policy %s, tokenizer %s, redis %s, engines without redis %s, auth %s",
+        "router: policy %s, tokenizer %s, redis %s, engines without redis %s, auth %s, "
+        "transport %s",
         config.routing.policy.value,
         config.tokenizer_address,
-        config.redis_url or "off",
+        describe(config.redis_url) if config.redis_url else "off",
         ", ".join([*config.discovery.static_addresses,
                    *([f"dns {config.discovery.dns}"] if config.discovery.dns else [])])
         or "the last ones redis named",
         f"on ({policy.auth.num_keys} keys)" if policy.auth.enabled
         else "off (tenant 'anonymous')",
+        "plaintext (engines are dialed at the address Redis names)" if tls is None
+        else f"mutual TLS (engine certificates must name {config.engine_tls_name})",
     )
+    if tls is None and secret is not None and not _on_loopback(config.redis_url):
+        logger.warning("plaintext gRPC: engines are dialed at whatever address Redis names and "
+                       "get the router credential unverified; over a network, use --tls-* "
+                       "(docs/tls.md)")
     return RouterApp(server, tokenizer, pool, index, metrics, http, policies, rate_limiter)
+
+
+def _on_loopback(redis_url: str | None) -> bool:
+    """Whether Redis (so every engine it names, as `kvfleet up` runs them) is on this host."""
+    host = urlsplit(redis_url).hostname if redis_url else None
+    return host in (None, "localhost") or (host is not None and host.startswith("127.")) \
+        or host == "::1"
 
 
 async def serve(
@@ -227,9 +284,11 @@ async def serve(
             fallback=options.metrics_port_fallback,
         )
         if http.port is not None:
-            http_server = HttpServer(app.http.app(), options.host, http.port, options.grace_s)
+            http_server = HttpServer(app.http.app(), options.host, http.port, options.grace_s,
+                                     http.https)
             http_port = await http_server.start()
-            logger.info("OpenAI API on http://%s:%d/v1", options.host, http_port)
+            logger.info("OpenAI API on %s://%s:%d/v1", "http" if http.https is None else "https",
+                        options.host, http_port)
             if http.port_file is not None:
                 write_port_file(http.port_file, http_port)
         if options.port_file is not None:  # last: its existence means everything is up
@@ -345,6 +404,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(docs/lora.md; default: on)")
     add_runtime_lora_arguments(parser)
     add_engine_source_arguments(parser)
+    add_redis_access_arguments(parser)
+    add_peer_tls_arguments(parser)
+    add_https_arguments(parser)
     add_limit_arguments(parser)
     add_chat_output_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)
@@ -376,6 +438,19 @@ def add_engine_source_arguments(parser: argparse.ArgumentParser) -> None:
                             "%(default)s)")
 
 
+def add_peer_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which names engines' and the tokenizer's certificates must carry (with --tls-*)."""
+    group = parser.add_argument_group("peer identity (with --tls-*; docs/tls.md)")
+    group.add_argument("--engine-tls-name", default=DEFAULT_ENGINE_NAME,
+                       help="name an engine's certificate must carry; {engine_id} is the id "
+                            "the engine registered in Redis, so an address Redis names gets "
+                            "requests only if its certificate proves that id (default: "
+                            "%(default)s)")
+    group.add_argument("--tokenizer-tls-name", default=TOKENIZER_ROLE,
+                       help="name the tokenizer's certificate must carry (default: "
+                            "%(default)s)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     options = start_service_process(args)
@@ -384,13 +459,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = RouterConfig.from_args(args)
         policy = load_tenant_policy(config)  # a bad policy fails the start, not a request
+        http_options = HttpOptions.from_args(args)
+        config.redis_access.check()
+        if config.tls is not None:
+            TlsMaterial.load(config.tls)  # unreadable files fail the start, not a request
     except (ValueError, OSError) as e:
         logger.error("bad configuration: %s", e)
         return 2
     tracing = init_tracing("kvfleet-router")
     try:
         return event_loop.run(
-            serve(config, options, policy, HttpOptions.from_args(args)), options.event_loop
+            serve(config, options, policy, http_options), options.event_loop
         )
     finally:
         tracing.shutdown()

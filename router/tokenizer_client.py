@@ -28,6 +28,7 @@ import grpc
 import grpc.aio
 
 from kvfleet.contracts.errors import InvalidFieldError, UnavailableError
+from kvfleet.runtime.tls import ClientTls, aio_channel
 from kvfleet.runtime.tracing import trace_metadata
 from kvfleet.v1 import router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -48,10 +49,14 @@ CHANNEL_OPTIONS = (
 class TokenizerClient:
     """A channel to tokenizer_svc; create inside the event loop that will use it."""
 
-    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = 30.0, tls: ClientTls | None = None
+    ) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Mutual TLS verifying the tokenizer's certificate (kvfleet.runtime.tls); None: plaintext.
+        self._tls = tls
+        self._channel = aio_channel(address, tls, options=CHANNEL_OPTIONS)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self._info: tokenizer_pb2.TokenizerInfo | None = None
         # Replaced channels, closing once their calls end (kept so close() can await them).
@@ -133,7 +138,7 @@ class TokenizerClient:
         if failed is not self._stub:
             return  # a concurrent call already replaced that channel
         old = self._channel
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(self.address, self._tls, options=CHANNEL_OPTIONS)
         self._stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         task = asyncio.ensure_future(old.close(grace=self._timeout_s))
         self._closing.add(task)

@@ -17,12 +17,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 from prometheus_client import CollectorRegistry
 
 from kvfleet.runtime import event_loop
 from kvfleet.runtime.grpc_server import DEFAULT_GRACE_S, GrpcServer, ShutdownHook, write_port_file
 from kvfleet.runtime.metrics import RpcMetrics, RpcMetricsInterceptor, start_metrics_endpoint
 from kvfleet.runtime.options import add_server_arguments, start_service_process
+from kvfleet.runtime.tls import TlsMaterial
 from kvfleet.runtime.tracing import init_tracing
 from kvfleet.text.chat_template import resolve_chat_template
 from tokenizer_svc.service import TokenizerServicer
@@ -47,6 +49,7 @@ async def serve(
     metrics_port: int | None = None,
     metrics_port_file: Path | None = None,
     metrics_port_fallback: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> int:
     """Serve the tokenizer of `model_dir` until SIGTERM/SIGINT; returns the exit code.
 
@@ -57,6 +60,7 @@ async def serve(
     server = build_server(
         model_dir, host, port, model_name=model_name, chat_template=chat_template,
         allow_special_tokens=allow_special_tokens, grace_s=grace_s, registry=registry,
+        credentials=credentials,
     )
     bound_port = await server.start()
     endpoint = start_metrics_endpoint(
@@ -81,11 +85,13 @@ def build_server(
     allow_special_tokens: bool = False,
     grace_s: float | None = None,
     registry: CollectorRegistry | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> GrpcServer:
     """A not-yet-started server hosting the tokenizer of `model_dir`.
 
     Its RPCs are counted and timed in `registry` (kvfleet:tokenizer_requests{method,code},
     kvfleet:tokenizer_request_duration_seconds{method}); a private one when None.
+    With `credentials`, it serves TLS only (kvfleet.runtime.tls).
     """
     servicer = TokenizerServicer.from_model_dir(model_dir, model_name, chat_template,
                                                 allow_special_tokens)
@@ -96,6 +102,7 @@ def build_server(
         port=port,
         grace_s=DEFAULT_GRACE_S if grace_s is None else grace_s,
         interceptors=[RpcMetricsInterceptor(metrics)],
+        credentials=credentials,
     )
 
 
@@ -136,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         chat_template = (
             None if args.chat_template is None else resolve_chat_template(args.chat_template)
         )
+        # Mutual TLS: only callers with a fleet certificate (the routers) get past the handshake.
+        credentials = None if options.tls is None else (
+            TlsMaterial.load(options.tls).server_credentials(require_client_auth=True))
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
@@ -154,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 metrics_port=options.metrics_port,
                 metrics_port_file=options.metrics_port_file,
                 metrics_port_fallback=options.metrics_port_fallback,
+                credentials=credentials,
             ),
             options.event_loop,
         )

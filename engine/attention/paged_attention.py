@@ -12,6 +12,11 @@ With `meta.prefill_batch` set (compiled kernels loaded) all prefill segments are
 `paged_prefill_attention` call reading the cache in place through block tables; otherwise each
 segment gathers its context and runs `F.scaled_dot_product_attention`. Decodes use
 `paged_decode_attention` when `meta.use_decode_kernel`, else a padded PyTorch batch.
+
+A layer built with a sliding window or a logit cap (Gemma) passes both to the kernels (C++
+and Triton), which implement them; the shared-prefix decode kernel does not, so such a layer
+decodes every request alone. Where the compiled kernels are not used (PyTorch backend, head
+sizes or dtypes they lack) it attends through `engine.attention.masked_reference`.
 """
 
 from __future__ import annotations
@@ -20,20 +25,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention.masked_reference import masked_attention_into
 from engine.attention.metadata import AttentionMetadata, PrefillSegment
 from engine.attention.triton_backend import triton_attention
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_cap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logit_cap = logit_cap
+        self.masked = sliding_window is not None or logit_cap is not None
         # The compiled kernels are instantiated for these head sizes only; other models keep
         # the PyTorch paths.
-        self.kernel_fits = head_dim in (16, 32, 64, 128)
+        self.kernel_fits = head_dim in (16, 32, 64, 128, 256)
 
     def forward(
         self,
@@ -45,7 +62,8 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         if meta.unified is not None:  # Triton backend (CUDA, or CPU interpreted)
             return triton_attention(
-                query, key, value, kv_cache, meta.slot_mapping, meta.unified, self.scale
+                query, key, value, kv_cache, meta.slot_mapping, meta.unified, self.scale,
+                self.sliding_window, self.logit_cap,
             )
         flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
         flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
@@ -61,12 +79,17 @@ class PagedAttention(nn.Module):
         use_kernels = (
             self.kernel_fits and query.dtype == kv_cache.dtype and query.stride(-1) == 1
         )
+        if self.masked and not (use_kernels and meta.use_decode_kernel):
+            masked_attention_into(out, query, flat_k, flat_v, meta, self.scale,
+                                  self.sliding_window, self.logit_cap)
+            return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
         batch = meta.prefill_batch
         if batch is not None and use_kernels:
             # Reads the strided query in place; writes every prefill row of `out`.
             torch.ops.kvfleet_cpu.paged_prefill_attention(
                 out, query, kv_cache[0], kv_cache[1], batch.block_tables, batch.query_starts,
-                batch.query_lens, batch.context_lens, self.scale,
+                batch.query_lens, batch.context_lens, self.scale, self.sliding_window or 0,
+                self.logit_cap or 0.0,
             )
             prefills: tuple[PrefillSegment, ...] = ()
         else:
@@ -104,7 +127,7 @@ class PagedAttention(nn.Module):
         if meta.use_decode_kernel and use_kernels:
             # The kernel reads q through its strides (a view of the fused qkv projection).
             result = dest if dest is not None else torch.empty_like(q)
-            if decode.shared is not None:  # shared prefixes attended once per group
+            if decode.shared is not None and not self.masked:  # shared prefixes once per group
                 torch.ops.kvfleet_cpu.paged_decode_attention_shared(
                     result, q, kv_cache[0], kv_cache[1], decode.block_tables,
                     decode.context_lens, self.scale, decode.shared.group_of,
@@ -113,7 +136,8 @@ class PagedAttention(nn.Module):
             else:
                 torch.ops.kvfleet_cpu.paged_decode_attention(
                     result, q, kv_cache[0], kv_cache[1], decode.block_tables,
-                    decode.context_lens, self.scale,
+                    decode.context_lens, self.scale, self.sliding_window or 0,
+                    self.logit_cap or 0.0,
                 )
         else:
             result = self._decode(q, flat_k, flat_v, meta)

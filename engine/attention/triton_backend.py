@@ -34,6 +34,8 @@ def triton_attention(
     slot_mapping: torch.Tensor,
     batch: UnifiedBatch,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, num_heads * head_dim]
     # Imported here, not at module level: the kernel modules must be imported by
     # `load_kernels` first, in the mode it chose.
@@ -44,6 +46,6 @@ def triton_attention(
     out = query.new_empty(query.shape)
     unified_attention(
         out, query, kv_cache[0], kv_cache[1], batch.block_tables, batch.query_start_loc,
-        batch.seq_lens, scale,
+        batch.seq_lens, scale, window, softcap,
     )
     return out.view(query.shape[0], -1)

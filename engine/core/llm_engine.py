@@ -19,6 +19,7 @@ and prefix-cache reset.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,22 +43,34 @@ from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, resolve_dtype
+from engine.models.registry import check_features, supports_cuda_graphs
+from engine.quant.gguf_file import companion_dir, is_gguf
+from engine.quant.gguf_model import load_gguf_model
+from engine.quant.int8 import quantize_int8
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
+from engine.structured.backend import GrammarBackend
+from engine.structured.manager import StructuredOutputManager
 from engine.worker.cuda_graphs import capture_sizes
 from engine.worker.device import resolve_attention_backend, resolve_device
 from engine.worker.gpu_memory import memory_in_use, out_of_memory
 from engine.worker.host_malloc import tune_for_reuse
 from engine.worker.model_runner import ModelRunner, RunnerOutput
 from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.contracts.structured_grammar import check_compiles
 from kvfleet.text.tokenizer import Tokenizer, load_generation_eos_ids
+
+logger = logging.getLogger("kvfleet.engine")
 
 KVEventHook = Callable[[KVCacheEvents], None]
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, kv_event_hook: KVEventHook | None = None) -> None:
-        model_dir = Path(config.model)
+        # A GGUF file is served directly: its config and tokenizer come from a companion
+        # directory made from its metadata (engine.quant.gguf_file), its weights from the file.
+        self.gguf_file = Path(config.model) if is_gguf(config.model) else None
+        model_dir = companion_dir(self.gguf_file) if self.gguf_file else Path(config.model)
         if not (model_dir / "config.json").is_file():
             raise ValueError(
                 f"model {config.model!r} is not a Hugging Face-format directory with config.json"
@@ -72,6 +85,12 @@ class LLMEngine:
                 "use auto or dense"
             )
         self.model_config = ModelConfig.from_dir(model_dir)
+        # Before loading: a feature the model family cannot run is refused, never run wrong.
+        check_features(
+            self.model_config.architecture, lora=config.enable_lora,
+            spec_decode=config.speculative_config is not None,
+            triton=self.attention_backend == "triton",
+        )
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         torch.manual_seed(config.seed)
         gpu_in_use: tuple[int, int] | None = None
@@ -101,7 +120,12 @@ class LLMEngine:
         self.lora = self._make_lora()
         # The LoRA delta reads per-step row maps that a captured graph would freeze: with
         # adapters on, decode steps run eagerly.
-        if self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora:
+        graphs_fit = supports_cuda_graphs(self.model_config.architecture)
+        if self.device.type == "cuda" and not config.enforce_eager and not graphs_fit:
+            logger.warning("%s decodes eagerly: its MoE layers cannot be captured in CUDA graphs",
+                           self.model_config.architecture)
+        if (self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora
+                and graphs_fit):
             self.runner.enable_decode_graphs(
                 capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
                 -(-self.max_model_len // config.block_size),
@@ -110,6 +134,9 @@ class LLMEngine:
         # Prefill/decode handoffs (engine.disagg): KV export and import.
         self.handoff = KVHandoff(self.kv, self.runner.kv_caches, self.host_kv)
         self.kv_event_hook = kv_event_hook
+        # Structured outputs: grammars compile on first use (engine.structured.manager).
+        self.structured = StructuredOutputManager(self._make_grammar_backend)
+        self.runner.structured = self.structured
         # What the last step did, for metrics and tracing (engine thread only).
         self.last_step = StepReport()
         # Steps paused between layers for a newly arrived tenant (engine.core.urgent_step).
@@ -169,9 +196,21 @@ class LLMEngine:
             linear_backend=self.runner.linear_backend,
         )
 
+    def _make_grammar_backend(self) -> GrammarBackend:
+        from engine.structured.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend(
+            self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids)
+        )
+
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         try:
-            return load_model(model_dir, self.dtype, self.device)[0]
+            if self.gguf_file is not None:
+                return load_gguf_model(self.gguf_file, self.model_config, self.dtype, self.device)
+            model = load_model(model_dir, self.dtype, self.device)[0]
+            if self.config.quantization == "int8":
+                return quantize_int8(model)
+            return model
         except torch.OutOfMemoryError as exc:
             itemsize = torch.empty((), dtype=self.dtype).element_size()
             raise out_of_memory(
@@ -237,6 +276,10 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids entry {bad_stop[0]} is outside the vocabulary")
+        if params.structured_outputs is not None:
+            # The tokenizer-free check (cached, thread-safe): a bad grammar is refused before
+            # anything is queued; add_request compiles it for this tokenizer.
+            check_compiles(params.structured_outputs)
         return max_tokens
 
     def add_request(
@@ -256,6 +299,11 @@ class LLMEngine:
         first token, its KV exported (engine.disagg)."""
         max_tokens = self.validate_request(prompt_token_ids, params)
         lora_id = self.resolve_lora(lora_request)
+        # Compiled here, before the request is queued: a bad grammar fails this request alone.
+        grammar = (
+            None if params.structured_outputs is None
+            else self.structured.matcher_for(params.structured_outputs)
+        )
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -268,6 +316,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             lora_id=lora_id,
             share=share,
+            grammar=grammar,
             prefill_only=prefill_only,
         )
         self._arrival_seq += 1

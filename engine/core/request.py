@@ -9,6 +9,10 @@ out (`needs_prompt_logprobs`); meanwhile each prefill chunk's entries are writte
 `pending_prompt_logprobs` by prompt position, and the list is handed over (and emptied) with
 that first token. Once delivered they are never computed again, not even when a preempted
 request recomputes its prompt.
+
+Structured outputs: `grammar` follows `output_token_ids` (advanced by the scheduler as tokens
+are committed). Preemption keeps the output tokens (recompute recomputes their KV, swap keeps
+it), so the matcher stays valid through both without a rollback.
 """
 
 from __future__ import annotations
@@ -16,10 +20,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.logprobs import TokenLogprobs
 from kvfleet.contracts.block_hash import BlockHash, hash_token_blocks
 from kvfleet.contracts.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.backend import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -116,6 +124,9 @@ class Request:
     # Speculative decoding: tokens a proposer drafted to follow `all_token_ids`, verified in
     # the request's next decode step (engine.spec_decode). Never part of all_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs (engine.structured): the matcher of this sample's constraint, which
+    # has consumed exactly `output_token_ids`; None for unconstrained requests.
+    grammar: GrammarMatcher | None = None
     # Disaggregation (engine.disagg): a prefill engine's request ends after its first token
     # (FINISHED_HANDOFF unless that token ends it anyway); `handoff_block_ids` are its blocks
     # at that moment, and `exported_kv` their contents, copied before anything reuses them.

@@ -49,6 +49,10 @@ drafts verifies them as 1 + k query tokens in the same budget (no preemption for
 its update appends the kept drafts and one more token, stopping at a stop as plain decoding
 would, and rolls its KV back past them.
 
+Structured outputs (engine.structured): each appended token advances the request's grammar
+matcher; a complete grammar allows only EOS, which then finishes the request with "stop"
+even under ignore_eos or min_tokens (vLLM stops on the EOS the grammar allows, too).
+
 Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`), `running` or
 `swapped` (sorted by `sort_key`); no waiting or swapped request is admitted in a step that
 preempted (so no swap-in reads a host block that a swap-out of the same step writes); a
@@ -78,6 +82,7 @@ from engine.spec_decode.spec_scheduling import (
     roll_back,
     step_tokens,
 )
+from engine.structured.advance import advance_grammar
 from kvfleet.contracts.block_hash import BlockHash
 
 
@@ -418,6 +423,8 @@ class Scheduler:
         """Append one by one; a stop ends the request there (later tokens are dropped)."""
         for index, token in enumerate(tokens):
             request.append_output_token(token)
+            if request.grammar is not None:
+                advance_grammar(request, token)
             status = self._check_stop(request, token)
             if status is not None:
                 return tokens[: index + 1], status
@@ -429,6 +436,11 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
+        grammar = request.grammar
+        if grammar is not None and grammar.is_terminated and token in request.eos_token_ids:
+            # The grammar is complete and EOS was all it allowed: it ends the request even
+            # under ignore_eos or min_tokens (nothing else could follow).
+            return RequestStatus.FINISHED_STOPPED
         params = request.sampling_params
         if request.num_output_tokens < params.min_tokens:
             return None

@@ -1,6 +1,8 @@
-"""Model implementations and loading (Llama family: Llama, Mistral, Qwen2, SmolLM2).
+"""Model implementations and loading: the Llama layout (Llama, Mistral, Qwen2, SmolLM2, Qwen3,
+Phi-3, Mixtral, Qwen3-MoE) and Gemma 2/3; docs/models.md lists what each supports.
 
-`load_model(dir, dtype)` turns a Hugging Face directory into a ready `LlamaForCausalLM` plus
+`load_model(dir, dtype)` turns a Hugging Face directory into a ready model (the class
+`engine.models.registry` names for its architecture, a `LlamaForCausalLM` or subclass) plus
 its `ModelConfig`; nothing here reads the environment or touches the network.
 """
 

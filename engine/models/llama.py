@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2), our own implementation.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2; with their variants Qwen3,
+Phi-3, Mixtral, Qwen3-MoE: q/k norm and MoE blocks per `ModelConfig`), our own implementation.
 
 Shapes: the batch is flattened — `input_ids`/`positions` are [T] for all requests of a step
 together, and attention finds each request's tokens through `AttentionMetadata`; there is
@@ -21,10 +22,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
@@ -33,7 +34,10 @@ from engine.models.gemm_select import MAX_PREFILL_ROWS, choose_backend
 from engine.models.greedy_screen import GreedyScreen, measure_rows_limit, screen_supported
 from engine.models.layer_ops import LayerOps
 from engine.models.linear import Linear, apply_linear, pack_weight, prepack_linears
-from engine.models.rope import RotaryEmbedding
+from engine.models.moe import SparseMoeBlock
+from engine.models.norms import GemmaRMSNorm, RMSNorm
+from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.models.weight_names import WeightNames
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -44,17 +48,8 @@ def _row_argmax_available() -> bool:
     return load_cpu_kernels() and hasattr(torch.ops.kvfleet_cpu, "argmax_rows")
 
 
-class RMSNorm(nn.Module):
-    """transformers' LlamaRMSNorm weights; the math lives in `LayerOps` (fused or not)."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, index: int = 0) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_attention_heads
@@ -64,9 +59,18 @@ class LlamaAttention(nn.Module):
             config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        scale = config.attn_scale if config.attn_scale is not None else self.head_dim**-0.5
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=scale,
+            sliding_window=config.window_of(index), logit_cap=config.attn_logit_softcap,
         )
+        # Per-head RMSNorm of q and k before RoPE (Qwen3: Llama numerics; Gemma 3: 1 + w).
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            norm = GemmaRMSNorm if config.gemma else RMSNorm
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -88,16 +92,32 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention output before o_proj, [T, q_size]; writes every row's K/V."""
         qkv = self.qkv_proj.forward(hidden)
+        if self.q_norm is not None and self.k_norm is not None:
+            return self.attn.forward(*self._normed_qkv(qkv, cos, sin), kv_cache, meta)
         q, k, v = self.ops.rotary_qkv(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
         )
         return self.attn.forward(q, k, v, kv_cache, meta)
+
+    def _normed_qkv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q/k normed per head, then rotated (transformers' order); always the PyTorch ops."""
+        assert self.q_norm is not None and self.k_norm is not None
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
+                             self.num_kv_heads * d], dim=-1)
+        q = self.q_norm.forward(q.reshape(t, self.num_heads, d))
+        k = self.k_norm.forward(k.reshape(t, self.num_kv_heads, d))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view(t, -1, d)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
         self.ops = ops
+        # GeGLU (Gemma) takes the PyTorch ops; the fused kernels are SiLU-gated only.
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.gate_up_proj.gate_up_inter = config.intermediate_size
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -105,6 +125,9 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A LoRA-wrapped projection (engine.lora) adds its delta to [gate | up] first, and the
         # PyTorch path stays op-for-op transformers': both take the unfused route.
+        if self.gelu:
+            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
+            return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
         act = None
         if self.ops.fused and isinstance(self.gate_up_proj, Linear):
             act = self.gate_up_proj.silu_and_mul(x)
@@ -117,11 +140,12 @@ class LlamaDecoderLayer(nn.Module):
     """One layer over the residual stream: `residual` is transformers' hidden state, updated in
     place; the layer receives the previous block's output `x` still to be added to it."""
 
-    def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, index: int = 0) -> None:
         super().__init__()
         self.ops = ops
-        self.self_attn = LlamaAttention(config, ops)
-        self.mlp = LlamaMLP(config, ops)
+        self.self_attn = LlamaAttention(config, ops, index)
+        self.mlp: LlamaMLP | SparseMoeBlock = (
+            SparseMoeBlock(config) if config.is_moe_layer(index) else LlamaMLP(config, ops))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -166,20 +190,25 @@ class LlamaDecoderLayer(nn.Module):
     def row_prunable(self) -> bool:
         """Whether `forward_rows` may run: no LoRA wrapper, whose per-step row map covers
         every row of the batch (engine.lora), sits on a projection it would run on a subset."""
-        return all(isinstance(m, Linear) for m in (
-            self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj))
+        return all(isinstance(m, Linear) for m in (self.self_attn.o_proj, *self.mlp_linears()))
+
+    def mlp_linears(self) -> list[nn.Module]:
+        """The MLP's projections LoRA wraps and the GEMM backends pack (none for MoE: its
+        experts are batched weights, engine.models.moe)."""
+        if isinstance(self.mlp, LlamaMLP):
+            return [self.mlp.gate_up_proj, self.mlp.down_proj]
+        return []
+
+    def gemm_weights(self) -> list[torch.Tensor]:
+        """The layer's projection weights, for engine.models.gemm_select to time."""
+        linears = [self.self_attn.qkv_proj, self.self_attn.o_proj, *self.mlp_linears()]
+        return [m.weight.detach() for m in linears if isinstance(m.weight, torch.Tensor)]
 
     def _input_norm(self, x: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
         norm = self.input_layernorm
         if x is None:
             return self.ops.rms_norm(residual, norm.weight, norm.eps)
         return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-
-
-# HF projection names -> (our fused parameter, shard index within it).
-_QKV_SHARDS = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
-_GATE_UP_SHARDS = {"gate_proj": 0, "up_proj": 1}
-_FUSED_NAME = re.compile(r"^(layers\.\d+\.)(self_attn|mlp)\.(\w+)\.(weight|bias)$")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -192,9 +221,10 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.ops = LayerOps()
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, self.ops) for _ in range(config.num_hidden_layers)]
+            [self.make_layer(config, i) for i in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = (GemmaRMSNorm if config.gemma else RMSNorm)(
+            config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -208,6 +238,9 @@ class LlamaForCausalLM(nn.Module):
         # pauses a step there); the forward pass's state is all in its own locals, so the hook
         # may run other forward passes on this model. None: no call.
         self.layer_hook: Callable[[int], None] | None = None
+
+    def make_layer(self, config: ModelConfig, index: int) -> nn.Module:
+        return LlamaDecoderLayer(config, self.ops, index)
 
     def forward(
         self,
@@ -258,10 +291,10 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)
-            layers.append([layer.self_attn.qkv_proj.weight.detach(),
-                           layer.self_attn.o_proj.weight.detach(),
-                           layer.mlp.gate_up_proj.weight.detach(),
-                           layer.mlp.down_proj.weight.detach()])
+            layers.append(layer.gemm_weights())
+        # The timing sweeps layers of one shape (Qwen3-MoE mixes dense and MoE layers).
+        shapes = [w.shape for w in layers[0]]
+        layers = [ws for ws in layers if [w.shape for w in ws] == shapes]
         choice = choose_backend(layers, weight.detach(), requested, prefill_rows=prefill_rows)
         backend = choice.backend
         prepack_linears(self, backend, choice.dense_above)
@@ -300,71 +333,33 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our parameters (casting to their dtype).
 
-        Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
+        Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded
+        (engine.models.weight_names says which part of which parameter each tensor fills).
         """
+        names = WeightNames(self.config, self.lm_head is None)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            target = self._map_hf_name(hf_name)
+            target = names.target(hf_name)
             if target is None:
                 continue
-            name, shard = target
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no parameter ({name!r})")
-            self._copy_shard(params[name], shard, tensor, hf_name)
-            loaded.add(name if shard is None else f"{name}#{shard[1]}")
-        self._check_all_loaded(params, loaded)
-
-    def _map_hf_name(self, hf_name: str) -> tuple[str, tuple[str, int] | None] | None:
-        """(our parameter name, (fused kind, shard index) or None), or None to skip."""
-        name = hf_name.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq"):
-            return None  # recomputed, never loaded
-        if name == "lm_head.weight" and self.lm_head is None:
-            return None  # tied: some checkpoints still carry a copy of the embedding
-        match = _FUSED_NAME.match(name)
-        if match is None:
-            return name, None
-        prefix, block, proj, kind = match.groups()
-        if proj in _QKV_SHARDS:
-            return f"{prefix}self_attn.qkv_proj.{kind}", ("qkv", _QKV_SHARDS[proj])
-        if proj in _GATE_UP_SHARDS:
-            return f"{prefix}mlp.gate_up_proj.{kind}", ("gate_up", _GATE_UP_SHARDS[proj])
-        return name, None
-
-    def _shard_rows(self, kind: str, index: int) -> tuple[int, int]:
-        cfg = self.config
-        if kind == "qkv":
-            starts = (0, cfg.q_size, cfg.q_size + cfg.kv_size)
-            sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-            return starts[index], sizes[index]
-        return index * cfg.intermediate_size, cfg.intermediate_size
-
-    def _copy_shard(
-        self,
-        param: torch.Tensor,
-        shard: tuple[str, int] | None,
-        tensor: torch.Tensor,
-        hf_name: str,
-    ) -> None:
-        dest = param if shard is None else param.narrow(0, *self._shard_rows(*shard))
-        if dest.shape != tensor.shape:
-            raise ValueError(
-                f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
-                f"model {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-
-    def _check_all_loaded(self, params: Mapping[str, torch.Tensor], loaded: set[str]) -> None:
-        missing: list[str] = []
-        for name in params:
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                shards = [f"{name}#{i}" for i in range(3)]
-            elif name.endswith("gate_up_proj.weight"):
-                shards = [f"{name}#{i}" for i in range(2)]
-            else:
-                shards = [name]
-            missing.extend(s for s in shards if s not in loaded)
+            if target.param not in params:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no parameter ({target.param!r})")
+            dest: torch.Tensor = params[target.param]
+            if target.expert is not None:
+                dest = dest[target.expert]
+            if target.rows is not None:
+                dest = dest.narrow(0, *target.rows)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
+                    f"model {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.update(f"{target.param}#{piece}" for piece in target.pieces)
+        missing = [f"{name}#{piece}".removesuffix("#") for name in params
+                   for piece in names.expected_pieces(name) if f"{name}#{piece}" not in loaded]
         if missing:
             shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
             raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import model_class
 
 _DTYPES = {
     "float32": torch.float32,
@@ -70,7 +71,7 @@ def load_model(
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config.architecture)(config)
     # Cast while still on meta (free), then materialise uninitialised storage: no random
     # init and no transient float32 copy of a bf16 model.
     model = model.to(dtype=dtype).to_empty(device=device)

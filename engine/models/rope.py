@@ -17,17 +17,32 @@ import math
 
 import torch
 
-from engine.models.config import Llama3RopeScaling
+from engine.models.rope_scaling import (
+    LinearRopeScaling,
+    LongRopeScaling,
+    RopeScaling,
+    YarnRopeScaling,
+    attention_factor,
+    longrope_inv_freq,
+    yarn_inv_freq,
+)
 
 
 def compute_inv_freq(
-    head_dim: int, theta: float, scaling: Llama3RopeScaling | None
+    head_dim: int, theta: float, scaling: RopeScaling | None
 ) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] float32, with llama3 scaling as transformers does it."""
+    """Inverse frequencies [head_dim / 2] float32, scaled (linear, llama3) as transformers
+    does it."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
+    if isinstance(scaling, YarnRopeScaling):
+        return yarn_inv_freq(head_dim, theta, scaling)
+    if isinstance(scaling, LongRopeScaling):
+        return longrope_inv_freq(head_dim, theta, scaling.short_factor)
     old_context_len = scaling.original_max_position_embeddings
     low_freq_wavelen = old_context_len / scaling.low_freq_factor
     high_freq_wavelen = old_context_len / scaling.high_freq_factor
@@ -55,16 +70,28 @@ class RotaryEmbedding:
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: Llama3RopeScaling | None = None,
+        scaling: RopeScaling | None = None,
     ) -> None:
         self.head_dim = head_dim
         self.max_positions = max_positions
+        with torch.device("cpu"):  # models are built under torch.device("meta")
+            self._build(head_dim, max_positions, theta, scaling)
+        self._converted: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+
+    def _build(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None
+    ) -> None:
         inv_freq = compute_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
         freqs = positions[:, None] * inv_freq[None, :]
-        self._cos = freqs.cos()
-        self._sin = freqs.sin()
-        self._converted: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        if isinstance(scaling, LongRopeScaling):  # past the original length: long factors
+            long = longrope_inv_freq(head_dim, theta, scaling.long_factor)
+            past = positions >= scaling.original_max_position_embeddings
+            freqs[past] = positions[past, None] * long[None, :]
+        # transformers multiplies both by the attention factor (yarn/longrope), 1.0 otherwise.
+        factor = attention_factor(scaling)
+        self._cos = freqs.cos() * factor
+        self._sin = freqs.sin() * factor
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype

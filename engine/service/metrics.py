@@ -18,11 +18,13 @@ Names (all with a `model_name` label; counters get `_total` in the exposition):
   kvfleet:prefix_cache_host_hits (tokens), kvfleet:kv_transfer_bytes{direction};
   speculative decoding (when on): kvfleet:spec_decode_num_drafts,
   kvfleet:spec_decode_num_draft_tokens, kvfleet:spec_decode_num_accepted_tokens,
-  kvfleet:spec_decode_num_accepted_tokens_per_pos{position}
+  kvfleet:spec_decode_num_accepted_tokens_per_pos{position}; structured outputs:
+  kvfleet:structured_output_requests (engine.service.structured_metrics)
 - histograms: kvfleet:time_to_first_token_seconds, kvfleet:inter_token_latency_seconds,
   kvfleet:e2e_request_latency_seconds, kvfleet:request_queue_time_seconds,
   kvfleet:request_prompt_tokens, kvfleet:request_generation_tokens,
-  kvfleet:iteration_tokens_total
+  kvfleet:iteration_tokens_total, kvfleet:structured_output_compile_seconds,
+  kvfleet:structured_output_mask_seconds (per step with constrained rows)
 
 Threading: every method runs on the engine thread; prometheus_client metrics are
 thread-safe for the HTTP server thread that reads them.
@@ -38,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.scheduler_output import RequestUpdate
 from engine.service.async_engine import AsyncEngine
+from engine.service.structured_metrics import StructuredOutputMetrics
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (
@@ -164,6 +167,7 @@ class EngineMetrics:
             "Speculative decoding: drafts kept, by draft position (0 = first)",
             ["model_name", "position"], registry=r,
         )
+        self.structured = StructuredOutputMetrics(model_name, r)
         self._last_counts: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
         self._engine: AsyncEngine | None = None
@@ -197,6 +201,7 @@ class EngineMetrics:
             if delta > 0:
                 self.transfer_bytes.labels(model, direction).inc(delta)
         self._spec_decode(stats)
+        self.structured.observe(engine.structured)
 
     def _spec_decode(self, stats: dict[str, int | float]) -> None:
         """Speculative decoding counters; get_stats() has them only when it is on."""

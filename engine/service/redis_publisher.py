@@ -55,6 +55,7 @@ from engine.core.kv_cache_manager import KVCacheEvents
 from engine.service.engine_state import EngineLoad
 from kvfleet.contracts import redis_schema
 from kvfleet.contracts.block_hash import BlockHash
+from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class RedisPublisher:
         *,
         epoch: str | None = None,
         heartbeat_s: float = redis_schema.HEARTBEAT_INTERVAL_S,
+        access: RedisAccess = NO_ACCESS,
     ) -> None:
         validate_engine_id(registration.engine_id)
         self.registration = registration
@@ -134,6 +136,7 @@ class RedisPublisher:
             socket_timeout=REDIS_TIMEOUT_S,
             socket_connect_timeout=REDIS_TIMEOUT_S,
             retry=Retry(NoBackoff(), 0),  # fail fast; the loop retries on its own schedule
+            **access.client_kwargs(redis_url),
         )
         self._cond = threading.Condition()
         # hash -> True (cached) / False (evicted): the net change since the last flush, for
@@ -256,11 +259,11 @@ class RedisPublisher:
         """One transaction with the net changes and the load; False if our registry was gone."""
         pipe = self._client.pipeline(transaction=True)
         pipe.exists(self._engine_key)
-        _apply_changes(pipe, self._blocks_key, pending.device)
+        apply_changes(pipe, self._blocks_key, pending.device)
         pipe.expire(self._blocks_key, redis_schema.BLOCKS_TTL_S)
         self._has_host_tier = self._has_host_tier or bool(pending.host)
         if self._has_host_tier:
-            _apply_changes(pipe, self._host_blocks_key, pending.host)
+            apply_changes(pipe, self._host_blocks_key, pending.host)
             pipe.expire(self._host_blocks_key, redis_schema.BLOCKS_TTL_S)
         pipe.hset(self._engine_key, mapping=self._registry_fields())
         pipe.expire(self._engine_key, redis_schema.REGISTRY_TTL_S)
@@ -301,30 +304,7 @@ class RedisPublisher:
         return self._view.cached_block_hashes(), self._view.host_block_hashes()
 
     def _registry_fields(self) -> dict[Any, str]:
-        reg, load = self.registration, self._view.load
-        return {
-            "address": reg.address,
-            "epoch": self.epoch,
-            "block_size": str(reg.block_size),
-            "model": reg.model,
-            "max_model_len": str(reg.max_model_len),
-            "max_num_seqs": str(reg.max_num_seqs),
-            "max_loras": str(reg.max_loras),
-            "role": reg.role,
-            "num_running": str(load.num_running),
-            "num_waiting": str(load.num_waiting),
-            "kv_cache_usage": repr(load.kv_cache_usage),
-            "kv_blocks_free": str(load.kv_blocks_free),
-            "kv_blocks_total": str(load.kv_blocks_total),
-            # The routers' cost model (router.routing.ttft_cost).
-            "queued_prefill_tokens": str(load.queued_prefill_tokens),
-            "num_decoding": str(load.num_decoding),
-            "prefill_tokens_per_s": repr(load.prefill_tokens_per_s),
-            "decode_s_per_seq": repr(load.decode_s_per_seq),
-            "lora_adapters": json.dumps(list(load.lora_adapters)),
-            "lora_paths": json.dumps(dict(zip(load.lora_adapters, load.lora_paths, strict=True))),
-            "updated_at": repr(time.time()),
-        }
+        return registry_fields(self.registration, self.epoch, self._view.load, time.time())
 
     def _on_registered(self, num_blocks: int) -> None:
         if self._failures:
@@ -350,6 +330,36 @@ class RedisPublisher:
             )
 
 
+def registry_fields(
+    reg: EngineRegistration, epoch: str, load: EngineLoad, updated_at: float
+) -> dict[Any, str]:
+    """Every field of the engine's registry hash (kvfleet/contracts/redis_schema.py); also
+    what the fleet simulator (benchmarks/fleet_sim) publishes for its simulated engines."""
+    return {
+        "address": reg.address,
+        "epoch": epoch,
+        "block_size": str(reg.block_size),
+        "model": reg.model,
+        "max_model_len": str(reg.max_model_len),
+        "max_num_seqs": str(reg.max_num_seqs),
+        "max_loras": str(reg.max_loras),
+        "role": reg.role,
+        "num_running": str(load.num_running),
+        "num_waiting": str(load.num_waiting),
+        "kv_cache_usage": repr(load.kv_cache_usage),
+        "kv_blocks_free": str(load.kv_blocks_free),
+        "kv_blocks_total": str(load.kv_blocks_total),
+        # The routers' cost model (router.routing.ttft_cost).
+        "queued_prefill_tokens": str(load.queued_prefill_tokens),
+        "num_decoding": str(load.num_decoding),
+        "prefill_tokens_per_s": repr(load.prefill_tokens_per_s),
+        "decode_s_per_seq": repr(load.decode_s_per_seq),
+        "lora_adapters": json.dumps(list(load.lora_adapters)),
+        "lora_paths": json.dumps(dict(zip(load.lora_adapters, load.lora_paths, strict=True))),
+        "updated_at": repr(updated_at),
+    }
+
+
 @dataclass(frozen=True)
 class _Pending:
     """Net changes since the last flush: hash -> cached (True) / evicted (False)."""
@@ -358,7 +368,8 @@ class _Pending:
     host: dict[BlockHash, bool]
 
 
-def _apply_changes(pipe: Any, key: str, changes: dict[BlockHash, bool]) -> None:
+def apply_changes(pipe: Any, key: str, changes: dict[BlockHash, bool]) -> None:
+    """SADD the hashes now cached, SREM the evicted ones (`changes`: hash -> cached)."""
     added = [h for h, cached in changes.items() if cached]
     removed = [h for h, cached in changes.items() if not cached]
     for chunk in _chunks(added):

@@ -64,11 +64,13 @@ from kvfleet.runtime import event_loop
 from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
+from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess, add_redis_access_arguments
 from kvfleet.runtime.service_auth import (
     RouterCredentialInterceptor,
     credential_metadata,
     read_secret,
 )
+from kvfleet.runtime.tls import TlsMaterial
 from kvfleet.runtime.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,8 @@ class EngineServerOptions:
     router_secret_file: Path | None = None
     # Adapters served from the start (--lora-modules), loaded before registering.
     lora_modules: tuple[LoRARequest, ...] = ()
+    # Redis credentials and TLS (read from their files at start).
+    redis_access: RedisAccess = NO_ACCESS
     # --lora-allowed-dirs: where LoadLoRAAdapter may read adapters from (none: anywhere).
     lora_roots: AdapterRoots = field(default_factory=AdapterRoots)
     # Prefill/decode disaggregation (docs/disaggregation.md): what routers send here.
@@ -197,6 +201,9 @@ class EngineServer:
             port=options.server.port,
             grace_s=options.server.grace_s,
             interceptors=_credential_check(options.router_secret_file),
+            # Mutual TLS: only holders of a fleet certificate get past the handshake.
+            credentials=None if options.server.tls is None else
+            TlsMaterial.load(options.server.tls).server_credentials(require_client_auth=True),
         )
         port = await self._grpc.start()
         registration = EngineRegistration(
@@ -210,7 +217,8 @@ class EngineServer:
             role=options.role,
         )
         self._publisher = RedisPublisher(
-            options.redis_url, registration, self._async_engine, epoch=self.epoch
+            options.redis_url, registration, self._async_engine, epoch=self.epoch,
+            access=options.redis_access,
         )
         self._async_engine.add_step_listener(self._publisher.on_step)
         self._publisher.start()
@@ -287,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvfleet serve engine",
         description="Serve a model over gRPC (kvfleet.v1.Engine) and publish to Redis.",
     )
-    parser.add_argument("--model", required=True, help="Hugging Face model directory")
+    parser.add_argument("--model", required=True,
+                        help="Hugging Face model directory or a GGUF file (docs/quantization.md)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
     parser.add_argument("--served-model-name", default=None, help="default: the model dir name")
     parser.add_argument(
@@ -297,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--advertise-host", default=None, help="host routers dial (default: --host or hostname)"
     )
+    add_redis_access_arguments(parser)
     add_server_arguments(parser, default_port=DEFAULT_PORT)
     engine = parser.add_argument_group("engine (vLLM names)")
     engine.add_argument("--dtype", default="auto",
@@ -329,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="speculative decoding as a JSON object with vLLM's keys, e.g. "
                              '\'{"method": "ngram", "num_speculative_tokens": 3}\' '
                              "(default: off)")
+    engine.add_argument("--quantization", default=None, choices=["int8"],
+                        help="weight-only int8 of the checkpoint's projections at load "
+                             "(docs/quantization.md; default: none)")
     engine.add_argument("--linear-backend", default="auto",
                         choices=["auto", "onednn", "mkl", "dense", "panel", "amx"],
                         help="CPU GEMM path; auto measures the candidates at start-up "
@@ -385,6 +398,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         linear_backend=args.linear_backend,
+        quantization=args.quantization,
         scheduling_policy=args.scheduling_policy,
         preempt_steps_for_new_tenants=args.preempt_steps_for_new_tenants,
         attention_backend=args.attention_backend,
@@ -407,6 +421,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         watchdog_timeout_s=args.watchdog_timeout,
         router_secret_file=args.router_secret_file,
         lora_modules=lora_modules(args),
+        redis_access=RedisAccess.from_args(args),
         lora_roots=lora_roots(args),
         role=args.role,
     )
@@ -437,6 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         options = options_from_args(args)
+        options.redis_access.check()  # now, not once the model has loaded
+        if options.server.tls is not None:
+            TlsMaterial.load(options.server.tls)
         tracing = init_tracing("kvfleet-engine")
         try:
             return event_loop.run(serve(options), server_options.event_loop)

@@ -4,7 +4,9 @@ decode next, and count what the step verified.
 Drafts are (re)proposed for every request that got tokens in the step and still runs, so a
 request's drafts always follow its current tokens; none are proposed while the running batch
 is at or past disable_by_batch_size (they would not be verified). A proposer drafts at most
-max_tokens - outputs - 1 tokens (every kept draft and the bonus token are outputs).
+max_tokens - outputs - 1 tokens (every kept draft and the bonus token are outputs). A
+request under a grammar (structured outputs) keeps only the drafts its grammar accepts; the
+verifier masks each draft position with the grammar too (engine.spec_decode.verifier).
 """
 
 from __future__ import annotations
@@ -63,3 +65,8 @@ class Speculator:
                 request.spec_token_ids = []
             return
         self.proposer.propose_for(live)
+        for request in live:
+            if request.grammar is not None and request.spec_token_ids:
+                # Structured outputs: only drafts the grammar accepts are worth verifying.
+                valid = request.grammar.validate_tokens(request.spec_token_ids)
+                request.spec_token_ids = request.spec_token_ids[:valid]

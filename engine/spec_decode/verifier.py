@@ -10,6 +10,9 @@ tokens banned while the output would still be shorter than min_tokens), then:
   run to run) against the target's tempered and filtered distribution.
 Logprobs, when asked for, are the raw log_softmax of each emitted token's row (as plain
 decoding reports them).
+Structured outputs: a constrained request's row j first loses the tokens its grammar forbids
+after drafts[:j] (as plain decoding masks them), so a forbidden draft is always rejected and
+the correction or bonus token is always allowed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from engine.core.request import Request
 from engine.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from engine.spec_decode.spec_scheduling import VerifiedTokens
+from engine.structured.bitmask import mask_logits
 from engine.worker.sampler import Sampler, SamplingRow, gather_logprobs, plain_greedy
 
 if TYPE_CHECKING:
@@ -48,13 +52,19 @@ def verify_drafts(
     verify_rows: list[VerifyRows],
     sampling_row: Callable[[Request], SamplingRow],
     sampler: Sampler,
+    grammar_masks: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, VerifiedTokens]:
-    """Each verifying request's kept drafts plus one token, by request id."""
+    """Each verifying request's kept drafts plus one token, by request id.
+
+    `grammar_masks`: for constrained requests, bool [1 + k, vocab] allowed tokens per row
+    (engine.structured.manager.draft_masks), applied before anything reads the row.
+    """
+    grammar_masks = grammar_masks or {}
     index = torch.cat([torch.arange(v.offset, v.offset + v.num_rows) for v in verify_rows])
     bases = [sampling_row(v.item.request) for v in verify_rows]
     # Plain greedy now means plain greedy at every draft position too (nothing is banned once
     # min_tokens is reached): the rows' argmaxes are all verification needs.
-    if all(plain_greedy(base) for base in bases):
+    if not grammar_masks and all(plain_greedy(base) for base in bases):
         argmax = model.greedy_tokens(hidden[index.to(hidden.device)])
         if argmax is not None:
             return _verify_argmax(argmax, verify_rows)
@@ -64,6 +74,9 @@ def verify_drafts(
     start = 0
     for rows, base in zip(verify_rows, bases, strict=True):
         piece = logits[start : start + rows.num_rows]
+        allowed = grammar_masks.get(rows.item.request.request_id)
+        if allowed is not None:
+            mask_logits(piece, list(range(rows.num_rows)), allowed)
         out[rows.item.request.request_id] = _verify(piece, rows.item, base, sampler)
         start += rows.num_rows
     return out

@@ -8,6 +8,10 @@ generators of seeded requests. On CUDA the inputs are built on the host and sent
 (engine.worker.device_inputs), decode-only steps replay captured CUDA graphs when enabled
 (engine.worker.cuda_graphs), and the only host<->device sync of a step is reading its samples back.
 
+Structured outputs: when the engine set `structured` (engine.structured.manager), the sampled
+rows of constrained requests carry their grammar's allowed-token mask into the sampler;
+batches without a constrained request only pay one list scan for it.
+
 Prompt logprobs use the sampled-token definition (engine.worker.sampler): raw log_softmax of the
 float32 logits at position p, gathered at prompt token p + 1, rank and top-k by
 `gather_logprobs`. Their logits are computed at most `PROMPT_LOGPROBS_MAX_ROWS` rows at a time,
@@ -31,7 +35,8 @@ from engine.models.gemm_select import MAX_PREFILL_ROWS
 from engine.models.layer_ops import FUSED_DTYPES
 from engine.models.llama import LlamaForCausalLM
 from engine.spec_decode.spec_scheduling import VerifiedTokens
-from engine.spec_decode.verifier import verify_drafts
+from engine.spec_decode.verifier import VerifyRows, verify_drafts
+from engine.structured.manager import StructuredOutputManager
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.device_inputs import model_input_to_device
 from engine.worker.input_batch import ModelInput, PromptLogprobRows, build_model_input
@@ -90,12 +95,15 @@ class ModelRunner:
         # (bfloat16 ones bit-identical to the PyTorch path), float16 keeps the PyTorch ops.
         model.use_fused_ops(self.use_decode_kernel and dtype in FUSED_DTYPES)
         self.block_size = block_size
+        self.vocab_size = model_config.vocab_size
         shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=self.device)
             for _ in range(model_config.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
+        # Set by the engine: masks for constrained requests (engine.structured).
+        self.structured: StructuredOutputManager | None = None
         self._generators: dict[str, torch.Generator] = {}
         self.decode_graphs: DecodeGraphs | None = None
 
@@ -133,8 +141,10 @@ class ModelRunner:
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
         banned: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
-            # Like vLLM: before min_tokens, EOS and stop tokens cannot be sampled at all.
+        grammar_done = request.grammar is not None and request.grammar.is_terminated
+        if request.num_output_tokens < params.min_tokens and not grammar_done:
+            # Like vLLM: before min_tokens, EOS and stop tokens cannot be sampled at all
+            # (unless a complete grammar allows nothing but EOS).
             eos = () if params.ignore_eos else tuple(request.eos_token_ids)
             banned = tuple(params.stop_token_ids) + eos
         return SamplingRow(
@@ -168,7 +178,8 @@ class ModelRunner:
             for rows in batch.prompt_logprob_rows
         }
         verified = (
-            verify_drafts(self.model, hidden, batch.verify_rows, self._sampling_row, self.sampler)
+            verify_drafts(self.model, hidden, batch.verify_rows, self._sampling_row, self.sampler,
+                          self._draft_masks(batch.verify_rows))
             if batch.verify_rows else {}
         )
         return self._sampled_output(batch, hidden[batch.sample_indices], prompt_logprobs,
@@ -185,6 +196,8 @@ class ModelRunner:
         if not batch.sampled_requests:
             return RunnerOutput(prompt_logprobs=prompt_logprobs, verified=verified)
         rows = [self._sampling_row(item.request) for item in batch.sampled_requests]
+        if self.structured is not None:
+            rows = self._constrain(rows, [item.request for item in batch.sampled_requests])
         sampled = self._sample(sample_hidden, rows)
         ids = [item.request.request_id for item in batch.sampled_requests]
         token_ids = dict(zip(ids, sampled.token_ids, strict=True))
@@ -194,6 +207,29 @@ class ModelRunner:
             rid: lp for rid, lp in zip(ids, sampled.logprobs, strict=True) if lp is not None
         }
         return RunnerOutput(token_ids, logprobs, prompt_logprobs, verified)
+
+    def _constrain(self, rows: list[SamplingRow], requests: list[Request]) -> list[SamplingRow]:
+        """Rows of constrained requests with their allowed-token masks (others unchanged)."""
+        index = [i for i, request in enumerate(requests) if request.grammar is not None]
+        if not index or self.structured is None:
+            return rows
+        matchers = [grammar for i in index if (grammar := requests[i].grammar) is not None]
+        allowed = self.structured.allowed_masks(matchers, self.vocab_size)
+        rows = list(rows)
+        for j, i in enumerate(index):
+            rows[i] = replace(rows[i], allowed_token_mask=allowed[j])
+        return rows
+
+    def _draft_masks(self, verify_rows: list[VerifyRows]) -> dict[str, torch.Tensor]:
+        """Allowed tokens per row of the constrained requests verifying drafts."""
+        out: dict[str, torch.Tensor] = {}
+        for rows in verify_rows:
+            request = rows.item.request
+            if request.grammar is not None and self.structured is not None:
+                out[request.request_id] = self.structured.draft_masks(
+                    request.grammar, rows.item.spec_token_ids, self.vocab_size
+                )
+        return out
 
     def _sample(self, hidden: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if all(plain_greedy(row) for row in rows):

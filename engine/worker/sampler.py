@@ -1,6 +1,9 @@
 """Batched sampling with per-request parameters, penalties and logprobs.
 
 Every row of the logits belongs to one request. Per row, in vLLM's order:
+0. structured outputs: tokens the row's grammar does not allow -> -inf (engine.structured),
+   only for constrained rows, before anything reads the logits (logprobs included, as in
+   vLLM, where the grammar bitmask is applied before the sampler);
 1. raw logprobs = log_softmax(float32 logits), only for rows that asked for logprobs, taken
    before anything below changes the logits (vLLM's default `raw_logprobs`);
 2. penalties (engine.worker.penalties), only for rows that set one;
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.logprobs import Logprob, TokenLogprobs
+from engine.structured.bitmask import mask_logits
 from engine.worker.penalties import apply_penalties
 from kvfleet.contracts.sampling_params import SamplingParams
 
@@ -40,6 +44,9 @@ class SamplingRow:
     # The request's tokens so far (read only by penalties; the request's own lists, uncopied).
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # Structured outputs: bool [vocab], the tokens the request's grammar allows next; None
+    # for unconstrained rows.
+    allowed_token_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,9 @@ class Sampler:
                 return SamplerOutput(logits.max(dim=-1).indices.tolist())
             logits = logits.cpu()
         logits = logits.float()
+        constrained = [i for i, row in enumerate(rows) if row.allowed_token_mask is not None]
+        if constrained:
+            logits = _mask_disallowed(logits, rows, constrained)
         logprob_idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         # Indexing copies, so the in-place edits below leave the raw logprobs untouched.
         raw = logits[logprob_idx].log_softmax(dim=-1) if logprob_idx else None
@@ -159,6 +169,15 @@ class Sampler:
         return q
 
 
+def _mask_disallowed(
+    logits: torch.Tensor, rows: list[SamplingRow], index: list[int]
+) -> torch.Tensor:
+    masks = [mask for i in index if (mask := rows[i].allowed_token_mask) is not None]
+    # In place, like the banned tokens: the logits are this step's own float32 copy.
+    mask_logits(logits, index, torch.stack(masks))
+    return logits
+
+
 def plain_greedy(row: SamplingRow) -> bool:
     """The row's token is the raw logits' argmax (nothing edits them, nothing reads them)."""
     params = row.params
@@ -167,6 +186,7 @@ def plain_greedy(row: SamplingRow) -> bool:
         and params.logprobs is None
         and not params.has_penalties
         and not row.banned_token_ids
+        and row.allowed_token_mask is None
     )
 
 

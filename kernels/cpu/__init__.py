@@ -58,11 +58,11 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
-def _build_dir() -> Path:
+def _build_dir(sources: list[Path] | None = None) -> Path:
     root = os.environ.get("KVFLEET_CACHE_DIR") or str(Path.home() / ".cache" / "kvfleet")
     digest = hashlib.sha256(" ".join(_FLAGS).encode())
     # Headers the sources include are part of the key too.
-    for source in [*_SOURCES, *sorted(Path(__file__).parent.glob("*.h"))]:
+    for source in [*(sources or _SOURCES), *sorted(Path(__file__).parent.glob("*.h"))]:
         digest.update(source.read_bytes())
     key = digest.hexdigest()[:10]
     path = Path(root) / "torch_extensions" / f"{key}-{_cpu_fingerprint()}"
@@ -95,8 +95,10 @@ def load() -> bool:
         return ok
 
 
-def _load_or_build(build_dir: Path) -> None:
-    library = build_dir / f"{_NAME}.so"
+def _load_or_build(build_dir: Path, name: str = _NAME, sources: list[Path] | None = None) -> None:
+    """Load library `name` from `build_dir`, compiling `sources` (default: ours) first if
+    needed. Other kernel libraries (kernels.cpu.quant) build through this too."""
+    library = build_dir / f"{name}.so"
     if library.is_file():
         torch.ops.load_library(str(library))
         return
@@ -105,14 +107,14 @@ def _load_or_build(build_dir: Path) -> None:
     private = Path(tempfile.mkdtemp(prefix=f"build-{os.getpid()}-", dir=build_dir))
     try:
         load_extension(  # builds and loads the library
-            name=_NAME,
-            sources=[str(s) for s in _SOURCES],
+            name=name,
+            sources=[str(s) for s in (sources or _SOURCES)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(private),
             is_python_module=False,
             verbose=False,
         )
-        os.replace(private / f"{_NAME}.so", library)
+        os.replace(private / f"{name}.so", library)
     finally:
         shutil.rmtree(private, ignore_errors=True)

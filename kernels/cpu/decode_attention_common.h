@@ -40,6 +40,10 @@ struct Problem {
   int64_t table_width;
   const int32_t* lens;
   float scale;  // softmax scale * log2(e)
+  // Sliding window (a request's query sees its last `window` positions; 0: all) and tanh
+  // logit cap (0: none); the shared-prefix path supports neither.
+  int32_t window = 0;
+  float softcap = 0.f;
 };
 
 struct Item {

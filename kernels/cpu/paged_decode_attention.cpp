@@ -3,7 +3,7 @@
 //
 // Shapes: q, out [B, H, D] (any token/head strides, unit stride over D); k_cache, v_cache
 // [num_blocks, block_size, KVH, D] contiguous; block_tables [B, max_blocks] int32;
-// context_lens [B] int32 (this step's token included). D in {16, 32, 64, 128}; float32 or
+// context_lens [B] int32 (this step's token included). D in {16, 32, 64, 128, 256}; float32 or
 // bfloat16, arithmetic in float32.
 //
 // Work item = a request (or, with few requests, one KV head of a request so both threads
@@ -19,6 +19,9 @@
 //   3. O += P V, 16 positions at a time: each V row is loaded once per KV head and FMA'd into
 //      the accumulators of that KV head's query heads (GQA); the next chunk's V rows are
 //      prefetched again meanwhile.
+// With `window` > 0 an item starts at its request's window (the last `window` positions) and
+// with `softcap` > 0 every score is capped (cap * tanh(s / cap)) before the softmax; the
+// shared-prefix variant takes neither.
 // `paged_decode_attention_shared` first reduces prefixes that groups of requests share (the
 // same block ids) once per group (shared_prefix_attention.h); each request's item then starts
 // at its own positions and merges the prefix's softmax pieces (run_item's `start`, `pre`).
@@ -85,6 +88,9 @@ void run_item(const Problem<T>& pb, const Item& it, int start, const Partials* p
     for (int k = 0; k < D; ++k) qs[h * D + k] = static_cast<float>(src[L::natural(k)]) * pb.scale;
   }
 
+  // Positions [start, lead_end) precede the window in its first chunk: masked (start is the
+  // window's first position rounded down to a chunk; without a window lead_end == start).
+  const int lead_end = pb.window > 0 ? std::max(start, ctx - pb.window) : start;
   const T* rows[kChunk];
   const T* head[kChunk];
   for (int c0 = start; c0 < ctx; c0 += kChunk) {
@@ -114,11 +120,14 @@ void run_item(const Problem<T>& pb, const Item& it, int start, const Partials* p
 #pragma GCC unroll 16
       for (int j = 0; j < kChunk; ++j) pv[j] = load16(part + (h * kChunk + j) * 16);
       v16 sc = kvfleet::reduce16(pv);
+      if (pb.softcap > 0.f) sc = kvfleet::softcap_log2(sc, pb.softcap);
+      if (c0 < lead_end) sc = kIota < static_cast<float>(lead_end - c0) ? bcast(kNeg) : sc;
       if (n < kChunk) sc = kIota >= static_cast<float>(n) ? bcast(kNeg) : sc;
       store16(s + h * padded + (c0 - start), sc);
     }
   }
 
+  const int lead = lead_end - start;
   for (int64_t h = 0; h < nh; ++h) {
     float* sh = s + h * padded;
     v16 mx = bcast(kNeg);
@@ -131,6 +140,7 @@ void run_item(const Problem<T>& pb, const Item& it, int start, const Partials* p
     for (int64_t c = 0; c < padded; c += 16) {
       v16 e = exp2v(load16(sh + c) - m);
       if (c + 16 > own) e = kIota >= static_cast<float>(own - c) ? v16{} : e;
+      if (c < lead) e = kIota < static_cast<float>(lead - c) ? v16{} : e;
       sum += e;
       store16(sh + c, e);
     }
@@ -188,7 +198,8 @@ std::vector<Item> make_items(int64_t b, const int32_t* lens, const std::vector<i
 
 template <typename T, int D>
 void dispatch_item(const Problem<T>& pb, const Item& it, int start, const Partials* pre) {
-  run_item<T, D>(pb, it, start, start > 0 ? pre : nullptr);
+  // With a window, `start` is the window's first position and there is no prefix to merge.
+  run_item<T, D>(pb, it, start, start > 0 && pb.window == 0 ? pre : nullptr);
 }
 
 // Requests grouped by a shared prefix: group_of[r] is r's group (-1: none), shared_lens[g] the
@@ -236,15 +247,21 @@ Sharing plan_sharing(int64_t b, int64_t heads, int64_t d, int64_t kv_heads, int6
 template <typename T>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& lens,
-         double scale, const int32_t* group_of, const int32_t* shared_lens, int64_t num_groups) {
+         double scale, const int32_t* group_of, const int32_t* shared_lens, int64_t num_groups,
+         int64_t window, double softcap) {
   const int64_t d = q.size(2);
   Problem<T> pb{q.data_ptr<T>(), q.stride(0), q.stride(1), out.data_ptr<T>(), out.stride(0),
                 out.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.size(1),
                 k_cache.size(2), q.size(1), q.size(1) / k_cache.size(2),
                 tables.data_ptr<int32_t>(), tables.size(1), lens.data_ptr<int32_t>(),
                 static_cast<float>(scale) * kLog2e};
+  pb.window = static_cast<int32_t>(window);
+  pb.softcap = static_cast<float>(softcap);
   Sharing sh = plan_sharing(q.size(0), pb.heads, d, pb.kv_heads, pb.group, group_of,
                             shared_lens, num_groups);
+  if (window > 0)  // chunks before the window are never read (chunks start at multiples of 16)
+    for (int64_t r = 0; r < q.size(0); ++r)
+      sh.start[r] = std::max<int32_t>(0, pb.lens[r] - pb.window) / kChunk * kChunk;
   const Partials pre = sh.partials();
   const int64_t np = static_cast<int64_t>(sh.items.size());
   if (np > 0) {
@@ -255,7 +272,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
           case 16: prefix_partials<T, 16>(pb, sh.items[i], pre); break;
           case 32: prefix_partials<T, 32>(pb, sh.items[i], pre); break;
           case 64: prefix_partials<T, 64>(pb, sh.items[i], pre); break;
-          default: prefix_partials<T, 128>(pb, sh.items[i], pre); break;
+          case 128: prefix_partials<T, 128>(pb, sh.items[i], pre); break;
+          default: prefix_partials<T, 256>(pb, sh.items[i], pre); break;
         }
       }
     });
@@ -270,7 +288,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         case 16: dispatch_item<T, 16>(pb, items[i], start, &pre); break;
         case 32: dispatch_item<T, 32>(pb, items[i], start, &pre); break;
         case 64: dispatch_item<T, 64>(pb, items[i], start, &pre); break;
-        default: dispatch_item<T, 128>(pb, items[i], start, &pre); break;
+        case 128: dispatch_item<T, 128>(pb, items[i], start, &pre); break;
+        default: dispatch_item<T, 256>(pb, items[i], start, &pre); break;
       }
     }
   });
@@ -283,7 +302,8 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
               "q and out must be [B, H, D] with unit stride over D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "head_dim must be 16, 32, 64 or 128");
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256,
+              "head_dim must be 16, 32, 64, 128 or 256");
   TORCH_CHECK(k_cache.size(3) == d, "cache head_dim differs from q");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
@@ -298,22 +318,26 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
 void launch(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& block_tables,
             const at::Tensor& context_lens, double scale, const int32_t* group_of,
-            const int32_t* shared_lens, int64_t num_groups) {
+            const int32_t* shared_lens, int64_t num_groups, int64_t window = 0,
+            double softcap = 0.0) {
   if (q.size(0) == 0) return;
   if (q.scalar_type() == at::kFloat) {
     run<float>(out, q, k_cache, v_cache, block_tables, context_lens, scale, group_of,
-               shared_lens, num_groups);
+               shared_lens, num_groups, window, softcap);
   } else {
     run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, scale, group_of,
-                       shared_lens, num_groups);
+                       shared_lens, num_groups, window, softcap);
   }
 }
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& context_lens, double scale, int64_t window,
+                            double softcap) {
   check_inputs(out, q, k_cache, v_cache, block_tables, context_lens);
-  launch(out, q, k_cache, v_cache, block_tables, context_lens, scale, nullptr, nullptr, 0);
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
+  launch(out, q, k_cache, v_cache, block_tables, context_lens, scale, nullptr, nullptr, 0,
+         window, softcap);
 }
 
 // The same attention, with requests that share the first shared_lens[g] positions of their
@@ -346,7 +370,8 @@ void paged_decode_attention_shared(at::Tensor out, const at::Tensor& q, const at
 TORCH_LIBRARY(kvfleet_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor context_lens, float scale, int window=0, "
+      "float softcap=0.0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def(
       "paged_decode_attention_shared(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "

@@ -4,9 +4,13 @@
 // caller has written to the cache), read in place through block_tables[s]. Query i of the
 // segment sits at position context_len - query_len + i and attends causally to keys 0..pos.
 //
+// With window > 0 the query at position p sees only keys > p - window (transformers' sliding
+// window; key chunks before a tile's first window are skipped), and with softcap > 0 every
+// score is capped to softcap * tanh(s / softcap) before the softmax (Gemma 2).
+//
 // Shapes: q, out [T, H, D] (any token/head strides, unit stride over D); k_cache, v_cache
 // [num_blocks, block_size, KVH, D] contiguous; block_tables [S, max_blocks], query_starts,
-// query_lens, context_lens [S], all int32. D in {16, 32, 64, 128}; float32 or bfloat16,
+// query_lens, context_lens [S], all int32. D in {16, 32, 64, 128, 256}; float32 or bfloat16,
 // arithmetic in float32.
 //
 // Work item = (segment, tile of query tokens, KV head, run of that KV head's query heads).
@@ -47,7 +51,7 @@ constexpr int kChunk = 16;    // keys per softmax step
 constexpr int kMaxRows = 64;  // (token, head) rows per item: four vectors
 constexpr float kNeg = -1e30f;
 constexpr float kLog2e = 1.4426950408889634f;
-alignas(64) const float kZeros[128] = {};
+alignas(64) const float kZeros[256] = {};  // >= the largest D
 
 template <typename T>
 struct Problem {
@@ -62,6 +66,8 @@ struct Problem {
   int64_t table_width;
   const int32_t *starts, *lens, *ctx;
   float scale;  // softmax scale * log2(e)
+  int32_t window = 0;  // a query at position p sees keys > p - window (0: all keys)
+  float softcap = 0.f;  // scores capped to cap * tanh(s / cap) (0: no cap)
 };
 
 struct Item {
@@ -233,27 +239,43 @@ void run_item(const Problem<T>& pb, const Item& it, Scratch& sc) {
 
   const float* kp[kChunk];
   const float* vp[kChunk];
-  for (int c0 = 0; c0 <= last_pos; c0 += kChunk) {
+  // With a window, chunks wholly before the first row's window are never read.
+  const int c_begin =
+      pb.window > 0 ? std::max(0, first_pos - pb.window + 1) / kChunk * kChunk : 0;
+  for (int c0 = c_begin; c0 <= last_pos; c0 += kChunk) {
     const int nkeys = std::min(kChunk, last_pos + 1 - c0);
     chunk_rows<T, D>(pb, table, it.kv_head, c0, nkeys, sc, kp, vp);
     for (int j0 = 0; j0 < nkeys; j0 += KJ) scores<D, NR, KJ>(sc.qt, kp + j0, sc.s + j0 * W);
+    if (pb.softcap > 0.f)
+      for (int j = 0; j < nkeys; ++j)
+        for (int n = 0; n < NR; ++n) {
+          float* x = sc.s + j * W + n * 16;
+          store16(x, kvfleet::softcap_log2(load16(x), pb.softcap));
+        }
 
     // Online softmax across rows in lanes. Keys after a row's position are masked only in
-    // chunks reaching past the tile's first position (the causal diagonal).
+    // chunks reaching past the tile's first position (the causal diagonal), keys at or
+    // before position - window only in chunks starting at or before the last row's edge.
     const bool diagonal = c0 + kChunk - 1 > first_pos;
+    const bool edge = pb.window > 0 && c0 <= last_pos - pb.window;
+    const v16 win = bcast(static_cast<float>(pb.window));
     for (int n = 0; n < NR; ++n) {
       float* s = sc.s + n * 16;
       v16 mx = m[n];
       for (int j = 0; j < nkeys; ++j) {
         v16 x = load16(s + j * W);
-        if (diagonal) x = bcast(static_cast<float>(c0 + j)) > rowpos[n] ? bcast(kNeg) : x;
+        const v16 key = bcast(static_cast<float>(c0 + j));
+        if (diagonal) x = key > rowpos[n] ? bcast(kNeg) : x;
+        if (edge) x = key <= rowpos[n] - win ? bcast(kNeg) : x;
         mx = vmax(mx, x);
       }
       const v16 alpha = exp2v(m[n] - mx);
       v16 sum = l[n] * alpha;
       for (int j = 0; j < nkeys; ++j) {
         v16 e = exp2v(load16(s + j * W) - mx);
-        if (diagonal) e = bcast(static_cast<float>(c0 + j)) > rowpos[n] ? v16{} : e;
+        const v16 key = bcast(static_cast<float>(c0 + j));
+        if (diagonal) e = key > rowpos[n] ? v16{} : e;
+        if (edge) e = key <= rowpos[n] - win ? v16{} : e;
         sum += e;
         store16(s + j * W, e);
       }
@@ -262,7 +284,7 @@ void run_item(const Problem<T>& pb, const Item& it, Scratch& sc) {
       m[n] = mx;
     }
     for (int r0 = 0; r0 < rows; r0 += PvShape<D>::R)
-      accumulate_pv<D>(sc.s, W, vp, nkeys, sc.alpha, sc.o, r0, c0 == 0);
+      accumulate_pv<D>(sc.s, W, vp, nkeys, sc.alpha, sc.o, r0, c0 == c_begin);
   }
 
   alignas(64) float inv[W];
@@ -340,13 +362,15 @@ std::vector<Item> make_items(int64_t num_segs, const int32_t* lens, const int32_
 template <typename T>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& starts,
-         const at::Tensor& lens, const at::Tensor& ctx, double scale) {
+         const at::Tensor& lens, const at::Tensor& ctx, double scale, int64_t window,
+         double softcap) {
   const int64_t d = q.size(2);
   Problem<T> pb{q.data_ptr<T>(), q.stride(0), q.stride(1), out.data_ptr<T>(), out.stride(0),
                 out.stride(1), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), k_cache.size(1),
                 k_cache.size(2), q.size(1) / k_cache.size(2), tables.data_ptr<int32_t>(),
                 tables.size(1), starts.data_ptr<int32_t>(), lens.data_ptr<int32_t>(),
-                ctx.data_ptr<int32_t>(), static_cast<float>(scale) * kLog2e};
+                ctx.data_ptr<int32_t>(), static_cast<float>(scale) * kLog2e,
+                static_cast<int32_t>(window), static_cast<float>(softcap)};
   const std::vector<Item> items =
       make_items(starts.size(0), pb.lens, pb.ctx, pb.kv_heads, pb.group);
   const int64_t n = static_cast<int64_t>(items.size());
@@ -358,7 +382,8 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         case 16: dispatch_item<T, 16>(pb, items[i], sc); break;
         case 32: dispatch_item<T, 32>(pb, items[i], sc); break;
         case 64: dispatch_item<T, 64>(pb, items[i], sc); break;
-        default: dispatch_item<T, 128>(pb, items[i], sc); break;
+        case 128: dispatch_item<T, 128>(pb, items[i], sc); break;
+        default: dispatch_item<T, 256>(pb, items[i], sc); break;
       }
     }
   });
@@ -367,12 +392,15 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_starts, const at::Tensor& query_lens,
-                             const at::Tensor& context_lens, double scale) {
+                             const at::Tensor& context_lens, double scale, int64_t window,
+                             double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: off)");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1,
               "q and out must be [T, H, D] with unit stride over D");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t d = q.size(2);
-  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "head_dim must be 16, 32, 64 or 128");
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128 || d == 256,
+              "head_dim must be 16, 32, 64, 128 or 256");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "cache head_dim differs from q");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   for (const at::Tensor* t : {&block_tables, &query_starts, &query_lens, &context_lens})
@@ -383,10 +411,10 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
   if (query_starts.numel() == 0) return;
   if (q.scalar_type() == at::kFloat) {
     run<float>(out, q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens,
-               scale);
+               scale, window, softcap);
   } else if (q.scalar_type() == at::kBFloat16) {
     run<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, query_starts, query_lens,
-                       context_lens, scale);
+                       context_lens, scale, window, softcap);
   } else {
     TORCH_CHECK(false, "paged_prefill_attention supports float32 and bfloat16");
   }
@@ -398,6 +426,6 @@ TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor query_starts, Tensor query_lens, Tensor context_lens, "
-      "float scale) -> ()");
+      "float scale, int window=0, float softcap=0.0) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
 }

@@ -128,4 +128,20 @@ __attribute__((always_inline)) inline v16 exp2v(v16 x) {
   return p * scale;
 }
 
+// tanh(x) by exp2v: sign(x) (1 - e) / (1 + e) with e = 2^(-2 |x| log2 e), in exp2v's domain
+// (x <= 0 there); absolute error ~1e-7. For logit soft-capping.
+__attribute__((always_inline)) inline v16 tanhv(v16 x) {
+  const v16 ax = x < 0.f ? -x : x;
+  const v16 e = exp2v(ax * (-2.f * 1.4426950408889634f));
+  const v16 t = (1.f - e) / (1.f + e);
+  return x < 0.f ? -t : t;
+}
+
+// Scores in the kernels' log2 domain (s = q.k * scale * log2 e) soft-capped as transformers
+// caps the natural ones: cap * tanh(s_nat / cap), back into log2.
+__attribute__((always_inline)) inline v16 softcap_log2(v16 s, float cap) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  return tanhv(s * (kLn2 / cap)) * (cap * 1.4426950408889634f);
+}
+
 }  // namespace kvfleet

@@ -73,6 +73,8 @@ def unified_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window (keys with q - k < window); read only with HAS_WINDOW
+    softcap,  # tanh logit cap; read only with HAS_SOFTCAP
     num_seqs,
     num_queries_per_kv,
     head_dim,
@@ -91,6 +93,8 @@ def unified_attention_kernel(
     TILE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * QPK_PAD
     q_block = tl.program_id(0)
@@ -126,7 +130,10 @@ def unified_attention_kernel(
     # Keys this q-block can see: up to its last real query's position.
     kv_end = num_context + tl.minimum(local * BLOCK_Q + BLOCK_Q, q_len)
     table = block_tables_ptr + seq.to(tl.int64) * block_table_stride
-    for tile_start in range(0, kv_end, TILE):
+    kv_start = 0
+    if HAS_WINDOW:  # tiles wholly before the first query's window are never read
+        kv_start = tl.maximum(num_context + local * BLOCK_Q - window + 1, 0) // TILE * TILE
+    for tile_start in range(kv_start, kv_end, TILE):
         keys = tile_start + tl.arange(0, TILE)
         key_ok = keys < kv_end
         block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -139,8 +146,19 @@ def unified_attention_kernel(
         # K read straight as [DIM_PAD, TILE] so the score dot needs no transpose.
         k = tl.load(key_cache_ptr + base[None, :] + dims[:, None], mask=kv_mask, other=0.0)
         scores = tl.dot(q, _as_operand(k, query_ptr, DOT_DTYPE), input_precision=DOT_PRECISION)
-        scores = scores * scale_log2
+        if HAS_SOFTCAP:
+            # transformers' cap * tanh(s / cap) on the scaled scores, then into base 2;
+            # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both saturations.
+            capped = scores * (scale_log2 / 1.4426950408889634) / softcap
+            # |x| >= 15 is +-1 in float32 already; clamping keeps exp finite.
+            capped = tl.minimum(tl.maximum(capped, -15.0), 15.0)
+            capped = 1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)
+            scores = capped * (softcap * 1.4426950408889634)
+        else:
+            scores = scores * scale_log2
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (keys[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # Rows with nothing visible yet (padding rows) keep a finite shift: no inf - inf.
@@ -199,7 +217,11 @@ def unified_attention(
     query_start_loc: torch.Tensor,  # [S + 1] int32
     seq_lens: torch.Tensor,  # [S] int32, this step's tokens included
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
+    """With `window`: a query at position i sees keys j with i - j < window (transformers'
+    sliding window); with `softcap`: scores become softcap * tanh(scores / softcap)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -220,6 +242,8 @@ def unified_attention(
         query_start_loc,
         seq_lens,
         scale * 1.4426950408889634,
+        window or 0,
+        softcap or 0.0,
         num_seqs,
         num_heads // num_kv_heads,
         head_dim,
@@ -238,6 +262,8 @@ def unified_attention(
         TILE=TILE_N,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None,
     )
 
 
@@ -249,9 +275,12 @@ def unified_attention_reference(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """PyTorch reference, one sequence at a time in float32: gather the context through the
-    block table, causal mask offset by the earlier context, GQA by repeating KV heads."""
+    block table, causal mask offset by the earlier context (and window), GQA by repeating KV
+    heads, scores soft-capped when asked."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)
@@ -267,7 +296,12 @@ def unified_attention_reference(
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len)
         scores.masked_fill_(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if window is not None:
+            hidden = positions[None, None, :] <= q_pos[None, :, None] - window
+            scores.masked_fill_(hidden, float("-inf"))
         out[starts[s] : starts[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out.to(query.dtype)

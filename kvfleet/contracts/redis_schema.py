@@ -51,7 +51,15 @@ engine measures from its own steps; 0: nothing measured yet).
 
 Engines write each step's KV events (stored / removed hashes) as one pipelined SADD/SREM.
 Routers answer "how many leading blocks does each live engine hold" in one round trip
-(a Lua script reading every live engine's hash and running SMISMEMBER on its blocks set).
+(a Lua script reading every live engine's hash and running SMISMEMBER on its blocks set, in
+chunks of 1, 4, 16, then 64 blocks, and answering one NUL-joined string per engine; see
+router/routing/prefix_index.py).
+
+Sizes and costs (benchmarks/fleet_sim/decision_cost.py, docs/fleet-simulator.md): a cached
+block costs ~65 bytes of Redis memory (a 16-byte member of a hashtable SET), an engine with
+1,456 cached blocks ~95 KB. A lookup reads every live engine, so its cost grows with the
+fleet: ~15 us of Redis CPU and ~20 us of router CPU per engine, on top of ~1 ms for a
+6,000-token prompt (hashing it, sending its 374 hashes).
 
 This module must stay free of redis/torch imports: it only names things.
 """

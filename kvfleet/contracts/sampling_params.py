@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvfleet.contracts.errors import InvalidFieldError
+from kvfleet.contracts.structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
 # vLLM's default --max-logprobs: how many alternatives a request may ask for per token.
@@ -47,8 +48,13 @@ class SamplingParams:
     # Stop strings, matched on the detokenized text (the LLM API or the router applies them).
     stop: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    # Grammar-constrained decoding (kvfleet.contracts.structured_outputs); a dict of its
+    # fields is accepted and converted.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.stop, str):
             self.stop = [self.stop]

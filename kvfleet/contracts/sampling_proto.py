@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from kvfleet.contracts.errors import InvalidFieldError
 from kvfleet.contracts.sampling_params import SamplingParams
+from kvfleet.contracts.structured_proto import from_proto
 from kvfleet.v1 import common_pb2
 
 
@@ -46,6 +47,9 @@ def to_sampling_params(proto: common_pb2.SamplingParams) -> SamplingParams:
         prompt_logprobs=proto.prompt_logprobs if proto.HasField("prompt_logprobs") else None,
         stop=list(proto.stop),
         include_stop_str_in_output=proto.include_stop_str_in_output,
+        structured_outputs=(
+            from_proto(proto.structured_outputs) if proto.HasField("structured_outputs") else None
+        ),
     )
 
 

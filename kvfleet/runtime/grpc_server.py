@@ -12,6 +12,7 @@ they all behave the same to clients, load balancers and Kubernetes:
   it also decodes the request, so an undecodable one is INVALID_ARGUMENT) and
   `DrainTracker`, then `TracingInterceptor` (a span per RPC when tracing is on, see
   kvfleet.runtime.tracing) and the service's own interceptors (e.g. RPC metrics).
+- Plaintext, or TLS with the `credentials` given (kvfleet.runtime.tls).
 
 Shutdown (SIGTERM/SIGINT under `serve_until_signal`, or `shutdown()`), in this order:
 1. health turns NOT_SERVING for all services, permanently; new work RPCs are refused with
@@ -79,6 +80,7 @@ class GrpcServer:
         initially_serving: bool = True,
         options: Sequence[tuple[str, int | str]] = (),
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         if not services:
             raise ValueError("a server needs at least one service")
@@ -88,6 +90,8 @@ class GrpcServer:
         self._requested_port = port
         self._initially_serving = initially_serving
         self._options = [*BASE_CHANNEL_OPTIONS, *options]
+        # TLS (kvfleet.runtime.tls); None: plaintext.
+        self._credentials = credentials
         self._drain = DrainTracker()
         # Run inside error mapping and drain tracking (they see the handlers' exceptions).
         # Tracing first: the server span covers the other interceptors' work too.
@@ -128,13 +132,18 @@ class GrpcServer:
         names = [s.name for s in self.services]
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection([*names, health_name, reflection.SERVICE_NAME], server)
-        # add_insecure_port raises RuntimeError when the address cannot be bound.
-        self._port = server.add_insecure_port(format_address(self.host, self._requested_port))
+        # add_*_port raises RuntimeError when the address cannot be bound.
+        address = format_address(self.host, self._requested_port)
+        if self._credentials is None:
+            self._port = server.add_insecure_port(address)
+        else:
+            self._port = server.add_secure_port(address, self._credentials)
         self._force_stop = asyncio.Event()
         await server.start()
         self._server = server
         await self.set_serving(self._initially_serving)
-        logger.info("serving %s on %s", ", ".join(names), self.address)
+        logger.info("serving %s on %s%s", ", ".join(names), self.address,
+                    "" if self._credentials is None else " (TLS)")
         return self._port
 
     async def set_serving(self, serving: bool) -> None:

@@ -4,7 +4,8 @@ Role: `add_server_arguments` puts --host/--port/--grace-period/--port-file/--log
 --metrics-port/--metrics-port-file/--no-metrics (Prometheus /metrics, on by default on
 port 9090, like vLLM's always-on /metrics) on a service's argparse parser, with
 --log-format (text | json lines, see kvfleet.runtime.logs) and --event-loop
-(kvfleet.runtime.event_loop);
+(kvfleet.runtime.event_loop), and --tls-cert-file/--tls-key-file/--tls-ca-file
+(kvfleet.runtime.tls: gRPC over mutual TLS);
 `ServerOptions.from_args` turns them into config. The only environment read (when a
 service starts, never on import) is the logging fallback: KVFLEET_LOG_LEVEL /
 KVFLEET_LOG_FORMAT when --log-level / --log-format are not given.
@@ -21,6 +22,7 @@ from pathlib import Path
 from kvfleet.runtime import logs
 from kvfleet.runtime.event_loop import EVENT_LOOPS, loop_factory
 from kvfleet.runtime.grpc_server import DEFAULT_GRACE_S
+from kvfleet.runtime.tls import TlsFiles, add_tls_arguments
 
 LOG_FORMAT = logs.TEXT_FORMAT
 # Prometheus' conventional exporter port; the Helm chart's metrics.port.
@@ -46,6 +48,8 @@ class ServerOptions:
     metrics_port_fallback: bool = False
     # kvfleet.runtime.event_loop: uvloop when installed ("auto"), or the one named.
     event_loop: str = "auto"
+    # This service's certificate, key and the fleet CA; None: plaintext gRPC.
+    tls: TlsFiles | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -62,6 +66,7 @@ class ServerOptions:
             metrics_port_file=args.metrics_port_file,
             metrics_port_fallback=args.metrics_port is None,
             event_loop=_event_loop(args.event_loop),
+            tls=TlsFiles.from_flags(args.tls_cert_file, args.tls_key_file, args.tls_ca_file),
         )
 
 
@@ -136,6 +141,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int = 0)
         help="the event loop to serve on, as uvicorn's --loop: auto is uvloop when "
         "installed, else asyncio (default: %(default)s)",
     )
+    add_tls_arguments(parser)
 
 
 def resolve_log_level(flag: str | None) -> str:

@@ -106,6 +106,10 @@ class Tokenizer:
         """Number of token ids, added tokens included (transformers' `len(tokenizer)`)."""
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 
+    def to_json(self) -> str:
+        """tokenizer.json as loaded, added special tokens included (grammar backends read it)."""
+        return str(self._backend.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/common.proto\x12\nkvfleet.v1\"\xfa\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\r \x01(\rH\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x08\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x12 \x01(\rH\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.kvfleet.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvfleet.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"A\n\nStopReason\x12\x12\n\x08token_id\x18\x01 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x42\x08\n\x06reason\"Q\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"W\n\rTokenLogprobs\x12$\n\x07sampled\x18\x01 \x01(\x0b\x32\x13.kvfleet.v1.Logprob\x12 \n\x03top\x18\x02 \x03(\x0b\x32\x13.kvfleet.v1.Logprobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/common.proto\x12\nkvfleet.v1\"\xb5\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\r \x01(\rH\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\x08\x88\x01\x01\x12\x19\n\x0ctop_logprobs\x18\x12 \x01(\rH\t\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\n\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x14 \x01(\x0b\x32\x1d.kvfleet.v1.StructuredOutputsB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x0f\n\r_top_logprobsB\x12\n\x10_prompt_logprobs\"\x94\x02\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x02 \x01(\x08\x12\x12\n\x05regex\x18\x03 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x04 \x03(\t\x12\x14\n\x07grammar\x18\x05 \x01(\tH\x02\x88\x01\x01\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\x1c\n\x0freasoning_start\x18\x07 \x01(\tH\x03\x88\x01\x01\x12\x1a\n\rreasoning_end\x18\x08 \x01(\tH\x04\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammarB\x12\n\x10_reasoning_startB\x10\n\x0e_reasoning_end\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.kvfleet.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.kvfleet.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"A\n\nStopReason\x12\x12\n\x08token_id\x18\x01 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\x02 \x01(\tH\x00\x42\x08\n\x06reason\"Q\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rdecoded_token\x18\x04 \x01(\t\"W\n\rTokenLogprobs\x12$\n\x07sampled\x18\x01 \x01(\x0b\x32\x13.kvfleet.v1.Logprob\x12 \n\x03top\x18\x02 \x03(\x0b\x32\x13.kvfleet.v1.Logprobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvfleet.v1.common_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=674
-  _globals['_CHATMESSAGE']._serialized_start=676
-  _globals['_CHATMESSAGE']._serialized_end=798
-  _globals['_TOOLCALL']._serialized_start=800
-  _globals['_TOOLCALL']._serialized_end=855
-  _globals['_CHATMESSAGES']._serialized_start=857
-  _globals['_CHATMESSAGES']._serialized_end=934
-  _globals['_TOKENIDS']._serialized_start=936
-  _globals['_TOKENIDS']._serialized_end=959
-  _globals['_USAGE']._serialized_start=961
-  _globals['_USAGE']._serialized_end=1040
-  _globals['_STOPREASON']._serialized_start=1042
-  _globals['_STOPREASON']._serialized_end=1107
-  _globals['_LOGPROB']._serialized_start=1109
-  _globals['_LOGPROB']._serialized_end=1190
-  _globals['_TOKENLOGPROBS']._serialized_start=1192
-  _globals['_TOKENLOGPROBS']._serialized_end=1279
+  _globals['_SAMPLINGPARAMS']._serialized_end=733
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=736
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1012
+  _globals['_CHATMESSAGE']._serialized_start=1014
+  _globals['_CHATMESSAGE']._serialized_end=1136
+  _globals['_TOOLCALL']._serialized_start=1138
+  _globals['_TOOLCALL']._serialized_end=1193
+  _globals['_CHATMESSAGES']._serialized_start=1195
+  _globals['_CHATMESSAGES']._serialized_end=1272
+  _globals['_TOKENIDS']._serialized_start=1274
+  _globals['_TOKENIDS']._serialized_end=1297
+  _globals['_USAGE']._serialized_start=1299
+  _globals['_USAGE']._serialized_end=1378
+  _globals['_STOPREASON']._serialized_start=1380
+  _globals['_STOPREASON']._serialized_end=1445
+  _globals['_LOGPROB']._serialized_start=1447
+  _globals['_LOGPROB']._serialized_end=1528
+  _globals['_TOKENLOGPROBS']._serialized_start=1530
+  _globals['_TOKENLOGPROBS']._serialized_end=1617
 # @@protoc_insertion_point(module_scope)

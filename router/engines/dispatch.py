@@ -331,6 +331,7 @@ async def _attempt_stream(
         return None
     except grpc.aio.AioRpcError as e:
         pool.end(engine.engine_id)
+        pool.note_failure(engine.engine_id, engine.address, e)
         if e.code() not in RETRYABLE_CODES:
             raise
         if e.code() in SUSPECT_CODES:

@@ -17,6 +17,10 @@ Invariants:
 - A load poll marks an engine suspect only when the engine cannot be reached (UNAVAILABLE:
   refused, reset, no route). A slow answer (DEADLINE_EXCEEDED) is a busy engine, not a
   failed one: it stays a candidate with the load it last reported.
+- With TLS (`tls`), a channel is keyed by address *and* the name the engine's certificate
+  must carry: its id from Redis for calls to that engine, the engine role for polls by
+  address (kvfleet.runtime.tls). A peer that fails the handshake gets no request, and so
+  never the router credential; it is logged and avoided like an unreachable engine.
 - Concurrent polls are one poll: every caller awaits the same GetLoad round, so a burst of
   decisions while Redis is down costs one RPC per engine, not one per request per engine.
 """
@@ -34,6 +38,7 @@ import grpc
 import grpc.aio
 
 from kvfleet.runtime.service_auth import credential_metadata
+from kvfleet.runtime.tls import ClientTls, aio_channel, engine_name, is_handshake_failure
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
 from router.metrics import RouterMetrics
 from router.routing.prefix_index import EngineRecord
@@ -57,13 +62,16 @@ class EnginePool:
         clock: Callable[[], float] = time.monotonic,
         metrics: RouterMetrics | None = None,
         router_secret: str | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
         self._suspect_s = suspect_s
+        self._tls = tls
         # What every Generate and Abort call presents to engines (kvfleet.runtime.service_auth).
         self.credential = credential_metadata(router_secret)
         self._clock = clock
         self._metrics = metrics
-        self._channels: dict[str, _Channel] = {}  # address -> channel
+        # (address, the name its certificate must carry; None without TLS) -> channel
+        self._channels: dict[tuple[str, str | None], _Channel] = {}
         self._dialed: dict[str, str] = {}  # engine id -> the address we last dialed it at
         self._in_flight: dict[str, int] = {}
         # id -> (our requests before their first token, their uncached prompt tokens): the
@@ -79,7 +87,7 @@ class EnginePool:
         self._dialed[engine_id] = address
         if previous is not None and previous != address:
             self._close_unused(previous)  # the engine restarted elsewhere
-        return self._channel(address).stub
+        return self._channel(address, engine_id).stub
 
     def in_flight(self, engine_id: str) -> int:
         return self._in_flight.get(engine_id, 0)
@@ -110,6 +118,15 @@ class EnginePool:
     def end(self, engine_id: str) -> None:
         self._in_flight[engine_id] -= 1
 
+    def note_failure(self, engine_id: str, address: str, error: grpc.aio.AioRpcError) -> None:
+        """Log a call that failed because the peer did not prove it is this engine."""
+        if self._tls is not None and is_handshake_failure(error.details()):
+            logger.error("engine %s at %s did not prove its identity (TLS handshake: %s): "
+                         "no request and no router credential sent; a registry entry "
+                         "naming a foreign address, or a certificate not from the fleet CA "
+                         "for %s", engine_id, address, error.details(),
+                         engine_name(self._tls.name, engine_id))
+
     def mark_suspect(self, engine_id: str, address: str) -> None:
         logger.warning("engine %s at %s failed; avoiding it for %.0fs", engine_id, address,
                        self._suspect_s)
@@ -127,7 +144,9 @@ class EnginePool:
 
     def remember(self, records: Iterable[EngineRecord]) -> None:
         """The live engines just reported; drops the channels of engines that are gone."""
-        self._known = {r.engine_id: replace(r, matched_blocks=0) for r in records if r.address}
+        # Kept as reported (a copy per record per decision cost ~1 us x engines); `known`
+        # strips the prompt's match when it is read (rarely: only routing without Redis).
+        self._known = {r.engine_id: r for r in records if r.address}
         for engine_id in list(self._dialed):
             if engine_id not in self._known and self.in_flight(engine_id) == 0:
                 self._close_unused(self._dialed.pop(engine_id))
@@ -135,7 +154,7 @@ class EnginePool:
     @property
     def known(self) -> list[EngineRecord]:
         """The last engine list learned (matched_blocks 0: it belongs to no prompt)."""
-        return list(self._known.values())
+        return [replace(r, matched_blocks=0) for r in self._known.values()]
 
     async def poll(self, addresses: Collection[str], timeout_s: float) -> list[EngineRecord]:
         """Every engine at `addresses` or known from before, as its GetLoad reports it.
@@ -201,7 +220,7 @@ class EnginePool:
         return known
 
     async def _get_load(self, address: str, timeout_s: float) -> engine_pb2.LoadInfo:
-        response: engine_pb2.LoadInfo = await self._channel(address).stub.GetLoad(
+        response: engine_pb2.LoadInfo = await self._channel(address, None).stub.GetLoad(
             engine_pb2.GetLoadRequest(), timeout=timeout_s
         )
         return response
@@ -210,12 +229,15 @@ class EnginePool:
         if self._metrics is not None:
             self._metrics.load_polls.labels(outcome).inc()
 
-    def _channel(self, address: str) -> _Channel:
-        entry = self._channels.get(address)
+    def _channel(self, address: str, engine_id: str | None) -> _Channel:
+        """The channel to `address`, verifying (TLS) that the peer is `engine_id`, or any
+        fleet engine for None."""
+        name = None if self._tls is None else engine_name(self._tls.name, engine_id)
+        entry = self._channels.get((address, name))
         if entry is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = aio_channel(address, self._tls, name)
             entry = _Channel(channel, engine_pb2_grpc.EngineStub(channel))
-            self._channels[address] = entry
+            self._channels[(address, name)] = entry
         return entry
 
     def _close_unused(self, address: str) -> None:
@@ -226,8 +248,8 @@ class EnginePool:
             return
         for engine_id in users:
             del self._dialed[engine_id]
-        entry = self._channels.pop(address, None)
-        if entry is not None:
+        for key in [k for k in self._channels if k[0] == address]:
+            entry = self._channels.pop(key)
             # Closing is async; a sync caller schedules it (nothing of ours uses the channel).
             task = asyncio.ensure_future(entry.channel.close())
             self._closing.add(task)  # the loop only keeps weak references to tasks

@@ -1,8 +1,8 @@
 """Serves an ASGI app with uvicorn inside the router's event loop, beside the gRPC server.
 
 Role: bind (port 0 picks a free port, reported by `start`), serve, and stop gracefully when
-the router drains. uvicorn's own signal handling is turned off: the gRPC server owns
-SIGTERM/SIGINT and stops this server from its shutdown hook.
+the router drains; HTTPS with `https` (router.http.https). uvicorn's own signal handling is
+turned off: the gRPC server owns SIGTERM/SIGINT and stops this server from its shutdown hook.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from router.http.https import HttpsOptions
+
 # How long start() waits for uvicorn to accept connections.
 START_TIMEOUT_S = 10.0
 
@@ -26,13 +28,17 @@ class _QuietServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float) -> None:
+    def __init__(
+        self, app: FastAPI, host: str, port: int, grace_s: float,
+        https: HttpsOptions | None = None,
+    ) -> None:
         self._host = host
         self._port = port
         self._grace_s = grace_s
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off",
             timeout_graceful_shutdown=max(1, int(grace_s)),
+            **({} if https is None else https.uvicorn_kwargs()),
         )
         self._server = _QuietServer(config)
         self._task: asyncio.Future[None] | None = None

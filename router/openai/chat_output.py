@@ -23,7 +23,7 @@ from typing import Any
 
 from kvfleet.contracts.errors import InvalidFieldError
 from kvfleet.v1 import router_pb2
-from router.openai.reasoning import ThinkParser, new_reasoning_parser
+from router.openai.reasoning import ThinkParser, grammar_markers, new_reasoning_parser
 from router.openai.tool_parsers import (
     NamedToolParser,
     RequiredToolParser,
@@ -83,6 +83,13 @@ def plan_chat_output(
             constrain_to_schema(request.sampling_params, schema)
         if keep_special:  # the call markers must reach the parser
             request.sampling_params.skip_special_tokens = False
+        if config.reasoning_parser and request.sampling_params.HasField("structured_outputs"):
+            # The grammar constrains the content, after the reasoning (as vLLM's does).
+            start, end = grammar_markers(config.reasoning_parser)
+            constraint = request.sampling_params.structured_outputs
+            if start is not None:
+                constraint.reasoning_start = start
+            constraint.reasoning_end = end
     if tool_choice.mode == "none" and config.reasoning_parser is None:
         return None
     return ChatOutputPlan(

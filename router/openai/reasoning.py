@@ -86,6 +86,19 @@ _PARSERS: dict[str, Callable[[], ThinkParser]] = {
 }
 
 
+# (start marker if the reasoning is optional, end marker) per parser, for a structured-output
+# constraint that must apply after the reasoning (engine.structured.reasoning_gate).
+_GRAMMAR_MARKERS: dict[str, tuple[str | None, str]] = {
+    "deepseek_r1": (None, END),
+    "qwen3": (START, END),
+}
+
+
+def grammar_markers(name: str) -> tuple[str | None, str]:
+    """(reasoning_start, reasoning_end) a constraint carries under parser `name`."""
+    return _GRAMMAR_MARKERS[name]
+
+
 def reasoning_parser_names() -> list[str]:
     return sorted(_PARSERS)
 

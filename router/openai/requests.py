@@ -11,8 +11,10 @@ Invariants:
   integer bounded by its proto type so nothing overflows later; messages per role), sizes by
   `router.request_limits`, sampling rules by the router with the engine's own validation. A problem
   is an `InvalidFieldError` naming the field (HTTP 400, `param` in the error JSON).
-- OpenAI and vLLM features kvfleet does not implement (response_format, logit_bias, suffix,
-  best_of != n, guided decoding, tools outside chat, ...) are refused by name when set to
+- Structured outputs (`response_format`, vLLM's `structured_outputs` and `guided_*`) are
+  read and compiled by `router.openai.structured_bodies`, a bad one naming its exact field.
+- OpenAI and vLLM features kvfleet does not implement (logit_bias, suffix, best_of != n,
+  another guided_decoding_backend, tools outside chat, ...) are refused by name when set to
   anything but their no-op value, never silently ignored.
 - Chat `tools` / `tool_choice` are checked here (`router.openai.tools`), and assistant
   `tool_calls` and tool turns' `tool_call_id` travel to the chat template.
@@ -27,7 +29,9 @@ from typing import Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvfleet.contracts.errors import InvalidFieldError
+from kvfleet.contracts.structured_proto import to_proto as structured_to_proto
 from kvfleet.v1 import common_pb2, router_pb2
+from router.openai.structured_bodies import structured_outputs_of
 from router.openai.tools import ToolChoice, check_tools, message_tool_calls, tools_json
 from router.request_limits import RequestLimits
 
@@ -77,13 +81,8 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "logit_bias": _empty,
     "functions": _empty,
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
-    "guided_decoding_backend": _unset,
-    "structured_outputs": _unset,
+    # One backend (llguidance): naming it, or leaving the choice to the server, is harmless.
+    "guided_decoding_backend": lambda v: v in (None, "auto", "guidance", "llguidance"),
     "allowed_token_ids": _unset,
     "bad_words": _empty,
     "logits_processors": _empty,
@@ -206,6 +205,9 @@ class _SamplingBody(BaseModel):
         _set_if(params, "max_tokens", max_tokens)
         _set_if(params, "repetition_penalty", self.repetition_penalty)
         _set_if(params, "logprobs", logprobs)
+        structured = structured_outputs_of(self)
+        if structured is not None:
+            params.structured_outputs.CopyFrom(structured_to_proto(structured))
         return params
 
     @property

@@ -5,7 +5,7 @@ Role: pure functions over the decoded body fields, no I/O. `check_tools` runs wh
 body is parsed, before any engine work, and raises `InvalidFieldError` naming the exact
 field (`tools[2].function.parameters`, `tool_choice.function.name`, ...).
 `tool_choice_schema` is vLLM's schema for `required` and named choices;
-`constrain_to_schema` is the one place that will hand it to the grammar engine.
+`constrain_to_schema` is the one place that hands it to the grammar engine.
 
 Invariants:
 - A tool is `{"type": "function", "function": {"name", "description"?, "parameters"?,
@@ -25,6 +25,9 @@ import jsonschema
 from jsonschema.exceptions import SchemaError
 
 from kvfleet.contracts.errors import InvalidFieldError
+from kvfleet.contracts.structured_grammar import check_compiles
+from kvfleet.contracts.structured_outputs import StructuredOutputsParams
+from kvfleet.contracts.structured_proto import to_proto as structured_to_proto
 from kvfleet.v1 import common_pb2
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -96,13 +99,21 @@ def tool_choice_schema(
 
 
 def constrain_to_schema(params: common_pb2.SamplingParams, schema: dict[str, Any]) -> None:
-    """Hold the request's output to `schema` (forced tool choices).
+    """Hold the request's output to `schema` (forced tool choices): the sampling params'
+    `structured_outputs.json`, as vLLM's `structured_outputs={"json": schema}`.
 
-    TODO(structured): set the grammar when `StructuredOutputsParams` lands in the sampling
-    params: `params.structured_outputs.json = json.dumps(schema)` (vLLM's
-    `structured_outputs={"json": schema}`). Until then the output is not constrained: the
-    forced parsers render whatever valid output comes back, and anything else as content."""
-    del params, schema
+    A request that already asks for structured outputs (`response_format`, ...) cannot also
+    force a tool: both would constrain the same output. A schema the grammar engine cannot
+    enforce (e.g. a `not` in some tool's parameters) is the `tools` field's fault."""
+    if params.HasField("structured_outputs"):
+        raise InvalidFieldError(
+            "tool_choice",
+            "a required or named tool_choice cannot be combined with response_format or "
+            "structured outputs (both constrain the output)",
+        )
+    constraint = StructuredOutputsParams(json=schema)
+    check_compiles(constraint, "tools")
+    params.structured_outputs.CopyFrom(structured_to_proto(constraint))
 
 
 def tools_json(tools: list[dict[str, Any]] | None) -> str:

@@ -14,8 +14,12 @@ Invariants:
   host match when its host-tier set does (`matched_host_blocks`), else as a pending match
   when a router's pending entry for it on that engine has not expired by Redis' clock
   (`matched_pending_blocks`: a request carrying it was just sent there and the engine has not
-  published it yet); matching stops at the first block in none, in chunks, so a long prompt
-  that misses early costs little and no Lua `unpack` limit is hit.
+  published it yet); matching stops at the first block in none, in chunks growing from one
+  block to `MATCH_CHUNK`, so an engine lacking the first block costs one lookup, a long
+  prompt that misses early costs little and no Lua `unpack` limit is hit.
+- The answer is one string per live engine (`RECORD_SEP`-joined: id, matched, cached, host
+  matched, pending matched, then every registry field and value), so a decision's parsing
+  cost stays small at 128 engines (benchmarks/fleet_sim/decision_cost.py).
 - Pending entries are written by `mark_pending` (one EVALSHA, issued after the decision, off
   the request's critical path; see router.routing.pending) and dropped by `unmark_pending`.
 - The registry cleans itself: the script SREMs from the engines set every id whose hash has
@@ -44,6 +48,7 @@ from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 
 from kvfleet.contracts import redis_schema
+from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +57,14 @@ ENGINE_KEY_PREFIX = redis_schema.engine_key("")
 BLOCKS_KEY_PREFIX = redis_schema.blocks_key("", "").removesuffix(":")
 HOST_BLOCKS_KEY_PREFIX = redis_schema.host_blocks_key("", "").removesuffix(":")
 PENDING_KEY_PREFIX = redis_schema.pending_key("", "").removesuffix(":")
-# Blocks checked per SMISMEMBER call inside the script.
+# Blocks checked per SMISMEMBER call inside the script, at most: the first call checks one
+# block, each next one 4x more (1, 4, 16, 64, 64...), so an engine that lacks the prompt's
+# first block (most of a large fleet: the chain is salted per tenant) costs one lookup, not 64.
 MATCH_CHUNK = 64
+# Separates an engine's id, counts, field names and values in the script's answer: one string
+# per engine parses in C (str.split); ~45 RESP elements per engine cost ~4 ms of pure-Python
+# parsing per decision at 64 engines. No registry field holds a NUL (JSON escapes it).
+RECORD_SEP = "\0"
 # Pending entries per ZADD call inside the mark script (bounded Lua stacks).
 MARK_CHUNK = 500
 
@@ -66,6 +77,7 @@ local block_size, chunk = tonumber(ARGV[3]), tonumber(ARGV[4])
 local max_age = tonumber(ARGV[5])
 local host_prefix, pending_prefix = ARGV[6], ARGV[7]
 local first_hash, last_hash = 8, #ARGV
+local SEP = '\0'
 local time = redis.call('TIME')
 local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
 local result, gone = {}, {}
@@ -87,9 +99,10 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
         local host_cached = redis.call('SCARD', hkey)
         local pending = redis.call('ZCARD', pkey)
         if cached + host_cached + pending > 0 and tonumber(info['block_size']) == block_size then
-          local i, done = first_hash, false
+          local i, done, step = first_hash, false, 1
           while i <= last_hash and not done do
-            local j = math.min(i + chunk - 1, last_hash)
+            local j = math.min(i + step - 1, last_hash)
+            step = math.min(step * 4, chunk)
             local hits, host_hits, expiry = {}, {}, {}
             if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j)) end
             if host_cached > 0 then
@@ -107,7 +120,8 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
           end
         end
       end
-      table.insert(result, {id, matched, cached, fields, host_matched, pending_matched})
+      table.insert(result, table.concat({id, matched, cached, host_matched, pending_matched,
+                                         table.concat(fields, SEP)}, SEP))
     end
   end
 end
@@ -241,7 +255,10 @@ LEAN_CONNECTIONS: dict[str, Any] = {
 class PrefixIndex:
     """Async reader of the engines' registry and block index."""
 
-    def __init__(self, redis_url: str, config: PrefixIndexConfig | None = None) -> None:
+    def __init__(
+        self, redis_url: str, config: PrefixIndexConfig | None = None,
+        access: RedisAccess = NO_ACCESS,
+    ) -> None:
         self.config = config if config is not None else PrefixIndexConfig()
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             redis_url,
@@ -252,6 +269,7 @@ class PrefixIndex:
             # Fail fast: the fallback (load-only routing) beats waiting for Redis.
             retry=Retry(NoBackoff(), 0),
             **LEAN_CONNECTIONS,
+            **access.client_kwargs(redis_url),
         )
         self._client = redis.asyncio.Redis.from_pool(pool)
         self._script = self._client.register_script(LOOKUP_SCRIPT)
@@ -311,12 +329,13 @@ class PrefixIndex:
         await self._client.aclose()
 
 
-def _record(item: Sequence[Any]) -> EngineRecord:
-    engine_id, matched, cached, flat, host_matched, pending_matched = item
-    fields = {
-        _text(flat[i]): _text(flat[i + 1]) for i in range(0, len(flat) - 1, 2)
-    }
-    return EngineRecord(_text(engine_id), int(matched), int(cached), fields, int(host_matched),
+def _record(item: bytes | str) -> EngineRecord:
+    """One engine of the script's answer: NUL-separated id, counts, then field, value, ..."""
+    parts = _text(item).split(RECORD_SEP)
+    engine_id, matched, cached, host_matched, pending_matched = parts[:5]
+    flat = parts[5:]
+    fields = dict(zip(flat[0::2], flat[1::2], strict=False))
+    return EngineRecord(engine_id, int(matched), int(cached), fields, int(host_matched),
                         int(pending_matched))
 
 

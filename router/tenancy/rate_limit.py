@@ -39,6 +39,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvfleet.contracts import redis_schema
+from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess
 from router.metrics import RouterMetrics
 from router.routing.prefix_index import LEAN_CONNECTIONS
 from router.tenancy.local_rate_limit import LocalRateLimiter, wall_clock_ms
@@ -54,6 +55,8 @@ UNLIMITED = Admission(True)
 @dataclass(frozen=True)
 class RateLimitConfig:
     redis_url: str | None = None
+    # Credentials and TLS for redis_url (kvfleet.runtime.redis_access).
+    redis_access: RedisAccess = NO_ACCESS
     # Router replicas sharing the limits: the fallback enforces limit / replicas.
     replicas: int = 1
     # A lease not renewed for this long is dropped (a crashed router's requests).
@@ -87,7 +90,7 @@ class TenantRateLimiter:
             self._client = redis.asyncio.Redis.from_url(
                 config.redis_url, socket_timeout=config.redis_timeout_s,
                 socket_connect_timeout=config.redis_timeout_s, retry=Retry(NoBackoff(), 0),
-                **LEAN_CONNECTIONS,
+                **LEAN_CONNECTIONS, **config.redis_access.client_kwargs(config.redis_url),
             )
             self._script = self._client.register_script(SCRIPT)
         self._redis_down_until = 0.0

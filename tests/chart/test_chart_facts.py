@@ -230,9 +230,10 @@ def test_api_key_secret_holds_a_key_file_the_router_accepts(tmp_path: Path) -> N
 
 def test_auth_off_mounts_no_secret_and_passes_no_key_file() -> None:
     rendered = render()
-    # Only the router credential engines require (generated, kvfleet/runtime/service_auth.py).
-    assert [s["metadata"]["name"] for s in rendered.all("Secret")] == [
-        "kv-kvfleet-router-secret"]
+    # Only the router credential engines require (generated, kvfleet/runtime/service_auth.py)
+    # and the bundled Redis's password (docs/tls.md).
+    assert sorted(s["metadata"]["name"] for s in rendered.all("Secret")) == [
+        "kv-kvfleet-redis-auth", "kv-kvfleet-router-secret"]
     assert _flag(command_line(rendered, "router"), "api-keys") is None
     for component in ("router", "engine"):
         assert _flag(command_line(rendered, component), "router-secret-file") == (

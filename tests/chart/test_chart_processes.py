@@ -6,6 +6,8 @@ args with a local redis-server, then tokenizer, engine and router on the tiny te
 Each must report SERVING on the service name its readiness probe asks for; the first-request
 command from NOTES.txt must stream a completion from the engine named after its pod; on
 SIGTERM every service drains and exits 0, and the engine leaves Redis.
+With `tls.enabled` the same release serves over mutual TLS with the chart's generated
+certificates (gRPC client and HTTPS with the CA; an engine refuses a plaintext caller).
 
 Only what a cluster provides is simulated: Service DNS names resolve to 127.0.0.1, the Secret
 and model volumes are directories under tmp_path, and the CPU-kernel cache is the usual one
@@ -18,9 +20,11 @@ import base64
 import json
 import os
 import shlex
+import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,6 +80,21 @@ class LocalRelease:
         for name, content in rendered.get("Secret", f"{FULLNAME}-router-secret")[
                 "data"].items():
             (self.router_secret_dir / name).write_bytes(base64.b64decode(content))
+        # The generated Redis password (redis.conf for Redis, password for its clients).
+        self.redis_auth_dir = workdir / "redis-auth"
+        self.redis_auth_dir.mkdir()
+        for name, content in rendered.get("Secret", f"{FULLNAME}-redis-auth")["data"].items():
+            (self.redis_auth_dir / name).write_bytes(base64.b64decode(content))
+        self.redis_password = (self.redis_auth_dir / "password").read_text()
+        # With tls.enabled: each component's certificate Secret, as its volume would hold it.
+        self.tls_dirs: dict[str, Path] = {}
+        for component in SERVICES:
+            secret = rendered.find("Secret", f"{FULLNAME}-{component}-tls")
+            if secret is not None:
+                self.tls_dirs[component] = workdir / f"tls-{component}"
+                self.tls_dirs[component].mkdir()
+                for name, content in secret["data"].items():
+                    (self.tls_dirs[component] / name).write_bytes(base64.b64decode(content))
 
     def log(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")[-3000:]
@@ -89,8 +108,9 @@ class LocalRelease:
         pod = self.rendered.get("Deployment", f"{FULLNAME}-redis")["spec"]["template"]["spec"]
         args = pod["containers"][0]["args"]
         assert args[0] == "redis-server"
+        args = [a.replace("/etc/kvfleet/redis-auth", str(self.redis_auth_dir)) for a in args]
         self._spawn("redis", [find_redis_server(), *args[1:]])
-        _wait(lambda: ping("127.0.0.1", port), "redis", self)
+        _wait(lambda: ping("127.0.0.1", port, password=self.redis_password), "redis", self)
 
     def start(self, component: str) -> None:
         container = self.rendered.container(component)
@@ -104,12 +124,28 @@ class LocalRelease:
         assert argv[0] == "python"
         argv[0] = sys.executable
         argv = [arg.replace("/etc/kvfleet/auth", str(self.secret_dir)).replace(
-            "/etc/kvfleet/router-secret", str(self.router_secret_dir)) for arg in argv]
+            "/etc/kvfleet/router-secret", str(self.router_secret_dir)).replace(
+            "/etc/kvfleet/redis-auth", str(self.redis_auth_dir)).replace(
+            "/etc/kvfleet/tls", str(self.tls_dirs.get(component, "/etc/kvfleet/tls")))
+            for arg in argv]
         del env["HOME"]  # keep the machine's caches (the chart gives each pod an emptyDir)
         env.pop("KVFLEET_CACHE_DIR", None)
         self._spawn(component, argv, {**os.environ, **env, "PYTHONPATH": str(_repo_root())})
-        probe = container["readinessProbe"]["grpc"]
-        _wait(lambda: _serving(probe["port"], probe["service"]), component, self)
+        probe = container["readinessProbe"]
+        if "grpc" in probe:
+            grpc_probe = probe["grpc"]
+            _wait(lambda: _serving(grpc_probe["port"], grpc_probe["service"]), component, self)
+        else:  # TLS: the kubelet checks the port; here, health over mutual TLS
+            port, service = probe["tcpSocket"]["port"], f"kvfleet.v1.{component.title()}"
+            _wait(lambda: _serving(port, service, self.client_tls(component)), component, self)
+
+    def client_tls(self, peer: str) -> tuple[grpc.ChannelCredentials, str]:
+        """Credentials of a fleet client (the router's certificate) and `peer`'s role name."""
+        files = self.tls_dirs["router"]
+        credentials = grpc.ssl_channel_credentials(
+            (files / "ca.crt").read_bytes(), (files / "tls.key").read_bytes(),
+            (files / "tls.crt").read_bytes())
+        return credentials, f"kvfleet-{peer}"
 
     def stop(self, names: tuple[str, ...] | None = None) -> dict[str, int | None]:
         """SIGTERM `names` (default: everything, newest first); their exit codes."""
@@ -130,8 +166,12 @@ def _repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
 
 
-def _serving(port: int, service: str) -> bool:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def _serving(port: int, service: str,
+             tls: tuple[grpc.ChannelCredentials, str] | None = None) -> bool:
+    address = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(address) if tls is None else grpc.secure_channel(
+        address, tls[0], (("grpc.ssl_target_name_override", tls[1]),))
+    with channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=2)
@@ -152,8 +192,19 @@ def _wait(ready: Any, name: str, release: LocalRelease) -> None:
 
 @pytest.fixture
 def release(tiny_model_dir: Path, tmp_path: Path) -> Iterator[LocalRelease]:
+    yield from _release(tiny_model_dir, tmp_path, {})
+
+
+@pytest.fixture
+def tls_release(tiny_model_dir: Path, tmp_path: Path) -> Iterator[LocalRelease]:
+    # The bundled Redis stays plaintext: the local redis-server may lack TLS support.
+    yield from _release(tiny_model_dir, tmp_path, {"tls": {"enabled": True}})
+
+
+def _release(tiny_model_dir: Path, tmp_path: Path,
+             extra: dict[str, Any]) -> Iterator[LocalRelease]:
     ports = {name: free_port() for name in ("redis", *SERVICES)}
-    local = LocalRelease(render(_values(tiny_model_dir, ports)), tmp_path)
+    local = LocalRelease(render({**_values(tiny_model_dir, ports), **extra}), tmp_path)
     try:
         local.start_redis(ports["redis"])
         for component in SERVICES:
@@ -182,9 +233,34 @@ def test_rendered_pods_serve_the_notes_request_and_drain(release: LocalRelease) 
     redis_url = release.rendered.config()["KVFLEET_REDIS_URL"].replace(
         f"{FULLNAME}-redis:", "127.0.0.1:")
     engine_port = release.rendered.container("engine")["ports"][0]["containerPort"]
-    with redis.Redis.from_url(redis_url) as store:
+    with redis.Redis.from_url(redis_url, password=release.redis_password) as store:
         key = redis_schema.engine_key(ENGINE_POD)
         assert store.hget(key, "address") == f"127.0.0.1:{engine_port}".encode()
         services = tuple(reversed(SERVICES))
         assert release.stop(services) == dict.fromkeys(services, 0)
         assert not store.exists(key)  # the engine deregistered while draining
+
+
+def test_rendered_tls_pods_serve_over_mutual_tls(tls_release: LocalRelease) -> None:
+    """tls.enabled: the chart's generated certificates carry the names each hop verifies;
+    a request goes client -(TLS)-> router -(mTLS)-> tokenizer and engine, and the HTTP
+    API answers over HTTPS with the same CA."""
+    router = tls_release.rendered.container("router")
+    grpc_port = router["ports"][0]["containerPort"]
+    ca_file = tls_release.tls_dirs["router"] / "ca.crt"
+    client = subprocess.run(
+        [sys.executable, "-m", "kvfleet.cli", "client", "--router", f"localhost:{grpc_port}",
+         "--ca-file", str(ca_file), "--api-key", API_KEY, "--max-tokens", "4", "--timeout",
+         "60", "hello"], cwd=_repo_root(), capture_output=True, text=True, timeout=120,
+        check=False)
+    assert client.returncode == 0, client.stderr + tls_release.log("router")
+    assert json.loads(client.stdout.strip().splitlines()[-1])["engine_id"] == ENGINE_POD
+    http_port = next(p["containerPort"] for p in router["ports"] if p["name"] == "http")
+    context = ssl.create_default_context(cafile=str(ca_file))
+    request = urllib.request.Request(f"https://localhost:{http_port}/v1/models",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, context=context, timeout=30) as reply:
+        assert reply.status == 200
+    # An engine refuses a caller without a fleet certificate.
+    engine_port = tls_release.rendered.container("engine")["ports"][0]["containerPort"]
+    assert not _serving(engine_port, "kvfleet.v1.Engine")

@@ -303,7 +303,7 @@ def test_config_defaults_and_spellings() -> None:
     ("overrides", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"mlp_bias": True}, "mlp_bias"),
     ],

@@ -30,7 +30,7 @@ from kvfleet.contracts import redis_schema
 from kvfleet.contracts.block_hash import hash_token_blocks
 from kvfleet.contracts.sampling_params import SamplingParams
 from kvfleet.redis_server import RedisServer
-from kvfleet.v1 import engine_pb2, engine_pb2_grpc
+from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.fixtures.engine_harness import (
     SMALL_WINDOW,
     EngineHarness,
@@ -221,6 +221,8 @@ BAD_REQUESTS: list[tuple[dict[str, object], str]] = [
     (dict(logprobs=2, top_logprobs=3), "disagree"),
     (dict(request_id=""), "request_id"),
     (dict(request_id="good-1"), "already in use"),
+    (dict(structured_outputs=common_pb2.StructuredOutputs(regex="(")),
+     "structured_outputs.regex"),
 ]
 
 

@@ -146,6 +146,18 @@ def test_a_restarted_router_routes_as_before(fleet: Fleet, client: RouterClient)
     client.channel = grpc.insecure_channel(fleet.router_address)
 
 
+def published_idle(redis_url: str) -> bool:
+    """Every registered engine publishes no running or waiting request."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        ids = [i.decode() for i in client.smembers(redis_schema.ENGINES_SET)]
+        loads = [client.hmget(redis_schema.engine_key(i), "num_running", "num_waiting")
+                 for i in ids]
+        return bool(loads) and all(v == b"0" for load in loads for v in load)
+    finally:
+        client.close()
+
+
 def test_two_router_replicas_agree_without_talking(fleet: Fleet, client: RouterClient) -> None:
     replica = fleet.add_router("router-replica", "prefix")
     with grpc.insecure_channel(replica.address) as channel:
@@ -171,6 +183,10 @@ def test_two_router_replicas_agree_without_talking(fleet: Fleet, client: RouterC
                 await index.close()
 
     # New prefixes (no engine holds them): independent replicas still pick the same engine.
+    # Among tied engines the one running fewer requests wins before the hash: wait until
+    # the engines have published the requests above as done, so both replicas read alike.
+    wait_until(lambda: published_idle(fleet.redis_url), 10,
+               what="engines publishing no running request")
     first, second = asyncio.run(two_replicas())
     assert first == second
     assert set(first) == {"engine-0", "engine-1"}

@@ -116,3 +116,17 @@ def test_launch_shape_keeps_dot_tiles_at_least_16():
         assert block_q * qpk_pad >= 16 and qpk_pad >= num_heads // num_kv_heads
     with pytest.raises(ValueError, match="multiple"):
         launch_shape(6, 4)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(8, None), (None, 2.0), (20, 5.0)])
+def test_sliding_window_and_softcap_match_reference(window, softcap, device):
+    """Gemma's options: keys at most window - 1 positions back (contexts run past it, prefill
+    chunks cross it, and whole key tiles fall before it), and tanh-capped scores."""
+    batch = build_batch(MIXED, 4, 2, 64, 16, torch.float32, seed=2)
+    batch.update(window=window, softcap=softcap)
+    got = run_kernel(batch, device)
+    expected = unified_attention_reference(**batch)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[torch.float32], rtol=0)
+    plain = unified_attention_reference(**{**batch, "window": None, "softcap": None})
+    assert not torch.allclose(expected, plain, atol=1e-3)  # the options did change the result

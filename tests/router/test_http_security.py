@@ -50,8 +50,8 @@ def serve(policy_path: Path, runtime_lora: RuntimeLoRAConfig) -> Iterator[str]:
         pipeline = GenerationPipeline(tokenizer, EngineSelector(RoutingConfig(), None, pool),
                                       pool, metrics)
         policies = PolicyStore(load_policy(policy_path))
-        server = HttpServer(OpenAIApi(pipeline, policies, metrics, runtime_lora).app(),
-                            "127.0.0.1", 0, 2.0)
+        api = OpenAIApi(pipeline, policies, metrics, runtime_lora=runtime_lora)
+        server = HttpServer(api.app(), "127.0.0.1", 0, 2.0)
         state["port"] = await server.start()
         state["stop"], state["loop"] = asyncio.Event(), asyncio.get_running_loop()
         ready.set()

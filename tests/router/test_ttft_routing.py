@@ -131,6 +131,28 @@ def test_a_new_prefix_spreads_by_the_hash_despite_rate_noise() -> None:
     assert reason(engines) == "least_load"
 
 
+def test_a_new_prefix_goes_to_the_least_loaded_of_the_tied_engines() -> None:
+    # Two requests decoding on the hash's first choice: 0.564 s vs 0.544 s, a tie, but the
+    # idle engine takes the new prefix (new prefixes stay where they land: the fleet
+    # simulator's busiest engine went from 1.43x to 1.27x the mean's work).
+    engines = [engine(HASH_FIRST, num_running=2, num_decoding=2), engine(HASH_SECOND)]
+    assert ttft(engines) == {HASH_FIRST: 0.564, HASH_SECOND: 0.544}
+    assert ranked(engines) == [HASH_SECOND, HASH_FIRST]
+    assert reason(engines) == "least_load"
+    # This router's own requests count as load too (before any engine publishes them).
+    engines = [engine(HASH_FIRST, in_flight=1), engine(HASH_SECOND)]
+    assert ranked(engines) == [HASH_SECOND, HASH_FIRST]
+    # As loaded: the hash decides.
+    engines = [engine(HASH_FIRST, num_running=1), engine(HASH_SECOND, num_running=1)]
+    assert ranked(engines) == [HASH_FIRST, HASH_SECOND]
+    assert reason(engines) == "hash"
+    # The cache still comes first: the busier holder keeps its prefix.
+    engines = [engine(HASH_SECOND, num_running=3, matched_blocks=PREFIX_BLOCKS),
+               engine(HASH_FIRST)]
+    assert ranked(engines)[0] == HASH_SECOND
+    assert reason(engines) == "cached"
+
+
 def test_by_time_alone_the_spill_point_is_the_recompute_time() -> None:
     holder = [engine("h", matched_blocks=PREFIX_BLOCKS, queued_prefill_tokens=500), engine("o")]
     assert ranked(holder, TIME_ONLY) == ["h", "o"]  # 532 < 544

@@ -157,3 +157,23 @@ def test_hermes_keeps_special_tokens_in_the_text() -> None:
         (request,) = parsed.to_router_requests()
         plan_chat_output(parsed.tools, parsed.checked_tool_choice(), True, hermes, [request])
         assert request.sampling_params.skip_special_tokens is skip
+
+
+@pytest.mark.parametrize(("parser", "start"), [("deepseek_r1", None), ("qwen3", "<think>")])
+def test_a_reasoning_parser_starts_the_grammar_after_the_reasoning(parser, start) -> None:
+    config = ChatOutputConfig(reasoning_parser=parser)
+    for body in ({"tools": [WEATHER], "tool_choice": "required"},
+                 {"response_format": {"type": "json_object"}}):
+        parsed = parse_body(ChatCompletionRequest, {"messages": USER, **body}, RequestLimits())
+        (request,) = parsed.to_router_requests()
+        plan_chat_output(parsed.tools, parsed.checked_tool_choice(), True, config, [request])
+        constraint = request.sampling_params.structured_outputs
+        assert constraint.reasoning_end == "</think>"
+        assert (constraint.reasoning_start if constraint.HasField("reasoning_start")
+                else None) == start
+    # Without a reasoning parser the grammar holds from the first token.
+    parsed = parse_body(ChatCompletionRequest, {"messages": USER, "response_format": {
+        "type": "json_object"}}, RequestLimits())
+    (request,) = parsed.to_router_requests()
+    plan_chat_output(None, parsed.checked_tool_choice(), True, ChatOutputConfig(), [request])
+    assert not request.sampling_params.structured_outputs.HasField("reasoning_end")

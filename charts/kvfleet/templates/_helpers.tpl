@@ -75,7 +75,7 @@ app.kubernetes.io/part-of: kvfleet
 {{/* The Redis URL when it is not a secret: the bundled instance or external.url. */}}
 {{- define "kvfleet.redisUrl" -}}
 {{- if .Values.redis.bundled }}
-{{- printf "redis://%s:%d/%d" (include "kvfleet.redisName" .) (int .Values.redis.port) (int .Values.redis.database) }}
+{{- printf "%s://%s:%d/%d" (ternary "rediss" "redis" .Values.redis.tls.enabled) (include "kvfleet.redisName" .) (int .Values.redis.port) (int .Values.redis.database) }}
 {{- else }}
 {{- .Values.redis.external.url }}
 {{- end }}
@@ -137,6 +137,12 @@ app.kubernetes.io/part-of: kvfleet
 {{- if and .Values.metrics.serviceMonitor.enabled (not .Values.metrics.enabled) }}
 {{- fail "metrics.serviceMonitor.enabled=true needs metrics.enabled=true" }}
 {{- end }}
+{{- if and .Values.redis.bundled .Values.redis.tls.enabled (not .Values.tls.enabled) }}
+{{- fail "redis.tls.enabled=true needs tls.enabled=true (the bundled Redis uses the fleet's certificates)" }}
+{{- end }}
+{{- if and .Values.tls.enabled (eq .Values.tls.source "certManager") (not .Values.tls.certManager.issuerRef.name) }}
+{{- fail "tls.source=certManager needs tls.certManager.issuerRef.name" }}
+{{- end }}
 {{- if and .Values.tracing.enabled (not .Values.tracing.endpoint) }}
 {{- fail "tracing.enabled=true needs tracing.endpoint" }}
 {{- end }}
@@ -158,9 +164,15 @@ Native gRPC probes on the standard health service:
 {{- define "kvfleet.grpcProbes" -}}
 {{- range $kind := list "startup" "readiness" "liveness" }}
 {{ $kind }}Probe:
+  {{- if $.tls }}
+  # The kubelet's gRPC probe speaks no TLS: with TLS on, a TCP check (docs/tls.md).
+  tcpSocket:
+    port: {{ $.port }}
+  {{- else }}
   grpc:
     port: {{ $.port }}
     service: {{ $.service }}
+  {{- end }}
   {{- toYaml (get $.probes $kind) | nindent 2 }}
 {{- end }}
 {{- end }}
@@ -352,5 +364,107 @@ checksum/config: {{ toJson $used | sha256sum }}
   from:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* ---- TLS (docs/tls.md) ---- */}}
+{{/* A component's TLS Secret: (dict "ctx" . "component" "engine"). */}}
+{{- define "kvfleet.tlsSecretName" -}}
+{{- default (printf "%s-%s-tls" (include "kvfleet.fullname" .ctx) .component) (get .ctx.Values.tls.secretNames .component) }}
+{{- end }}
+
+{{/* The names a component's certificate carries: its role (what peers verify), its Service. */}}
+{{- define "kvfleet.tlsDnsNames" -}}
+{{- $service := printf "%s-%s" (include "kvfleet.fullname" .ctx) .component }}
+{{- list (printf "kvfleet-%s" .component) $service (printf "%s.%s.svc" $service .ctx.Release.Namespace) (printf "%s.%s.svc.cluster.local" $service .ctx.Release.Namespace) "localhost" | toJson }}
+{{- end }}
+
+{{- define "kvfleet.tlsArgs" -}}
+{{- if .Values.tls.enabled }}
+- --tls-cert-file=/etc/kvfleet/tls/tls.crt
+- --tls-key-file=/etc/kvfleet/tls/tls.key
+- --tls-ca-file=/etc/kvfleet/tls/ca.crt
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.tlsMount" -}}
+{{- if .ctx.Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/kvfleet/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.tlsVolume" -}}
+{{- if .ctx.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "kvfleet.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end }}
+
+{{/* ---- Redis credentials ---- */}}
+{{- define "kvfleet.redisAuthSecretName" -}}
+{{- printf "%s-redis-auth" (include "kvfleet.fullname" .) }}
+{{- end }}
+
+{{/* The Secret and key routers and engines read the Redis password from ("" when none). */}}
+{{- define "kvfleet.redisPasswordSecret" -}}
+{{- if .Values.redis.bundled }}
+{{- if .Values.redis.auth.enabled }}{{ include "kvfleet.redisAuthSecretName" . }}{{ end }}
+{{- else if .Values.redis.external.passwordSecret.name }}
+{{- .Values.redis.external.passwordSecret.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.redisPasswordKey" -}}
+{{- if .Values.redis.bundled }}password{{ else }}{{ .Values.redis.external.passwordSecret.key }}{{ end }}
+{{- end }}
+
+{{/* Where routers and engines find the CA of Redis's certificate ("" when not TLS or the system's). */}}
+{{- define "kvfleet.redisCaFile" -}}
+{{- if and .Values.redis.bundled .Values.redis.tls.enabled }}/etc/kvfleet/tls/ca.crt
+{{- else if and (not .Values.redis.bundled) .Values.redis.external.caSecret.name }}/etc/kvfleet/redis-ca/{{ .Values.redis.external.caSecret.key }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.redisAccessArgs" -}}
+{{- if include "kvfleet.redisPasswordSecret" . }}
+- --redis-password-file=/etc/kvfleet/redis-auth/{{ include "kvfleet.redisPasswordKey" . }}
+{{- end }}
+{{- with include "kvfleet.redisCaFile" . }}
+- --redis-ca-file={{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.redisAccessMounts" -}}
+{{- if include "kvfleet.redisPasswordSecret" . }}
+- name: redis-auth
+  mountPath: /etc/kvfleet/redis-auth
+  readOnly: true
+{{- end }}
+{{- if and (not .Values.redis.bundled) .Values.redis.external.caSecret.name }}
+- name: redis-ca
+  mountPath: /etc/kvfleet/redis-ca
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "kvfleet.redisAccessVolumes" -}}
+{{- with include "kvfleet.redisPasswordSecret" . }}
+- name: redis-auth
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+    items:
+      - key: {{ include "kvfleet.redisPasswordKey" $ }}
+        path: {{ include "kvfleet.redisPasswordKey" $ }}
+{{- end }}
+{{- if and (not .Values.redis.bundled) .Values.redis.external.caSecret.name }}
+- name: redis-ca
+  secret:
+    secretName: {{ .Values.redis.external.caSecret.name }}
+    defaultMode: 0440
 {{- end }}
 {{- end }}

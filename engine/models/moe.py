@@ -1,0 +1,67 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): top-k routing, grouped expert GEMMs.
+
+The router is one [experts, hidden] matmul; softmax in float32 over all experts, top-k, then
+(Mixtral always; Qwen3-MoE with norm_topk_prob) the k weights renormalised to sum 1, as
+transformers' TopKRouter does. Tokens are then grouped by expert: (token, slot) pairs are
+sorted by expert id once, and each expert that received tokens runs two GEMMs on all of its
+rows together ([n_e, H] x [2I, H]^T, SiLU-and-mul, x [H, I]^T), scaled by the rows' routing
+weights and summed into the output with index_add_ (no Python loop over tokens; one over the
+experts hit, as transformers' own experts loop).
+
+Invariants: expert weights are batched parameters, gate_up [E, 2I, H] (gate rows, then up)
+and down [E, H, I]; the loader fills them from the checkpoint's per-expert w1/w3/w2 (Mixtral)
+or gate/up/down_proj (Qwen3-MoE) tensors (engine.models.weight_names). Float32 results equal
+transformers' to rounding: the per-expert matmuls see the same rows, in token order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.config import ModelConfig
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts, hidden, inter = (
+            config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.num_experts = experts
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        # Qwen3-MoE casts the routing weights to the activation dtype; Mixtral keeps float32.
+        self.cast_weights = config.architecture != "MixtralForCausalLM"
+        self.gate = nn.Parameter(torch.empty(experts, hidden))
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.down = nn.Parameter(torch.empty(experts, hidden, inter))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) per token."""
+        probs = F.softmax(F.linear(x, self.gate).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return (weights.to(x.dtype) if self.cast_weights else weights), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = torch.zeros_like(x)
+        flat_ids = ids.reshape(-1)
+        # Stable sort: within an expert, rows stay in token order (as transformers' where()).
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k
+        row_weights = weights.reshape(-1).index_select(0, order)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start : start + count]
+            gate, up = F.linear(x.index_select(0, rows), self.gate_up[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, self.down[expert])
+            h = h * row_weights[start : start + count, None]
+            out.index_add_(0, rows, h.to(out.dtype))
+            start += count
+        return out

@@ -1,0 +1,182 @@
+"""A Llama-family model served straight from a GGUF file, its projections kept quantized.
+
+`load_gguf_model(path, dtype)` builds `engine.models.llama`'s decoder on the meta device,
+swaps every projection for a `QuantLinear` over the file's quantized rows (q/k/v and gate/up
+fused by stacking rows), the embedding for a `QuantEmbedding` (which, tied, is also the LM
+head), and fills the norms from the file. Tensor names follow llama.cpp's
+(`blk.N.attn_q.weight`, ...).
+
+GGUF's llama Q/K rows are permuted (llama.cpp's converter interleaves each head's two RoPE
+halves); `_unpermute` applies transformers' inverse (`reverse_permute_weights`) to the rows,
+which is exact on quantized data because a row's blocks never mix rows.
+
+Formats the kernel reads (Q8_0, Q4_0, Q4_1) stay quantized; any other quantized type (the
+K-quants) is dequantized to float32 at load (bit-equal to gguf-py), so every GGUF gguf-py
+reads loads, the K-quants without the memory saving.
+
+Invariants: every tensor of the file is used and every parameter is filled (ValueError
+otherwise); the model is in eval mode with no gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader
+from torch import nn
+
+from engine.models.config import ModelConfig
+from engine.models.gemm_select import MAX_PREFILL_ROWS
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.quant import formats
+from engine.quant.gguf_file import iter_tensors
+from engine.quant.qlinear import QuantEmbedding, QuantLinear, QuantTensor
+
+logger = logging.getLogger("kvfleet.engine")
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def _unpermute(t: QuantTensor, heads: int) -> QuantTensor:
+    """transformers' reverse_permute_weights on the rows of `t` (a q or k projection)."""
+    n = t.rows
+    order = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(n)
+    return QuantTensor(t.raw.index_select(0, order), t.qtype, t.k)
+
+
+def _kept_format(t: QuantTensor) -> QuantTensor:
+    """Kernel formats as they are; anything else as float32 rows (dequantized once)."""
+    if t.qtype in formats.KERNEL_TYPES or t.qtype == formats.F32:
+        return t
+    dense = t.dequantize().contiguous()
+    return QuantTensor(dense.view(torch.uint8), formats.F32, t.k)
+
+
+def _as_float(t: QuantTensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.dequantize().reshape(-1).to(dtype)
+
+
+class QuantLlamaForCausalLM(LlamaForCausalLM):
+    """`LlamaForCausalLM` with QuantLinear projections and a quantized embedding / LM head."""
+
+    def prepack(self, requested: str = "auto", prefill_rows: int = MAX_PREFILL_ROWS) -> str:
+        """Choose the kernel's row limit (measured unless `requested` forces a path)."""
+        from engine.quant.select import choose_kernel_rows
+
+        limit = choose_kernel_rows(self, requested)
+        for module in self.modules():
+            if isinstance(module, QuantLinear):
+                module.kernel_max_rows = limit
+        return "gguf-kernel" if limit else "gguf-dequant"
+
+    @property
+    def quant_head(self) -> QuantLinear | None:
+        """The LM head over quantized rows (submodule `head`, set by the GGUF loader); None:
+        the base class's dense head (int8 at load). Read from `_modules`: a class-level
+        default would shadow the registered submodule."""
+        head = self._modules.get("head")
+        return head if isinstance(head, QuantLinear) else None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.quant_head
+        if head is None:
+            return super().compute_logits(hidden)
+        return head.forward(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
+        if self.quant_head is None:
+            return super().greedy_tokens(hidden)
+        return None  # the sampler's argmax over compute_logits
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every weight as held (a tied head shares the embedding's rows)."""
+        seen: set[int] = set()
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for m in self.modules():
+            tensors = (m.segments if isinstance(m, QuantLinear)
+                       else [m.table] if isinstance(m, QuantEmbedding) else [])
+            for t in tensors:
+                if t.raw.data_ptr() not in seen:
+                    seen.add(t.raw.data_ptr())
+                    total += t.raw.numel()
+        return total
+
+
+def load_gguf_model(path: str | Path, config: ModelConfig, dtype: torch.dtype,
+                    device: str | torch.device = "cpu") -> QuantLlamaForCausalLM:
+    """The model of GGUF file `path` (config from its companion directory) in `dtype`."""
+    if torch.device(device).type != "cpu":
+        raise ValueError("GGUF models run on CPU only (the quantized kernel is a CPU kernel)")
+    with torch.device("meta"):
+        model = QuantLlamaForCausalLM(config)
+    tensors = dict(iter_tensors(GGUFReader(str(path))))
+    _fill(model, config, tensors, dtype)
+    if tensors:
+        raise ValueError(f"GGUF tensors with no place in the model: {sorted(tensors)[:8]}")
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"GGUF file is missing {len(missing)} tensors: {missing[:8]}")
+    model.eval()
+    model.requires_grad_(False)
+    logger.info("GGUF %s: weights %.1f MiB as loaded (%s)", Path(path).name,
+                model.weight_bytes / 2**20, _type_counts(model))
+    return model
+
+
+def _fill(model: QuantLlamaForCausalLM, config: ModelConfig,
+          tensors: dict[str, QuantTensor], dtype: torch.dtype) -> None:
+    embed = _kept_format(tensors.pop("token_embd.weight"))
+    model.embed_tokens = QuantEmbedding(embed, dtype)  # type: ignore[assignment]
+    head = tensors.pop("output.weight", None)
+    model.add_module("head", QuantLinear([embed if head is None else _kept_format(head)]))
+    model.norm.weight = nn.Parameter(_as_float(tensors.pop("output_norm.weight"), dtype))
+    for index, layer in enumerate(model.layers):
+        assert isinstance(layer, LlamaDecoderLayer)
+        _fill_layer(layer, index, config, tensors, dtype)
+
+
+def _fill_layer(layer: LlamaDecoderLayer, i: int, config: ModelConfig,
+                tensors: dict[str, QuantTensor], dtype: torch.dtype) -> None:
+    def take(name: str, kind: str = "weight") -> QuantTensor | None:
+        return tensors.pop(f"blk.{i}.{name}.{kind}", None)
+
+    def need(name: str) -> QuantTensor:
+        t = take(name)
+        if t is None:
+            raise ValueError(f"GGUF file is missing blk.{i}.{name}.weight")
+        return _kept_format(t)
+
+    q = _unpermute(need("attn_q"), config.num_attention_heads)
+    k = _unpermute(need("attn_k"), config.num_key_value_heads)
+    biases = [take(n, "bias") for n in ("attn_q", "attn_k", "attn_v")]
+    qkv_bias = None
+    if all(b is not None for b in biases):
+        bq, bk, bv = (_as_float(b, torch.float32) for b in biases if b is not None)
+        bq = bq.view(config.num_attention_heads, -1, 2).transpose(1, 2).reshape(-1)
+        bk = bk.view(config.num_key_value_heads, -1, 2).transpose(1, 2).reshape(-1)
+        qkv_bias = torch.cat([bq, bk, bv])
+    attn = layer.self_attn
+    attn.qkv_proj = QuantLinear([q, k, need("attn_v")], qkv_bias)  # type: ignore[assignment]
+    o_bias = take("attn_output", "bias")
+    attn.o_proj = QuantLinear(  # type: ignore[assignment]
+        [need("attn_output")], None if o_bias is None else _as_float(o_bias, torch.float32))
+    mlp = layer.mlp
+    mlp.gate_up_proj = QuantLinear([need("ffn_gate"), need("ffn_up")])  # type: ignore[assignment]
+    mlp.down_proj = QuantLinear([need("ffn_down")])  # type: ignore[assignment]
+    for gguf_name, ours in _NORMS.items():
+        norm = getattr(layer, ours)
+        norm.weight = nn.Parameter(_as_float(tensors.pop(f"blk.{i}.{gguf_name}.weight"), dtype))
+
+
+def _type_counts(model: nn.Module) -> str:
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            for s in m.segments:
+                counts[formats.type_name(s.qtype)] = counts.get(formats.type_name(s.qtype), 0) + 1
+    return ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))

@@ -1,0 +1,37 @@
+"""Builds and loads the GGUF quantized-GEMM kernel (`torch.ops.kvfleet_quant.*`) on first use.
+
+A library of its own beside `kernels.cpu`'s: editing this kernel rebuilds only it, and the
+quantized path can be missing (no compiler) while the other CPU ops work, or the reverse.
+Built and cached exactly as `kernels.cpu` builds its ops (same flags, same cache key rules,
+same atomic rename); callers fall back to dequantize-then-matmul when `load()` is False.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.cpu import _build_dir, _load_or_build
+
+logger = logging.getLogger("kvfleet.kernels")
+
+_SOURCES = [Path(__file__).with_name("quant_gemm.cpp")]
+_NAME = "kvfleet_quant_ops"
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+def load() -> bool:
+    """Compile (once per machine) and load the quantized GEMM; True when it is usable."""
+    with _lock:
+        if "loaded" not in _state:
+            try:
+                _load_or_build(_build_dir(_SOURCES), _NAME, _SOURCES)
+                _state["loaded"] = hasattr(torch.ops.kvfleet_quant, "quant_linear")
+            except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
+                logger.warning("quantized GEMM kernel unavailable, dequantizing instead: %s", exc)
+                _state["loaded"] = False
+        return _state["loaded"]

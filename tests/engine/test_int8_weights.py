@@ -1,0 +1,55 @@
+"""`quantization="int8"`: the tiny model's projections become Q8_0 QuantLinears, the weights
+shrink, the logits stay close to the dense model's (int8 with a scale per 32 weights), and
+LoRA adapters (kept in float32) run on the quantized base."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.lora.request import LoRARequest
+from engine.quant.gguf_model import QuantLlamaForCausalLM
+from engine.quant.qlinear import QuantLinear
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": [40, 41, 2]}]
+
+
+def _first(outs: list) -> list[tuple[int, float]]:
+    return [(o.outputs[0].token_ids[0],
+             o.outputs[0].logprobs[0][o.outputs[0].token_ids[0]].logprob) for o in outs]
+
+
+def test_int8_weights_serve_close_to_dense(tiny_model_dir, tiny_lora_dirs):
+    name = next(iter(tiny_lora_dirs))
+    lora = LoRARequest(name, 1, str(tiny_lora_dirs[name]))
+    dense = LLM(tiny_model_dir, dtype="float32", enable_lora=True)
+    quant = LLM(tiny_model_dir, dtype="float32", quantization="int8", enable_lora=True)
+    model = quant.engine.model
+    assert isinstance(model, QuantLlamaForCausalLM)
+    for request in (None, lora):
+        want = _first(dense.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=request))
+        got = _first(quant.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=request))
+        # The random tiny model's logits are large (tens): int8's ~0.3% error moves a
+        # logprob by about a tenth.
+        for (token_w, lp_w), (token_g, lp_g) in zip(want, got, strict=True):
+            assert token_g == token_w
+            assert lp_g == pytest.approx(lp_w, abs=0.25)
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    dense_qkv = dense.engine.model.layers[0].self_attn.qkv_proj
+    quant_qkv = model.layers[0].self_attn.qkv_proj
+    dense_qkv = getattr(dense_qkv, "base", dense_qkv)  # under the LoRA wrapper
+    quant_qkv = getattr(quant_qkv, "base", quant_qkv)
+    assert isinstance(quant_qkv, QuantLinear)
+    want_out, got_out = dense_qkv.forward(x), quant_qkv.forward(x)
+    assert (got_out - want_out).norm() < 0.01 * want_out.norm()
+    # Q8_0: 34 bytes per 32 weights, against 4 bytes a weight in float32.
+    assert quant_qkv.weight_bytes * 32 == quant_qkv.in_features * quant_qkv.out_features * 34
+    assert model.weight_bytes < dense.engine.model.config.num_parameters * 4
+
+
+def test_quantization_flag_is_checked():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model="x", quantization="int4")

@@ -1,0 +1,109 @@
+"""The fleet simulator (benchmarks/fleet_sim) at a CI size: 4 engines, 20 tenants, 2 simulated
+minutes, every policy on a real Redis with the router's own decision code.
+
+Checks structure and invariants: every policy's figures are present and sane, the ordering
+oracle >= prefix >= round robin holds for hit rates on a seeded llm-d workload, a run is
+deterministic per seed, the prefix cache's accounting holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.fleet_sim import __main__ as cli
+from benchmarks.fleet_sim import decision_cost
+from benchmarks.fleet_sim.calibration import DEFAULT
+from benchmarks.fleet_sim.prefix_cache import PrefixCache
+from benchmarks.fleet_sim.workload import Workload, WorkloadConfig
+from kvfleet.redis_server import RedisServer
+
+# 20 tenants' 600-token prompts (~38 blocks each) on 4 engines of 200 blocks: no engine holds
+# them all, the fleet holds most; ~1 request/s keeps the engines busy, not saturated.
+SMALL = ["--engines", "4", "--tenants", "20", "--seed", "7", "--duration-s", "120",
+         "--sessions-per-s", "0.3", "--system-tokens", "600", "--default-calibration",
+         "--kv-blocks", "200"]
+
+
+@pytest.fixture(scope="module")
+def results(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("sim") / "sim.json"
+    assert cli.main([*SMALL, "--redis-url", redis_server.url, "--json", str(out)]) == 0
+    return json.loads(Path(out).read_text())
+
+
+def test_every_policy_reports_every_figure(results: dict) -> None:
+    policies = results["policies"]
+    assert set(policies) == {"prefix", "round_robin", "least_load", "oracle"}
+    for name, row in policies.items():
+        for key in ("hit_rate", "oracle_hit_rate", "max_over_mean_load", "ttft_p50_s",
+                    "ttft_p90_s", "ttft_p99_s", "throughput_rps", "decision_p99_ms"):
+            assert key in row, (name, key)
+        assert 0.0 <= row["hit_rate"] <= row["ideal_hit_rate"] <= 1.0
+        assert row["ttft_p50_s"] <= row["ttft_p90_s"] <= row["ttft_p99_s"]
+        assert row["max_over_mean_load"] >= 1.0
+        assert row["unfinished"] == 0
+    assert policies["oracle"]["decision_p99_ms"] == 0.0  # no Redis call
+    assert policies["prefix"]["decision_p99_ms"] > 0.0
+
+
+def test_hit_rates_are_ordered(results: dict) -> None:
+    p = results["policies"]
+    assert p["oracle"]["hit_rate"] >= p["round_robin"]["hit_rate"]
+    assert p["prefix"]["hit_rate"] >= p["round_robin"]["hit_rate"]
+    assert p["prefix"]["hit_rate"] >= 0.95 * p["oracle"]["hit_rate"]
+    assert p["prefix"]["hit_rate"] > 2 * p["round_robin"]["hit_rate"]
+    assert p["prefix"]["ttft_p99_s"] <= p["round_robin"]["ttft_p99_s"]
+
+
+def test_the_virtual_clock_makes_runs_repeatable(redis_server: RedisServer) -> None:
+    args = cli.parse_args([*SMALL, "--redis-url", redis_server.url, "--duration-s", "40"])
+    wl = cli.workload_config(args)
+    cal = cli.load_calibration(args)
+    first = asyncio.run(cli.run_policy("oracle", args, cal, wl, redis_server.url))
+    second = asyncio.run(cli.run_policy("oracle", args, cal, wl, redis_server.url))
+    for key in ("hit_rate", "ttft_p99_s", "throughput_rps", "requests"):
+        assert first[key] == second[key]
+
+
+def test_workload_is_a_function_of_the_seed() -> None:
+    config = WorkloadConfig(tenants=5, system_tokens=100, duration_s=60, sessions_per_s=1.0)
+    a, b = Workload(config), Workload(config)
+    assert a.session_starts == b.session_starts
+    first = a.turn(3, 0)
+    assert first.prompt == b.turn(3, 0).prompt
+    follow_up = a.turn(3, 1)
+    assert follow_up.prompt[: len(first.prompt) + len(first.output)] == (
+        first.prompt + first.output)
+
+
+def test_prefix_cache_evicts_free_blocks_oldest_first() -> None:
+    cache = PrefixCache(3)
+    cache.acquire([], 3)
+    for h in (b"a", b"b", b"c"):
+        cache.store(h)
+    cache.release([b"a", b"b", b"c"], 0)
+    assert cache.match([b"a", b"b", b"c"], 3) == 3
+    cache.acquire([b"c"], 1)  # one new block: evicts a, the oldest free one
+    assert not cache.contains(b"a") and cache.contains(b"b")
+    assert cache.used == 2 and cache.used + 1 <= cache.capacity
+    assert cache.take_changes() == {b"a": False, b"b": True, b"c": True}
+
+
+def test_default_calibration_is_sane() -> None:
+    assert DEFAULT.step_s(512, 256, 8, 4000) > DEFAULT.step_s(0, 0, 8, 4000) > 0
+
+
+def test_decision_cost_measures_every_size(redis_server: RedisServer, tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    assert decision_cost.main(["--sizes", "2,4", "--decisions", "5", "--blocks-per-engine",
+                               "50", "--prompt-tokens", "200", "--redis-url",
+                               redis_server.url, "--json", str(out)]) == 0
+    sizes = json.loads(out.read_text())["sizes"]
+    assert set(sizes) == {"2", "4"}
+    for row in sizes.values():
+        assert row["decision_p99_ms"] >= row["decision_p50_ms"] > 0
+        assert row["redis_bytes_per_block"] > 16  # at least the 16-byte hash itself
