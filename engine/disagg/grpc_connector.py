@@ -3,6 +3,8 @@
 Role: `GrpcKVConnector` implements `engine.disagg.transfer.KVConnector` with one
 client-streaming call per transfer (header, then one chunk per block), a channel per
 destination kept for the engine's life, and the fleet's engine credential on every call.
+With TLS (the fleet's mutual TLS, kvfleet.runtime.tls) it dials with the engine's own
+certificate and accepts a peer whose certificate carries the engines' role name.
 
 Invariants: a failed or timed-out call raises (grpc.aio.AioRpcError); the receiver then
 frees what it reserved, and the sender holds nothing but the export, dropped with the call.
@@ -16,26 +18,30 @@ from collections.abc import AsyncIterator
 import grpc.aio
 
 from engine.disagg.transfer import KVTransfer, block_chunks, transfer_header
+from kvfleet.runtime.tls import ClientTls, aio_channel
 from kvfleet.runtime.tracing import trace_metadata
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
 
 # A block of a big model is a few MB; leave room above gRPC's 4 MB default.
 MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+)
 
 
 class GrpcKVConnector:
-    def __init__(self, credential: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self, credential: tuple[tuple[str, str], ...] = (), tls: ClientTls | None = None
+    ) -> None:
         self._credential = credential
+        self._tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, destination: str) -> engine_pb2_grpc.EngineStub:
         channel = self._channels.get(destination)
         if channel is None:
-            channel = grpc.aio.insecure_channel(destination, options=CHANNEL_OPTIONS)
+            channel = aio_channel(destination, self._tls, options=CHANNEL_OPTIONS)
             self._channels[destination] = channel
         return engine_pb2_grpc.EngineStub(channel)
 

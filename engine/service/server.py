@@ -70,7 +70,7 @@ from kvfleet.runtime.service_auth import (
     credential_metadata,
     read_secret,
 )
-from kvfleet.runtime.tls import TlsMaterial
+from kvfleet.runtime.tls import ENGINE_ROLE, ClientTls, TlsMaterial
 from kvfleet.runtime.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class EngineServer:
         servicer = EngineServicer(
             self._async_engine, identity, self._watchdog.problem, options.lora_roots,
             # KV pushes to decode engines carry the fleet's engine credential too.
-            GrpcKVConnector(credential_metadata(secret)),
+            GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
             TransferMetrics(self._metrics.registry, model_name),
         )
         self._grpc = GrpcServer(
@@ -425,6 +425,15 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         lora_roots=lora_roots(args),
         role=args.role,
     )
+
+
+def _peer_tls(options: EngineServerOptions) -> ClientTls | None:
+    """How this engine dials other engines (the KV push of engine.disagg): its own fleet
+    certificate, verifying theirs by the engines' role name."""
+    if options.server.tls is None:
+        return None
+    material = TlsMaterial.load(options.server.tls)
+    return ClientTls(material.channel_credentials(), ENGINE_ROLE)
 
 
 def _credential_check(secret_file: Path | None) -> list[grpc.aio.ServerInterceptor]:
