@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=int, default=2, help="number of engines")
+    parser.add_argument("--prefill-engines", type=int, default=0,
+                        help="prefill/decode disaggregation: this many prefill-role engines "
+                             "(with --decode-engines; replaces --engines; "
+                             "docs/disaggregation.md)")
+    parser.add_argument("--decode-engines", type=int, default=0,
+                        help="this many decode-role engines (with --prefill-engines)")
     parser.add_argument("--model", type=Path, default=None,
                         help="HF-format model directory or a GGUF file (default: "
                              "SmolLM2-135M-Instruct, converted once from its GGUF)")
@@ -223,12 +229,15 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
     """The fleet `kvfleet up` starts, from its arguments."""
     return FleetConfig(
         model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
+        prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
         host=args.host, router_port=args.port,
         router_http_port=http_port_or_free(args.host, args.http_port),
         policy=args.policy, api_keys=args.api_keys,
         engine_args=tuple(args.engine_args), router_args=tuple(args.router_args),
         log_dir=args.log_dir or run_logs.new_run_dir(),
-        engine_threads=args.engine_threads or default_engine_threads(args.engines),
+        engine_threads=args.engine_threads or default_engine_threads(
+            args.prefill_engines + args.decode_engines or args.engines
+        ),
         metrics=not args.no_metrics, served_model_name=args.served_model_name,
         chat_template=args.chat_template,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
@@ -253,7 +262,7 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
     signals.install()
     code = 0
     try:
-        print(f"starting {args.engines} engine(s) on {model_dir} ...", flush=True)
+        print(f"starting {len(config.engine_roles)} engine(s) on {model_dir} ...", flush=True)
         fleet.start()
         print(f"router: {fleet.router_address}", flush=True)
         print(f"http: {fleet.http_url}", flush=True)

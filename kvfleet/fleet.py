@@ -243,7 +243,9 @@ class Fleet:
                 ).start()
             self.tokenizer = self._launch_tokenizer(0)
             self._wait_ready([self.tokenizer])
-            self.engines = [self.start_engine_process(i) for i in range(self.config.num_engines)]
+            self.engines = [
+                self.start_engine_process(i) for i in range(len(self.config.engine_roles))
+            ]
             self._wait_ready(self.engines)
             self.start_router()
         except BaseException:
@@ -259,6 +261,9 @@ class Fleet:
             command += self.config.engine_args_by_index[index]
         command += ["--router-secret-file", str(self.router_secret_file),
                     *self._redis_flags(), *self.credentials.tls_flags(name)]
+        roles = self.config.engine_roles
+        if index < len(roles) and roles[index] != "both":
+            command += ["--role", roles[index]]
         env = None
         if self.config.engine_threads is not None:
             threads = str(self.config.engine_threads)
@@ -360,7 +365,7 @@ class Fleet:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         # Engines serve only callers with the router secret (kvfleet.runtime.service_auth): the
         # fleet's routers, not any local process that finds an engine port.
-        engines = [engine_id(i) for i in range(self.config.num_engines)]
+        engines = [engine_id(i) for i in range(len(self.config.engine_roles))]
         self._credentials = FleetCredentials.create(self._log_dir, engines, self.config.tls,
                                                     self.config.host)
 

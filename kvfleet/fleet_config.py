@@ -57,10 +57,26 @@ class FleetConfig:
     tls: bool = False
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
+    # Prefill/decode disaggregation (docs/disaggregation.md): when either is set, the fleet's
+    # engines are these many prefill-role engines then decode-role ones (num_engines unused).
+    prefill_engines: int = 0
+    decode_engines: int = 0
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ValueError(f"a fleet needs at least one engine, got {self.num_engines}")
+        if self.prefill_engines < 0 or self.decode_engines < 0:
+            raise ValueError("prefill_engines and decode_engines must be >= 0")
+        if bool(self.prefill_engines) != bool(self.decode_engines):
+            raise ValueError("a disaggregated fleet needs prefill and decode engines, got "
+                             f"{self.prefill_engines} and {self.decode_engines}")
+
+    @property
+    def engine_roles(self) -> tuple[str, ...]:
+        """Engine i's --role: prefill ones first, then decode ones; else all both."""
+        if self.prefill_engines:
+            return ("prefill",) * self.prefill_engines + ("decode",) * self.decode_engines
+        return ("both",) * self.num_engines
 
 
 

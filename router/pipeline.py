@@ -70,6 +70,7 @@ from kvfleet.runtime.tracing import tracer
 from kvfleet.text.stop_strings import StopStringMatcher
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, tokenizer_pb2
 from router.engines.context_window import ContextWindows, check_fits
+from router.engines.disagg import DisaggConfig, open_request_stream
 from router.engines.dispatch import EngineStream, StreamDeadlines, open_engine_stream
 from router.engines.merge import merge_tagged
 from router.engines.pool import EnginePool
@@ -150,8 +151,11 @@ class GenerationPipeline:
         limits: RequestLimits | None = None,
         rate_limiter: TenantRateLimiter | None = None,
         trace_prompts: bool = False,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        # Prefill/decode disaggregation; it applies only to fleets with both roles.
+        self._disagg = disagg if disagg is not None else DisaggConfig()
         # The operator's opt-in (--trace-prompts): prompts are tenant data, kept out of spans.
         self._trace_prompts = trace_prompts
         self._rate_limiter = rate_limiter
@@ -273,11 +277,7 @@ class GenerationPipeline:
         span = trace.get_current_span()
         streams: list[EngineStream] = []
         try:
-            streams.append(await open_engine_stream(
-                plan.decision.ranking, self._pool, plan.samples[0].engine_request,
-                self._max_attempts, self._deadlines, on_retry=self._metrics.record_retry,
-                claims=plan.decision.claims,
-            ))
+            streams.append(await self._open_first(plan))
             chosen = streams[0].engine
             predicted = self._record_choice(span, plan, chosen)
             streams.extend(
@@ -294,6 +294,14 @@ class GenerationPipeline:
         finally:
             for stream in streams:
                 stream.close()
+
+    async def _open_first(self, plan: _Plan) -> EngineStream:
+        """Sample 0's stream: prefill then decode engine, or whole (router.engines.disagg)."""
+        return await open_request_stream(
+            plan.decision.ranking, self._pool, plan.samples[0].engine_request,
+            len(plan.samples), self._max_attempts, self._deadlines, self._disagg,
+            on_retry=self._metrics.record_retry, claims=plan.decision.claims,
+        )
 
     def _record_choice(self, span: trace.Span, plan: _Plan, chosen: EngineView) -> int:
         """Metrics and span attributes of the engine the request went to; its predicted

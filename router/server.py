@@ -45,6 +45,7 @@ from kvfleet.runtime.tls import (
     TlsMaterial,
 )
 from kvfleet.runtime.tracing import init_tracing
+from router.engines.disagg import DisaggConfig
 from router.engines.discovery import DEFAULT_DNS_REFRESH_S, DiscoveryConfig, EngineDiscovery
 from router.engines.dispatch import StreamDeadlines
 from router.engines.pool import EnginePool
@@ -106,6 +107,8 @@ class RouterConfig:
     runtime_lora: RuntimeLoRAConfig = field(default_factory=RuntimeLoRAConfig)
     # Prompt text on the request's span (gen_ai.prompt); off: spans never hold prompts.
     trace_prompts: bool = False
+    # Prefill/decode disaggregation (router.engines.disagg).
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
@@ -147,6 +150,7 @@ class RouterConfig:
             chat_output=args.chat_output,
             runtime_lora=RuntimeLoRAConfig.from_args(args),
             trace_prompts=args.trace_prompts,
+            disagg=DisaggConfig(args.disagg_prefill_threshold, args.disagg_transfer_timeout),
         )
 
 
@@ -228,7 +232,7 @@ def build_router(
     selector = EngineSelector(config.routing, index, pool, metrics, discovery, placer)
     pipeline = GenerationPipeline(
         tokenizer, selector, pool, metrics, config.max_attempts, config.deadlines,
-        config.limits, rate_limiter, config.trace_prompts,
+        config.limits, rate_limiter, config.trace_prompts, config.disagg,
     )
     servicer = RouterServicer(policies, pipeline, metrics)
     # The front door: TLS without client certificates (clients authenticate by API key).
@@ -376,6 +380,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the same after the first token; then the stream ends with "
                              "UNAVAILABLE and the engine request is cancelled (0: no limit; "
                              "default: %(default)s)")
+    disagg = DisaggConfig()
+    parser.add_argument("--disagg-prefill-threshold", type=int, default=disagg.prefill_threshold,
+                        help="with prefill-role and decode-role engines in the fleet: prompts "
+                             "of at least this many tokens are computed on a prefill engine "
+                             "and continued on a decode engine; shorter ones go straight to a "
+                             "decode engine (docs/disaggregation.md; default: %(default)s)")
+    parser.add_argument("--disagg-transfer-timeout", type=_seconds,
+                        default=disagg.transfer_timeout_s,
+                        help="seconds a prefill engine's KV push may take before the decode "
+                             "engine recomputes instead (default: %(default)s)")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help="OpenAI-compatible HTTP API port (0: a free port)")
     parser.add_argument("--http-port-file", type=Path, default=None,

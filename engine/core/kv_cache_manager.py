@@ -27,6 +27,7 @@ Memory tiers (both optional; without them nothing below runs):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -324,6 +325,46 @@ class KVCacheManager:
         host_ids = [e.host_id for e in record if e.host_id is not None]
         self.transfers.defer(swap.release_later(host_ids))
         self._num_cached_blocks.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------ KV imports
+    def reserve(
+        self, owner: str, num_blocks: int, prefix: Sequence[KVCacheBlock] = ()
+    ) -> list[KVCacheBlock] | None:
+        """`prefix` (cached blocks, referenced, not copied) then `num_blocks` fresh blocks,
+        held under `owner` (a KV import, engine.disagg) until `adopt` hands them to a
+        request or `release` frees them; None if they do not fit."""
+        if owner in self.req_to_blocks:
+            raise ValueError(f"{owner!r} already holds blocks")
+        # Free prefix blocks leave the queue when touched, so they cannot also be allocated.
+        num_free_prefix = sum(1 for block in prefix if block.ref_cnt == 0)
+        if num_blocks > self.pool.num_free_blocks - num_free_prefix:
+            return None
+        self.pool.touch(prefix)
+        blocks = [*prefix, *self.pool.allocate(num_blocks)]
+        self.req_to_blocks[owner] = blocks
+        return blocks
+
+    def cached_blocks(self, hashes: Sequence[BlockHash]) -> list[KVCacheBlock] | None:
+        """The cached blocks of these hashes, in order; None if any is not cached."""
+        blocks = [self.pool.get_cached_block(block_hash) for block_hash in hashes]
+        return None if any(block is None for block in blocks) else [
+            block for block in blocks if block is not None
+        ]
+
+    def release(self, owner: str) -> bool:
+        """Free the blocks `owner` reserved; False if it holds none (already adopted)."""
+        blocks = self.req_to_blocks.pop(owner, None)
+        if blocks is None:
+            return False
+        self.pool.free(reversed(blocks))
+        return True
+
+    def adopt(self, owner: str, request: Request) -> None:
+        """Hand `owner`'s blocks to `request` (its KV for `num_computed_tokens` positions)
+        and cache its full blocks under the request's own hashes."""
+        self.req_to_blocks[request.request_id] = self.req_to_blocks.pop(owner)
+        self._num_cached_blocks[request.request_id] = 0
+        self.cache_computed_blocks(request)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]

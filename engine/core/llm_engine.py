@@ -28,6 +28,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheEvents
+from engine.core.kv_handoff import KVHandoff
 from engine.core.kv_sizing import log_kv_cache, make_kv_manager, size_host_kv, size_kv_cache
 from engine.core.request import Request, TenantShare
 from engine.core.scheduler import Scheduler
@@ -130,6 +131,8 @@ class LLMEngine:
                 -(-self.max_model_len // config.block_size),
             )
         self.speculator = self._make_speculator()
+        # Prefill/decode handoffs (engine.disagg): KV export and import.
+        self.handoff = KVHandoff(self.kv, self.runner.kv_caches, self.host_kv)
         self.kv_event_hook = kv_event_hook
         # Structured outputs: grammars compile on first use (engine.structured.manager).
         self.structured = StructuredOutputManager(self._make_grammar_backend)
@@ -289,9 +292,11 @@ class LLMEngine:
         cache_salt: str | None = None,
         share: TenantShare | None = None,
         lora_request: LoRARequest | str | None = None,
+        prefill_only: bool = False,
     ) -> Request:
         """Queue a request; `lora_request` is a LoRARequest (loaded on first use) or the
-        name of a loaded adapter; None runs the base model."""
+        name of a loaded adapter; None runs the base model. `prefill_only`: end it after its
+        first token, its KV exported (engine.disagg)."""
         max_tokens = self.validate_request(prompt_token_ids, params)
         lora_id = self.resolve_lora(lora_request)
         # Compiled here, before the request is queued: a bad grammar fails this request alone.
@@ -312,10 +317,62 @@ class LLMEngine:
             lora_id=lora_id,
             share=share,
             grammar=grammar,
+            prefill_only=prefill_only,
         )
         self._arrival_seq += 1
         self.scheduler.add_request(request)
         self.runner.add_request(request_id, params.seed)
+        return request
+
+    # ------------------------------------------------------------------ KV handoff
+    def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        *,
+        transfer_id: str = "",
+        num_cached_tokens: int = 0,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        share: TenantShare | None = None,
+    ) -> Request:
+        """Queue a request that continues after its first token: with a complete KV import
+        it holds the prompt's KV (not recomputed); without one it recomputes the prompt."""
+        try:
+            if request_id in self.scheduler.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            request = self._imported_request(
+                request_id, prompt_token_ids, first_token_id, params, priority, cache_salt,
+                share,
+            )
+        except BaseException:
+            self.handoff.imports.abort(transfer_id)  # its blocks are nobody's now
+            raise
+        if transfer_id:
+            self.handoff.adopt(request, transfer_id)
+        request.num_cached_tokens = num_cached_tokens
+        self._arrival_seq += 1
+        self.scheduler.add_request(request)
+        self.runner.add_request(request_id, params.seed)
+        self._emit_kv_events()
+        return request
+
+    def _imported_request(
+        self, request_id: str, prompt: list[int], first_token_id: int, params: SamplingParams,
+        priority: int, cache_salt: str | None, share: TenantShare | None,
+    ) -> Request:
+        max_tokens = self.validate_request(prompt, params)
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary")
+        request = Request(
+            request_id=request_id, prompt_token_ids=list(prompt), sampling_params=params,
+            max_tokens=max_tokens, block_size=self.config.block_size,
+            arrival_seq=self._arrival_seq, priority=priority, eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt, share=share,
+        )
+        request.append_output_token(first_token_id)
         return request
 
     # ------------------------------------------------------------------ LoRA adapters
@@ -397,6 +454,7 @@ class LLMEngine:
         updates = self.scheduler.update_from_output(
             out, sampled.token_ids, sampled.logprobs, sampled.prompt_logprobs, sampled.verified
         )
+        self.handoff.export(updates)
         if self.speculator is not None:
             self.speculator.after_step(
                 out.scheduled, sampled.verified, updates, self.scheduler.num_running

@@ -38,6 +38,9 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    # A prefill-only request whose first token did not end it: a decode engine continues it
+    # (engine.disagg). Its blocks are freed like any finished request's.
+    FINISHED_HANDOFF = "finished_handoff"
 
     @property
     def finished(self) -> bool:
@@ -52,11 +55,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_HANDOFF,
 }
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_HANDOFF: "handoff",
 }
 
 
@@ -122,6 +127,15 @@ class Request:
     # Structured outputs (engine.structured): the matcher of this sample's constraint, which
     # has consumed exactly `output_token_ids`; None for unconstrained requests.
     grammar: GrammarMatcher | None = None
+    # Disaggregation (engine.disagg): a prefill engine's request ends after its first token
+    # (FINISHED_HANDOFF unless that token ends it anyway); `handoff_block_ids` are its blocks
+    # at that moment, and `exported_kv` their contents, copied before anything reuses them.
+    prefill_only: bool = False
+    handoff_block_ids: list[int] = field(default_factory=list)
+    exported_kv: object = None
+    # A decode engine's request whose KV came from a prefill engine: it waits holding its
+    # blocks and is admitted without a prefix lookup, its computed tokens kept.
+    kv_imported: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

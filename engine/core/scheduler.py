@@ -287,6 +287,8 @@ class Scheduler:
         must wait for a block this step computes (it keeps its place); None when it does not
         fit (budget without chunked prefill, or blocks). Also used by
         engine.core.urgent_schedule."""
+        if request.kv_imported:
+            return self._admit_imported(request, budget, out)
         # Cached positions would have no logits, so a request owing prompt logprobs
         # computes its whole prompt (vLLM); it makes no lookup and counts as no query.
         looked_up = not request.needs_prompt_logprobs
@@ -314,6 +316,21 @@ class Scheduler:
         self.running.append(request)
         out.scheduled.append(ScheduledRequest(request, num_new))
         self.note_computing(request, num_new, computing)
+        return num_new
+
+    def _admit_imported(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Admit a request whose KV a prefill engine computed (engine.disagg): its blocks are
+        already its own, so no lookup; only the tokens past its computed ones are scheduled."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if self.kv.allocate_slots(request, num_new) is None:
+            return None
+        self.waiting.remove(request)
+        request.kv_imported = False  # from here on an ordinary request (recompute if preempted)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(ScheduledRequest(request, num_new))
         return num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -432,6 +449,8 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED
         if not params.ignore_eos and token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
+        if request.prefill_only:
+            return RequestStatus.FINISHED_HANDOFF  # a decode engine continues it
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -442,6 +461,9 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        if status is RequestStatus.FINISHED_HANDOFF:
+            # Read before the free: the engine copies these blocks out before any allocation.
+            request.handoff_block_ids = self.kv.get_block_ids(request.request_id)
         self.kv.free(request)
         self.requests.pop(request.request_id, None)
 

@@ -53,6 +53,7 @@ from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import TenantShare
 from engine.core.scheduler_output import RequestUpdate
+from engine.disagg.kv_imports import ImportedStart
 from engine.service.engine_commands import Add as _Add
 from engine.service.engine_commands import Call as _Call
 from engine.service.engine_commands import Command as _Command
@@ -191,11 +192,14 @@ class AsyncEngine:
         keepalive_s: float | None = None,
         share: TenantShare | None = None,
         lora_name: str | None = None,
+        prefill_only: bool = False,
+        imported: ImportedStart | None = None,
     ) -> AsyncIterator[GenerateOutput]:
         """Queue a request and yield its outputs; ValueError (nothing queued) if invalid.
 
         With `keepalive_s`: an empty output whenever that long passes without one while the
-        engine loop has advanced.
+        engine loop has advanced. `prefill_only` / `imported`: the two halves of a
+        disaggregated request (engine.disagg).
         """
         self._check_running()
         prompt = list(prompt_token_ids)
@@ -213,7 +217,7 @@ class AsyncEngine:
         queued = self._submit(
             _Add(request_id, functools.partial(
                 self._add, request_id, stream.seq, prompt, params, priority, cache_salt, share,
-                lora_name,
+                lora_name, prefill_only, imported,
             ))
         )
         if not queued:  # the loop stopped or died since the check above
@@ -431,12 +435,22 @@ class AsyncEngine:
         cache_salt: str | None,
         share: TenantShare | None = None,
         lora_name: str | None = None,
+        prefill_only: bool = False,
+        imported: ImportedStart | None = None,
     ) -> bool:
         try:
-            self._engine.add_request(
-                request_id, prompt, params, priority=priority, cache_salt=cache_salt,
-                share=share, lora_request=lora_name,
-            )
+            if imported is not None:
+                self._engine.add_imported_request(
+                    request_id, prompt, imported.first_token_id, params,
+                    transfer_id=imported.transfer_id,
+                    num_cached_tokens=imported.num_cached_tokens, priority=priority,
+                    cache_salt=cache_salt, share=share,
+                )
+            else:
+                self._engine.add_request(
+                    request_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                    share=share, lora_request=lora_name, prefill_only=prefill_only,
+                )
         except Exception as exc:
             if not isinstance(exc, ValueError):
                 logger.exception("could not add request %s", request_id)

@@ -37,6 +37,9 @@ class GenerateOutput:
     # On the first item only, when the request asked for prompt_logprobs: one entry per prompt
     # token after the first.
     prompt_logprobs: Sequence[TokenLogprobs] | None = None
+    # On the last item of a prefill-only request that handed off (finish_reason "handoff"):
+    # its KV (engine.disagg.kv_payload.KVExport), for the connector to send.
+    kv_export: object = None
 
     @classmethod
     def of(
@@ -63,6 +66,7 @@ class GenerateOutput:
             num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             timing=RequestTiming.of(request) if finished else None,
+            kv_export=request.exported_kv if finished else None,
         )
 
 

@@ -93,6 +93,8 @@ class EngineRegistration:
     # judge from them whether the engine is saturated and may be given an adapter.
     max_num_seqs: int = 0
     max_loras: int = 0
+    # prefill, decode or both (kvfleet.contracts.redis_schema.ROLES).
+    role: str = "both"
 
 
 class EngineView(Protocol):
@@ -341,6 +343,7 @@ def registry_fields(
         "max_model_len": str(reg.max_model_len),
         "max_num_seqs": str(reg.max_num_seqs),
         "max_loras": str(reg.max_loras),
+        "role": reg.role,
         "num_running": str(load.num_running),
         "num_waiting": str(load.num_waiting),
         "kv_cache_usage": repr(load.kv_cache_usage),

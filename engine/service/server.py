@@ -40,6 +40,8 @@ from redis.connection import parse_url
 
 from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
+from engine.disagg.grpc_connector import GrpcKVConnector
+from engine.disagg.metrics import TransferMetrics
 from engine.kv_tiers.flags import add_kv_tier_arguments, kv_tier_config
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
@@ -57,13 +59,18 @@ from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_T
 from engine.service.step_watchdog import StepWatchdog
 from engine.spec_decode.spec_config import speculative_config_arg
 from kvfleet.contracts.adapter_paths import AdapterRoots
+from kvfleet.contracts.redis_schema import ROLE_BOTH, ROLES
 from kvfleet.runtime import event_loop
 from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
 from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess, add_redis_access_arguments
-from kvfleet.runtime.service_auth import RouterCredentialInterceptor, read_secret
-from kvfleet.runtime.tls import TlsMaterial
+from kvfleet.runtime.service_auth import (
+    RouterCredentialInterceptor,
+    credential_metadata,
+    read_secret,
+)
+from kvfleet.runtime.tls import ENGINE_ROLE, ClientTls, TlsMaterial
 from kvfleet.runtime.tracing import init_tracing
 
 logger = logging.getLogger(__name__)
@@ -99,6 +106,8 @@ class EngineServerOptions:
     redis_access: RedisAccess = NO_ACCESS
     # --lora-allowed-dirs: where LoadLoRAAdapter may read adapters from (none: anywhere).
     lora_roots: AdapterRoots = field(default_factory=AdapterRoots)
+    # Prefill/decode disaggregation (docs/disaggregation.md): what routers send here.
+    role: str = ROLE_BOTH
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -178,8 +187,14 @@ class EngineServer:
             lambda: async_engine.progress, options.watchdog_timeout_s,
             self._set_serving, self._on_engine_death,
         )
-        servicer = EngineServicer(self._async_engine, identity, self._watchdog.problem,
-                                  options.lora_roots)
+        secret = (None if options.router_secret_file is None
+                  else read_secret(options.router_secret_file))
+        servicer = EngineServicer(
+            self._async_engine, identity, self._watchdog.problem, options.lora_roots,
+            # KV pushes to decode engines carry the fleet's engine credential too.
+            GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
+            TransferMetrics(self._metrics.registry, model_name),
+        )
         self._grpc = GrpcServer(
             [servicer.as_service()],
             host=options.server.host,
@@ -199,6 +214,7 @@ class EngineServer:
             max_model_len=identity.max_model_len,
             max_num_seqs=llm_engine.config.max_num_seqs,
             max_loras=llm_engine.config.max_loras if llm_engine.config.enable_lora else 0,
+            role=options.role,
         )
         self._publisher = RedisPublisher(
             options.redis_url, registration, self._async_engine, epoch=self.epoch,
@@ -358,6 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pause a step between layers to serve a newly arrived tenant's "
                              "request in a step of its own (CPU, fair share; docs/tenants.md) "
                              "(default: %(default)s)")
+    parser.add_argument("--role", choices=ROLES, default=ROLE_BOTH,
+                        help="prefill: routers send it prompts to compute and hand off; "
+                             "decode: routers send it handed-off requests and short prompts; "
+                             "both: whole requests (docs/disaggregation.md; "
+                             "default: %(default)s)")
     return parser
 
 
@@ -402,7 +423,17 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         lora_modules=lora_modules(args),
         redis_access=RedisAccess.from_args(args),
         lora_roots=lora_roots(args),
+        role=args.role,
     )
+
+
+def _peer_tls(options: EngineServerOptions) -> ClientTls | None:
+    """How this engine dials other engines (the KV push of engine.disagg): its own fleet
+    certificate, verifying theirs by the engines' role name."""
+    if options.server.tls is None:
+        return None
+    material = TlsMaterial.load(options.server.tls)
+    return ClientTls(material.channel_credentials(), ENGINE_ROLE)
 
 
 def _credential_check(secret_file: Path | None) -> list[grpc.aio.ServerInterceptor]:

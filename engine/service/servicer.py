@@ -36,6 +36,12 @@ import grpc.aio
 from opentelemetry import trace
 
 from engine.core.request import TenantShare
+from engine.disagg.grpc_connector import GrpcKVConnector
+from engine.disagg.kv_imports import ImportedStart
+from engine.disagg.metrics import TransferMetrics
+from engine.disagg.prefill import prefill_responses
+from engine.disagg.receiver import receive_kv
+from engine.disagg.transfer import KVConnector
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
@@ -74,8 +80,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         identity: EngineIdentity,
         health_problem: Callable[[], str | None] = lambda: None,
         adapter_roots: AdapterRoots | None = None,
+        connector: KVConnector | None = None,
+        transfer_metrics: TransferMetrics | None = None,
     ) -> None:
         self._engine = engine
+        # Pushes a prefill's KV to decode engines (engine.disagg); gRPC streaming by default.
+        self._connector: KVConnector = connector or GrpcKVConnector()
+        self._transfer_metrics = transfer_metrics
         self._adapter_roots = adapter_roots or AdapterRoots()
         self._identity = identity
         self._health_problem = health_problem
@@ -91,15 +102,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        _check_request_id(request.request_id)
-        keepalive_s = keepalive.parse_interval(context.invocation_metadata())
-        if (problem := self._health_problem()) is not None:
-            raise UnavailableError(problem)
-        params = to_sampling_params(request.sampling_params)
-        if params.n != 1:
-            raise ValueError(
-                f"n must be 1 on an engine (the router fans n > 1 out), got {params.n}"
-            )
+        keepalive_s, params = self._admit(request, context)
         outputs = self._engine.generate(
             request.request_id,
             request.prompt_token_ids,
@@ -110,12 +113,34 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             share=_share(request),
             lora_name=_lora_name(request.lora_id),
         )
+        text = StreamText(self._tokenizer, request.prompt_token_ids, params)
+        async for response in self._stream(request, params, outputs, text):
+            yield response
+
+    def _admit(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> tuple[float | None, SamplingParams]:
+        """The checks every request-running RPC makes first: keep-alive interval, params."""
+        _check_request_id(request.request_id)
+        keepalive_s = keepalive.parse_interval(context.invocation_metadata())
+        if (problem := self._health_problem()) is not None:
+            raise UnavailableError(problem)
+        params = to_sampling_params(request.sampling_params)
+        if params.n != 1:
+            raise ValueError(
+                f"n must be 1 on an engine (the router fans n > 1 out), got {params.n}"
+            )
+        return keepalive_s, params
+
+    async def _stream(
+        self, request: engine_pb2.GenerateRequest, params: SamplingParams,
+        outputs: AsyncIterator[GenerateOutput], text: StreamText,
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
         span = trace.get_current_span()  # the RPC's server span (kvfleet.runtime.tracing)
         traced = span.is_recording()
         if traced:
             _start_span(span, request, params)
         first_token_time: float | None = None
-        text = StreamText(self._tokenizer, request.prompt_token_ids, params)
         first = True
         with request_context(request.request_id, request.cache_salt or None):
             async for output in outputs:
@@ -133,6 +158,68 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     )
                 first = False
                 yield response
+
+    # -- prefill/decode disaggregation (engine.disagg, docs/disaggregation.md) -------------
+
+    async def Prefill(
+        self, request: engine_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.PrefillResponse]:
+        gen = request.request
+        keepalive_s, params = self._admit(gen, context)
+        if gen.lora_id:
+            raise ValueError("lora_id: LoRA requests are not disaggregated (send them whole)")
+        if not request.decode_address or not request.transfer_id:
+            raise ValueError("decode_address and transfer_id are required")
+        outputs = self._engine.generate(
+            gen.request_id, gen.prompt_token_ids, params, priority=gen.priority,
+            cache_salt=gen.cache_salt or None, keepalive_s=keepalive_s, share=_share(gen),
+            prefill_only=True,
+        )
+        text = StreamText(self._tokenizer, gen.prompt_token_ids, params)
+        with request_context(gen.request_id, gen.cache_salt or None):
+            async for response in prefill_responses(
+                request, outputs, text, self._response, self._connector, self._transfer_metrics
+            ):
+                yield response
+
+    async def ReceiveKV(
+        self, request_iterator: AsyncIterator[engine_pb2.KVTransferChunk],
+        context: grpc.aio.ServicerContext,
+    ) -> engine_pb2.ReceiveKVResponse:
+        if (problem := self._health_problem()) is not None:
+            raise UnavailableError(problem)
+        try:
+            received = await receive_kv(
+                self._engine, request_iterator, self._identity.block_size
+            )
+        except BaseException:
+            if self._transfer_metrics is not None:
+                self._transfer_metrics.failed("receive")
+            raise
+        if self._transfer_metrics is not None:
+            self._transfer_metrics.received(received.num_bytes)
+        return engine_pb2.ReceiveKVResponse(
+            num_blocks=received.num_blocks, num_bytes=received.num_bytes
+        )
+
+    async def GenerateImported(
+        self, request: engine_pb2.ImportedGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        gen = request.request
+        keepalive_s, params = self._admit(gen, context)
+        if gen.lora_id:
+            raise ValueError("lora_id: LoRA requests are not disaggregated (send them whole)")
+        start = ImportedStart(request.first_token_id, request.transfer_id)
+        outputs = self._engine.generate(
+            gen.request_id, gen.prompt_token_ids, params, priority=gen.priority,
+            cache_salt=gen.cache_salt or None, keepalive_s=keepalive_s, share=_share(gen),
+            imported=start,
+        )
+        text = StreamText(self._tokenizer, gen.prompt_token_ids, params)
+        # The prefill engine sent the first token's text (never flushed): continue after it.
+        text.delta(GenerateOutput(gen.request_id, [request.first_token_id], finished=False))
+        async for response in self._stream(gen, params, outputs, text):
+            yield response
 
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -11,7 +11,8 @@ Redis holds only rebuildable state; everything expires unless an engine keeps it
 - `kvfleet:engine:{engine_id}` — HASH, TTL `REGISTRY_TTL_S`, refreshed by the engine's heartbeat
   and on every load update. Fields: address (host:port), epoch, block_size, model,
   max_model_len, num_running, num_waiting, kv_cache_usage, kv_blocks_free, kv_blocks_total,
-  max_num_seqs, max_loras (0: LoRA disabled),
+  max_num_seqs, max_loras (0: LoRA disabled), role (prefill, decode or both: what routers
+  send it under prefill/decode disaggregation, docs/disaggregation.md; absent means both),
   lora_adapters (JSON list of the LoRA adapter names it serves; their parent is `model`),
   lora_paths (JSON object: each of those names -> the adapter directory it was loaded from),
   updated_at (unix seconds, float: the engine's clock at its last write).
@@ -72,6 +73,13 @@ HEARTBEAT_INTERVAL_S = 1.0
 BLOCKS_TTL_S = 30
 # Heartbeat age beyond which routers stop choosing an engine (router flag --engine-stale-after).
 DEFAULT_STALE_AFTER_S = 3 * HEARTBEAT_INTERVAL_S
+
+
+# Engine roles (the registry's `role` field).
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLE_BOTH = "both"
+ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH)
 
 
 # Bounds on how long a router's pending entry counts (router.routing.pending).

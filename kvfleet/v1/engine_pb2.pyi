@@ -7,6 +7,104 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrefillRequest(_message.Message):
+    __slots__ = ("request", "decode_address", "transfer_id", "transfer_timeout_s", "skip_blocks")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    decode_address: str
+    transfer_id: str
+    transfer_timeout_s: float
+    skip_blocks: int
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., decode_address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., transfer_timeout_s: _Optional[float] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("output", "transfer")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    output: GenerateResponse
+    transfer: KVTransferResult
+    def __init__(self, output: _Optional[_Union[GenerateResponse, _Mapping]] = ..., transfer: _Optional[_Union[KVTransferResult, _Mapping]] = ...) -> None: ...
+
+class KVTransferResult(_message.Message):
+    __slots__ = ("transfer_id", "num_blocks", "num_bytes", "seconds", "num_cached_tokens")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    num_cached_tokens: int
+    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class KVTransferHeader(_message.Message):
+    __slots__ = ("transfer_id", "request_id", "prompt_token_ids", "cache_salt", "lora_id", "block_size", "num_blocks", "num_tokens", "dtype", "block_shape", "block_hashes", "first_block")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    lora_id: str
+    block_size: int
+    num_blocks: int
+    num_tokens: int
+    dtype: str
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    first_block: int
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ...) -> None: ...
+
+class KVBlockChunk(_message.Message):
+    __slots__ = ("block_index", "data")
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    block_index: int
+    data: bytes
+    def __init__(self, block_index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class KVTransferChunk(_message.Message):
+    __slots__ = ("header", "block")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    header: KVTransferHeader
+    block: KVBlockChunk
+    def __init__(self, header: _Optional[_Union[KVTransferHeader, _Mapping]] = ..., block: _Optional[_Union[KVBlockChunk, _Mapping]] = ...) -> None: ...
+
+class ReceiveKVResponse(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+
+class ImportedGenerateRequest(_message.Message):
+    __slots__ = ("request", "transfer_id", "first_token_id")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    request: GenerateRequest
+    transfer_id: str
+    first_token_id: int
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., transfer_id: _Optional[str] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+
 class LoadLoRAAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]

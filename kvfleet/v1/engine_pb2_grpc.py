@@ -59,6 +59,21 @@ class EngineStub:
                 request_serializer=kvfleet_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/kvfleet.v1.Engine/Prefill',
+                request_serializer=kvfleet_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.ReceiveKV = channel.stream_unary(
+                '/kvfleet.v1.Engine/ReceiveKV',
+                request_serializer=kvfleet_dot_v1_dot_engine__pb2.KVTransferChunk.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_engine__pb2.ReceiveKVResponse.FromString,
+                _registered_method=True)
+        self.GenerateImported = channel.unary_stream(
+                '/kvfleet.v1.Engine/GenerateImported',
+                request_serializer=kvfleet_dot_v1_dot_engine__pb2.ImportedGenerateRequest.SerializeToString,
+                response_deserializer=kvfleet_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -103,6 +118,37 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Prefill/decode disaggregation (docs/disaggregation.md).
+        On a prefill engine: computes the prompt (chunked, with its prefix cache), samples the
+        first token and streams it at once; then pushes the request's KV to decode_address
+        (ReceiveKV) and ends with the transfer's result. A first token that ends the request
+        (EOS, stop token, max_tokens 1, context full) comes with finish_reason and no transfer.
+        The prefill engine frees the request either way (its full blocks stay in its prefix cache).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReceiveKV(self, request_iterator, context):
+        """On a decode engine: a request's KV, header first, then one chunk per block. The blocks
+        are allocated when the header arrives (RESOURCE_EXHAUSTED if they do not fit) and freed
+        if the stream fails or no GenerateImported claims them within the import timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateImported(self, request, context):
+        """On a decode engine: continues a request from its first token with the KV received under
+        transfer_id, without recomputing the prompt. Empty transfer_id: the engine recomputes
+        the prompt and first token itself (the fallback when a transfer failed). An unknown or
+        expired transfer_id -> UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +176,21 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=kvfleet_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=kvfleet_dot_v1_dot_engine__pb2.PrefillRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_engine__pb2.PrefillResponse.SerializeToString,
+            ),
+            'ReceiveKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.ReceiveKV,
+                    request_deserializer=kvfleet_dot_v1_dot_engine__pb2.KVTransferChunk.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_engine__pb2.ReceiveKVResponse.SerializeToString,
+            ),
+            'GenerateImported': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateImported,
+                    request_deserializer=kvfleet_dot_v1_dot_engine__pb2.ImportedGenerateRequest.FromString,
+                    response_serializer=kvfleet_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -267,6 +328,87 @@ class Engine:
             '/kvfleet.v1.Engine/UnloadLoRAAdapter',
             kvfleet_dot_v1_dot_engine__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             kvfleet_dot_v1_dot_engine__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvfleet.v1.Engine/Prefill',
+            kvfleet_dot_v1_dot_engine__pb2.PrefillRequest.SerializeToString,
+            kvfleet_dot_v1_dot_engine__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReceiveKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvfleet.v1.Engine/ReceiveKV',
+            kvfleet_dot_v1_dot_engine__pb2.KVTransferChunk.SerializeToString,
+            kvfleet_dot_v1_dot_engine__pb2.ReceiveKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateImported(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvfleet.v1.Engine/GenerateImported',
+            kvfleet_dot_v1_dot_engine__pb2.ImportedGenerateRequest.SerializeToString,
+            kvfleet_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -348,6 +348,7 @@ class EngineSelector:
                 decode_s_per_seq=r.float_field("decode_s_per_seq"),
                 own_prefilling=self._pool.prefilling(r.engine_id),
                 own_prefill_tokens=self._pool.prefill_tokens(r.engine_id),
+                role=r.fields.get("role", "both"),
             )
             for r in records
             if r.address

@@ -50,6 +50,8 @@ class EngineView:
     # show yet.
     own_prefilling: int = 0
     own_prefill_tokens: int = 0
+    # prefill, decode or both (kvfleet.contracts.redis_schema.ROLES; router.engines.disagg).
+    role: str = "both"
 
     @property
     def load(self) -> int:

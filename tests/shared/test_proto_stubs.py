@@ -111,5 +111,8 @@ def test_services_and_methods():
         "GetLoad": (False, False),
         "LoadLoRAAdapter": (False, False),
         "UnloadLoRAAdapter": (False, False),
+        "Prefill": (False, True),
+        "ReceiveKV": (True, False),
+        "GenerateImported": (False, True),
     }
     assert methods(router_pb2, "Router") == {"Generate": (False, True)}

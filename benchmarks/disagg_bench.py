@@ -1,0 +1,132 @@
+"""Prefill/decode disaggregation: do short chats keep their inter-token latency while
+another client sends long prompts? (docs/disaggregation.md)
+
+Two fleets on the same model, one after the other: 1 prefill + 1 decode engine, and 2
+colocated engines. In each, `--chats` clients stream short chats back to back while one
+client sends `--long-tokens`-token prompts back to back, for `--seconds`. Printed per fleet:
+the chats' p50/p99 inter-token latency, and for the disaggregated one the KV transfer's
+cost per block (from the prefill engine's metrics).
+
+    python -m benchmarks.disagg_bench [--model DIR] [--seconds 60] [--chats 4]
+                                      [--long-tokens 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.router_client import auth_metadata, build_request, channel
+from kvfleet.v1 import common_pb2, router_pb2_grpc
+
+
+@dataclass
+class Gaps:
+    seconds: list[float] = field(default_factory=list)
+
+    def percentile(self, q: float) -> float:
+        if not self.seconds:
+            return float("nan")
+        ordered = sorted(self.seconds)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _stream(stub: router_pb2_grpc.RouterStub, prompt: list[int], max_tokens: int,
+                  gaps: Gaps | None) -> None:
+    params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    last = None
+    async for response in stub.Generate(build_request(prompt_token_ids=prompt, params=params),
+                                        metadata=auth_metadata(None)):
+        now = time.monotonic()
+        if response.token_ids and gaps is not None:
+            if last is not None:
+                gaps.seconds.append(now - last)
+            last = now
+
+
+async def _load(address: str, args: argparse.Namespace) -> Gaps:
+    rng = random.Random(0)
+    gaps = Gaps()
+    deadline = time.monotonic() + args.seconds
+
+    async def chats(stub: router_pb2_grpc.RouterStub) -> None:
+        while time.monotonic() < deadline:
+            prompt = [rng.randrange(3, 500) for _ in range(args.chat_tokens)]
+            await _stream(stub, prompt, args.chat_output, gaps)
+
+    async def long_prompts(stub: router_pb2_grpc.RouterStub) -> None:
+        while time.monotonic() < deadline:
+            prompt = [rng.randrange(3, 500) for _ in range(args.long_tokens)]
+            await _stream(stub, prompt, 4, None)
+
+    async with channel(address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        await asyncio.gather(long_prompts(stub), *(chats(stub) for _ in range(args.chats)))
+    return gaps
+
+
+def _metric(port: int | None, name: str) -> float:
+    if port is None:
+        return 0.0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+        text = page.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name))
+
+
+def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
+    with Fleet(config) as fleet:
+        gaps = asyncio.run(_load(fleet.router_address, args))
+        line = (f"{name:>12}: chats' inter-token latency p50 {gaps.percentile(0.5) * 1e3:.1f} ms"
+                f", p99 {gaps.percentile(0.99) * 1e3:.1f} ms ({len(gaps.seconds)} gaps)")
+        if config.prefill_engines:
+            port = fleet.engines[0].metrics_port
+            sent = _metric(port, "kvfleet:kv_transfer_sent_bytes_total")
+            secs = _metric(port, "kvfleet:kv_transfer_seconds_sum")
+            count = _metric(port, "kvfleet:kv_transfer_seconds_count")
+            blocks = count * -(-args.long_tokens // 16)
+            if blocks:
+                line += (f"; KV transfer {sent / blocks / 1024:.0f} KiB and "
+                         f"{secs / blocks * 1e3:.2f} ms per block ({count:.0f} transfers)")
+        print(line, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--chats", type=int, default=4)
+    parser.add_argument("--chat-tokens", type=int, default=32)
+    parser.add_argument("--chat-output", type=int, default=64)
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="default: long prompt + 512, at least 4096")
+    parser.add_argument("--engine-arg", action="append", default=[])
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from engine.models.default_model import prepare_default_model
+
+        model = prepare_default_model()
+    context = str(args.max_model_len or max(4096, args.long_tokens + 512))
+    engine_args = ("--max-model-len", context, *args.engine_arg)
+    threshold = ("--disagg-prefill-threshold", str(max(1, args.long_tokens // 2)))
+    with tempfile.TemporaryDirectory() as work:
+        for name, roles in (("1P+1D", (1, 1)), ("2 colocated", (0, 0))):
+            config = FleetConfig(
+                model_dir=model, num_engines=2, prefill_engines=roles[0],
+                decode_engines=roles[1], engine_args=engine_args, router_args=threshold,
+                log_dir=Path(work) / name.replace(" ", "-"), engine_threads=1,
+            )
+            _run(name, config, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: engine roles, KV export/import and the KV connector."""

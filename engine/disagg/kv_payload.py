@@ -1,0 +1,104 @@
+"""Block contents of the paged KV cache as bytes, for moving a request's KV between engines.
+
+Role: the torch side of a KV handoff. `gather_blocks` copies blocks out of the per-layer
+caches (prefill engine, right after the step that computed them); `scatter_blocks` writes
+received blocks into fresh ones (decode engine). `BlockFormat` names the wire layout.
+
+Invariants:
+- Both run on the engine thread between steps (the caches belong to the step loop), like
+  the host tier's copies (engine.kv_tiers.offload).
+- One block on the wire is every layer's K and V, shaped [num_layers, 2, block_size,
+  num_kv_heads, head_dim], C-contiguous, in the cache's own dtype: the bytes are the cache's
+  bytes, so a round trip is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block's wire layout: dtype name and shape [layers, 2, block_size, heads, head_dim]."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, caches: Sequence[torch.Tensor]) -> BlockFormat:
+        first = caches[0]
+        name = str(first.dtype).removeprefix("torch.")
+        return cls(name, (len(caches), first.shape[0], *first.shape[2:]))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def num_bytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+@torch.inference_mode()
+def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+    """The blocks' KV on the CPU, [num_blocks, layers, 2, block_size, heads, head_dim]."""
+    index = torch.tensor(list(block_ids), dtype=torch.int64, device=caches[0].device)
+    per_layer = torch.stack([cache.index_select(1, index) for cache in caches])
+    return per_layer.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """A prefill-only request's KV: [num_blocks, *fmt.shape] on the CPU."""
+
+    blocks: torch.Tensor
+    fmt: BlockFormat
+    num_tokens: int  # positions with KV (the prompt)
+    block_size: int
+    block_hashes: tuple[bytes, ...]  # its full blocks'
+    num_cached_tokens: int
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.fmt.num_bytes
+
+
+def block_bytes(blocks: torch.Tensor, index: int) -> bytes:
+    """Block `index` of a `gather_blocks` result, as wire bytes."""
+    one = blocks[index].contiguous()
+    return one.view(torch.uint8).numpy().tobytes()
+
+
+def blocks_from_bytes(chunks: Sequence[bytes], fmt: BlockFormat) -> torch.Tensor:
+    """Wire bytes back to [num_blocks, *fmt.shape] (CPU); ValueError on a wrong size."""
+    for chunk in chunks:
+        if len(chunk) != fmt.num_bytes:
+            raise ValueError(f"KV block has {len(chunk)} bytes, expected {fmt.num_bytes}")
+    raw = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    return raw.view(fmt.torch_dtype).view(len(chunks), *fmt.shape)
+
+
+@torch.inference_mode()
+def scatter_blocks(
+    caches: Sequence[torch.Tensor], block_ids: Sequence[int], blocks: torch.Tensor
+) -> None:
+    """Write [n, layers, 2, ...] blocks into the caches' blocks `block_ids` (in order)."""
+    device = caches[0].device
+    index = torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+    for layer, cache in enumerate(caches):
+        # [n, 2, bs, h, d] -> [2, n, bs, h, d]: the cache's block axis is dim 1.
+        cache.index_copy_(1, index, blocks[:, layer].transpose(0, 1).to(device))
