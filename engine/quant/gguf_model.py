@@ -166,8 +166,8 @@ def _fill_layer(layer: LlamaDecoderLayer, i: int, config: ModelConfig,
     attn.o_proj = QuantLinear(  # type: ignore[assignment]
         [need("attn_output")], None if o_bias is None else _as_float(o_bias, torch.float32))
     mlp = layer.mlp
-    mlp.gate_up_proj = QuantLinear([need("ffn_gate"), need("ffn_up")])  # type: ignore[assignment]
-    mlp.down_proj = QuantLinear([need("ffn_down")])  # type: ignore[assignment]
+    mlp.gate_up_proj = QuantLinear([need("ffn_gate"), need("ffn_up")])
+    mlp.down_proj = QuantLinear([need("ffn_down")])
     for gguf_name, ours in _NORMS.items():
         norm = getattr(layer, ours)
         norm.weight = nn.Parameter(_as_float(tensors.pop(f"blk.{i}.{gguf_name}.weight"), dtype))
