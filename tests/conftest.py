@@ -10,6 +10,7 @@ tests/fixtures/fleets.py, through the conftest of each directory that starts the
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,17 @@ import pytest
 from tests.fixtures.lora_adapters import ADAPTERS, build_adapter_dir
 from tests.fixtures.servers import redis_server, threaded_server  # noqa: F401 - fixtures
 from tests.fixtures.tiny_model import build_tiny_model_dir
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Without a GPU, Triton runs interpreted (TRITON_INTERPRET=1). Triton fixes that mode
+    when `triton.language` is first imported, and transformers imports triton whenever a model
+    class is resolved, so the switch must come before any test runs, not in the Triton tier's
+    own conftest (too late once another tier built a transformers model first)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
