@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,6 +46,8 @@ def encode_chat(
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """(rendered prompt, token ids); jinja2 errors propagate as `apply_chat_template`'s."""
+    if not allow_special_tokens:
+        _refuse_special_strings_outside_contents(tokenizer, messages, tools)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
     ids, specials = tokenizer.encode_with_spans(prompt, add_special_tokens)
     if allow_special_tokens:
@@ -106,4 +109,29 @@ def _refuse_special_strings(tokenizer: Tokenizer, messages: Sequence[Mapping[str
                 f"messages[{index}].content holds a special-token string, which this chat "
                 "template cannot keep as plain text (the operator may allow special tokens "
                 "in prompts: --allow-special-tokens-in-prompts)"
+            )
+
+
+def _refuse_special_strings_outside_contents(
+    tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> None:
+    """Tool-call names and arguments, tool names and `tools` are client text the template
+    renders in its own ways (often through `tojson`), which the placeholder rendering cannot
+    follow: a special-token string there is refused (ValueError naming the field) rather
+    than encoded as a control token."""
+    fields: list[tuple[str, Any]] = [("tools", json.dumps(list(tools)))] if tools else []
+    for index, message in enumerate(messages):
+        fields.append((f"messages[{index}].name", message.get("name")))
+        for call_index, call in enumerate(message.get("tool_calls") or []):
+            where = f"messages[{index}].tool_calls[{call_index}]"
+            function = call.get("function") if isinstance(call, Mapping) else None
+            fields.append((f"{where}", json.dumps(call, default=str)) if function is None
+                          else (f"{where}.function", json.dumps(function, default=str)))
+    for field, text in fields:
+        if isinstance(text, str) and tokenizer.encode_with_spans(text, False)[1]:
+            raise ValueError(
+                f"{field} holds a special-token string, which would become a control token "
+                "(the operator may allow special tokens in prompts: "
+                "--allow-special-tokens-in-prompts)"
             )
