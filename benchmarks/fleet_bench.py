@@ -94,11 +94,14 @@ def run_system(system: str, ctx: Ctx, dataset: list[str], num_prompts: int, rate
     with fleet_systems.start(system, ctx.model_dir, args, ctx.cfg, work / stem) as handle:
         fleet_systems.warm_up(handle, ctx.model_dir.name, args.num_warmups)
         before = fleet_systems.scrape(handle)
+        reasons_before = fleet_systems.decision_reasons(handle)
         raw = bench_serve(handle.base_url, ctx.model_dir.name, ctx.model_dir, dataset, ctx.cfg,
                           work / f"{stem}.json", work / f"{stem}.log", num_prompts=num_prompts,
                           num_warmups=0, seed=seed, timeout_s=args.timeout_s,
                           request_rate=rate)
         change = fleet_metrics.delta(before, settle(handle, before, int(raw.get("completed", 0))))
+        reasons = {k: round(v - reasons_before.get(k, 0.0))
+                   for k, v in sorted(fleet_systems.decision_reasons(handle).items())}
     row = summary(raw)
     row.update(
         hit_rate=fleet_metrics.hit_rate(change), block_size=handle.block_size,
@@ -107,6 +110,8 @@ def run_system(system: str, ctx: Ctx, dataset: list[str], num_prompts: int, rate
         requests_per_engine=fleet_metrics.requests_per_engine(change),
         prefix_cache_queries=sum(v["prefix_cache_queries"] for v in change.values()),
         prefix_cache_hits=sum(v["prefix_cache_hits"] for v in change.values()))
+    if reasons:
+        row["decision_reasons"] = {k: v for k, v in reasons.items() if v}
     return row, handle.lines
 
 

@@ -37,6 +37,19 @@ def counters(text: str, prefix: str) -> dict[str, float]:
     return out
 
 
+def labelled_counter(text: str, name: str, label: str) -> dict[str, float]:
+    """Counter `name` (`_total` or plain) summed per value of `label`."""
+    pattern = re.compile(rf'[{{,]{re.escape(label)}="([^"]*)"')
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m.group(1) in (name, f"{name}_total") and m.group(2):
+            key = pattern.search(m.group(2))
+            if key:
+                out[key.group(1)] = out.get(key.group(1), 0.0) + float(m.group(3))
+    return out
+
+
 def block_size(text: str, prefix: str = "vllm:") -> int | None:
     """The KV block size vLLM reports in `vllm:cache_config_info{block_size=...}`, if any."""
     for line in text.splitlines():

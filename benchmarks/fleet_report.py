@@ -120,6 +120,10 @@ def system_table(systems: Mapping[str, Row]) -> list[str]:
     rows.append(["requests/engine", *("/".join(str(v) for v in
                                                systems[n].get("requests_per_engine", {}).values())
                                       or "-" for n in names)])
+    if any("decision_reasons" in systems[n] for n in names):
+        rows.append(["decisions", *(" ".join(f"{k} {v}" for k, v in
+                                             systems[n].get("decision_reasons", {}).items())
+                                    or "-" for n in names)])
     return table(["", *names], rows, first=18, width=20)
 
 

@@ -52,6 +52,7 @@ class Handle:
     prefix: str  # the counters' name prefix
     block_size: int
     lines: list[str] = field(default_factory=list)  # what was started, for the report
+    router_metrics: str | None = None  # kvfleet's router /metrics URL (decision reasons)
 
 
 def fetch(url: str, timeout_s: float = 10.0) -> str:
@@ -107,8 +108,18 @@ def kvfleet_defaults(model_dir: Path, args: argparse.Namespace, work: Path) -> I
 
 def _kvfleet_handle(fleet: Fleet, name: str, block_size: int, lines: list[str]) -> Handle:
     wait_http_ok(f"{fleet.http_url}/health", 60, what="kvfleet router")
+    router = fleet.router.metrics_url if fleet.router and fleet.router.metrics_port_file else None
     return Handle(name, fleet.http_url, {e.name: e.metrics_url for e in fleet.engines},
-                  "kvfleet:", block_size, lines)
+                  "kvfleet:", block_size, lines, router)
+
+
+def decision_reasons(handle: Handle) -> dict[str, float]:
+    """kvfleet's router decisions so far by reason (cached, pending, spill, hash, ...);
+    empty for systems without our router."""
+    if handle.router_metrics is None:
+        return {}
+    return fleet_metrics.labelled_counter(fetch(handle.router_metrics),
+                                          "kvfleet:router_routing_decisions", "reason")
 
 
 def _start_all(starters: list[Callable[[], VllmServer]]) -> list[VllmServer]:
