@@ -6,7 +6,9 @@ builds a few candidate documents: a minimal one (required properties only, lower
 a full one (every property, other enum/branch picks), printed with and without spaces, the
 schema's own top-level `examples`, and mutations of the candidates meant to break them (wrong
 top-level type, a required property dropped, a property of the wrong type, an unknown
-property where `additionalProperties` is false, a value outside an `enum`, the text cut short).
+property where `additionalProperties` is false, a value outside an `enum`, the text cut
+short), and the document's keys in reverse order ("reordered": valid JSON Schema-wise, but
+not in the declaration order a grammar engine fixes). Each text carries its variant's name.
 
 Invariant: the generator's intent is never trusted. Every text is labelled by `jsonschema`
 (draft 2020-12, formats checked), so "valid" means jsonschema accepts it and "invalid" means
