@@ -151,15 +151,19 @@ class VllmWorker:
                 os.killpg(self._proc.pid, sig)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int,
-                 loras: Sequence[tuple[str, int, str] | None] | None = None
+                 loras: Sequence[tuple[str, int, str] | None] | None = None,
+                 structured: Sequence[dict[str, Any] | None] | None = None
                  ) -> tuple[float, list[list[int]]]:
         """One cold greedy `LLM.generate` call: (its wall time in the worker, output ids);
-        `loras` gives each prompt's adapter (name, id, path) or None for the base model."""
+        `loras` gives each prompt's adapter (name, id, path) or None for the base model;
+        `structured` each prompt's vLLM StructuredOutputsParams fields or None."""
         self.wait_ready()
         cmd: dict[str, Any] = {"op": "generate", "prompts": [list(p) for p in prompts],
                                "max_tokens": max_tokens}
         if loras is not None:
             cmd["loras"] = [None if x is None else list(x) for x in loras]
+        if structured is not None:
+            cmd["structured"] = list(structured)
         self._signal(signal.SIGCONT)
         self._send(cmd)
         try:

@@ -12,6 +12,8 @@ Protocol (JSON, one object per line): the model is loaded once, then the worker 
   Optional `"loras": [[name, id, path] or null per prompt]` (with --enable-lora) sends each
   prompt with its adapter; `"spec"` holds vLLM's speculative-decoding counters when the
   worker was started with --speculative-config (cumulative since start).
+  Optional `"structured": [{kind: value} or null per prompt]` constrains each prompt with
+  vLLM's `StructuredOutputsParams(**that)` (backend: --structured-backend, default auto).
 - `{"op": "quit"}` -> the worker exits. A failed command answers `{"error": "..."}`.
 Replies go to a private copy of the original stdout; fd 1 itself is pointed at stderr, so
 whatever vLLM or its engine-core process prints cannot corrupt the protocol.
@@ -48,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-loras", type=int, default=1)
     p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--structured-backend", default="auto",
+                   help="vLLM's structured_outputs_config backend: auto, xgrammar, guidance")
     return p.parse_args()
 
 
@@ -90,8 +94,22 @@ def spec_counters(llm: Any) -> dict[str, float]:
     return out
 
 
-def serve(llm: Any, reply: IO[str]) -> None:
+def sampling_params(cmd: dict[str, Any]) -> Any:
+    """One SamplingParams, or one per prompt when the command constrains them."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    def make(constraint: dict[str, Any] | None) -> Any:
+        so = StructuredOutputsParams(**constraint) if constraint else None
+        return SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]),
+                              ignore_eos=True, structured_outputs=so)
+
+    if cmd.get("structured") is None:
+        return make(None)
+    return [make(c) for c in cmd["structured"]]
+
+
+def serve(llm: Any, reply: IO[str]) -> None:
 
     def send(obj: dict[str, Any]) -> None:
         reply.write(json.dumps(obj) + "\n")
@@ -103,8 +121,7 @@ def serve(llm: Any, reply: IO[str]) -> None:
         if cmd.get("op") == "quit":
             return
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=int(cmd["max_tokens"]),
-                                    ignore_eos=True)
+            params = sampling_params(cmd)
             prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
             loras = lora_requests(cmd.get("loras"))
             llm.reset_prefix_cache()
@@ -129,6 +146,7 @@ def main() -> int:
         extra["speculative_config"] = json.loads(args.speculative_config)
     if args.enable_lora:
         extra.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    extra["structured_outputs_config"] = {"backend": args.structured_backend}
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,

@@ -71,8 +71,8 @@ def tool_choice_schema(
     """The JSON schema the output must follow for a forced choice (None: free text).
 
     Named: that function's parameters. Required: an array of `{"name", "parameters"}`
-    objects, one alternative per tool (`anyOf`), at least one call, at most one unless
-    parallel calls are allowed (vLLM's shape)."""
+    objects (no other keys), one alternative per tool (`anyOf`), at least one call, at most
+    one unless parallel calls are allowed (vLLM's shape, closed to extra keys)."""
     if tool_choice.mode == "named":
         function = next(t["function"] for t in tools or () if t["function"]["name"]
                         == tool_choice.name)
@@ -89,6 +89,10 @@ def tool_choice_schema(
                     "parameters": _parameters(t["function"]),
                 },
                 "required": ["name", "parameters"],
+                # Unlike vLLM's schema: a call holds these two keys only, so a weak model
+                # cannot ramble on in extra keys and never close the array (the parser
+                # would drop them anyway).
+                "additionalProperties": False,
             }
             for t in tools or ()
         ]},

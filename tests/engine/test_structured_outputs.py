@@ -253,6 +253,17 @@ def test_n_samples_each_follow_the_grammar(llm, prompts):
     assert all(s.text in ("red", "green", "blue") and s.finish_reason == "stop" for s in samples)
 
 
+@pytest.mark.parametrize("kind", ["json", "regex", "grammar"])
+def test_n_greedy_samples_each_equal_the_reference(llm, prompts, reference, kind):
+    # Each sample has its own matcher, copied from one compile: a sample's tokens must not
+    # advance its siblings' grammar state.
+    params = greedy(CONSTRAINTS[kind], n=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = reference(prompt, CONSTRAINTS[kind])
+        assert [list(s.token_ids) for s in output.outputs] == [expected] * 3
+
+
 def test_logprobs_of_constrained_rows_cover_allowed_tokens_only(llm, prompts, tiny_model_dir):
     tokenizer = llm.get_tokenizer()
     eos = load_generation_eos_ids(tiny_model_dir)

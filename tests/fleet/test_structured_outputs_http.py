@@ -141,3 +141,44 @@ def test_engine_metrics_count_constrained_requests_and_compiles(
     assert values["kvfleet:structured_output_requests_total"] >= 2
     assert values["kvfleet:structured_output_compile_seconds_count"] >= 2
     assert values["kvfleet:structured_output_mask_seconds_count"] > 0
+
+
+def engine_counters(fleet: Fleet) -> dict[str, float]:
+    url = f"http://127.0.0.1:{fleet.engines[0].metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def test_bad_constraints_and_tools_never_reach_the_engine(
+    fleet: Fleet, openai_client: OpenAI, model: str
+):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    bad_tool = {"type": "function", "function": {"name": "g", "parameters": {"type": 5}}}
+    cases = [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "w", "schema": {"type": "nope"}}}},
+         "response_format.json_schema.schema"),
+        ({"tools": [tool, {**tool, "function": {**tool["function"], "name": "h"}}, bad_tool]},
+         "tools[2].function.parameters"),
+        ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+    ]
+    watched = ("kvfleet:structured_output_compile_seconds_count",
+               "kvfleet:structured_output_requests_total", "kvfleet:prompt_tokens_total")
+    # One good constrained request first, so every watched series exists and has moved.
+    openai_client.completions.create(model=model, prompt="x", max_tokens=2,
+                                     extra_body={"guided_json": {"type": "boolean"}})
+    before = engine_counters(fleet)
+    assert all(before.get(k, 0.0) > 0 for k in watched), before
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            openai_client.chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=4, **kwargs)
+        assert info.value.param == param, info.value.message
+    after = engine_counters(fleet)
+    assert {k: after.get(k, 0.0) for k in watched} == {k: before.get(k, 0.0) for k in watched}

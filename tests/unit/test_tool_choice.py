@@ -99,7 +99,8 @@ def test_required_schema_accepts_calls_of_the_tools_only() -> None:
           {"name": "get_time", "parameters": {}}]
     jsonschema.validate(ok, schema)
     for bad in ([], [{"name": "get_weather", "parameters": {}}],
-                [{"name": "other", "parameters": {}}], {"name": "get_time"}):
+                [{"name": "other", "parameters": {}}], {"name": "get_time"},
+                [{"name": "get_time", "parameters": {}, "note": "extra keys are refused"}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     single = tool_choice_schema([WEATHER, TIME], ToolChoice("required"), False)
