@@ -75,9 +75,12 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20, help="calls per round at T=8")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/moe_bench.json"))
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if not fused_available(dtype):
         raise SystemExit("the fused MoE kernel is not available (C++ CPU kernels not built)")
     block = make_block(dtype)

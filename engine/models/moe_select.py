@@ -29,6 +29,8 @@ from engine.models.moe import PLAN_ROWS, MoePlan, SparseMoeBlock
 logger = logging.getLogger("kvfleet.engine")
 
 REPEATS = 3
+# Rows per timed round at the small sizes (calls = CALL_ROWS // rows).
+CALL_ROWS = 32
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -38,9 +40,10 @@ def fused_available(dtype: torch.dtype) -> bool:
     return dtype in FUSED_DTYPES and load() and hasattr(torch.ops.kvfleet_cpu, "fused_moe")
 
 
-def _time(run: Callable[[], object]) -> float:
+def _seconds(path: Callable[..., torch.Tensor], calls: int, *args: torch.Tensor) -> float:
     start = time.perf_counter()
-    run()
+    for _ in range(calls):
+        path(*args)
     return time.perf_counter() - start
 
 
@@ -59,9 +62,10 @@ def choose_plan(block: SparseMoeBlock, max_rows: int,
         weights, ids = block.route(x)
         paths = (block.forward_reference, block.forward_fused)
         best = [float("inf"), float("inf")]
+        calls = max(1, CALL_ROWS // size)  # a single decode-sized call is too short to time
         for _ in range(REPEATS):
             for i, path in enumerate(paths):
-                best[i] = min(best[i], _time(lambda p=path: p(x, weights, ids)))
+                best[i] = min(best[i], _seconds(path, calls, x, weights, ids) / calls)
         fused.append(best[1] < best[0])
         logger.info("MoE experts at %d rows: PyTorch %.3f ms, fused %.3f ms", size,
                     best[0] * 1e3, best[1] * 1e3)
