@@ -5,7 +5,8 @@ model runs on random hidden states, routed by its own router, through the PyTorc
 through the fused C++ kernel (engine.models.moe); the faster one (best of `REPEATS`
 interleaved rounds, which resists a shared machine's noise better than the mean) takes
 batches of up to that many rows. The plan is the same for every MoE layer of the model (they
-share one shape).
+share one shape). A first round where one path takes over `DECISIVE` times the other's time
+decides that size at once.
 
 Why measure: the fused kernel removes the per-expert dispatch and the host sync that dominate
 small batches, but its dot-product micro-kernel is not a tuned BLAS; at prefill sizes oneDNN's
@@ -30,7 +31,10 @@ logger = logging.getLogger("kvfleet.engine")
 
 REPEATS = 3
 # Rows per timed round at the small sizes (calls = CALL_ROWS // rows).
-CALL_ROWS = 32
+CALL_ROWS = 16
+# A first round this lopsided decides without the other rounds: start-up on a loaded machine
+# (where the PyTorch path's many thread barriers make it very slow) stays short.
+DECISIVE = 2.0
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -66,6 +70,8 @@ def choose_plan(block: SparseMoeBlock, max_rows: int,
         for _ in range(REPEATS):
             for i, path in enumerate(paths):
                 best[i] = min(best[i], _seconds(path, calls, x, weights, ids) / calls)
+            if max(best) > DECISIVE * min(best):  # no rerun can turn this round around
+                break
         fused.append(best[1] < best[0])
         logger.info("MoE experts at %d rows: PyTorch %.3f ms, fused %.3f ms", size,
                     best[0] * 1e3, best[1] * 1e3)
@@ -78,7 +84,10 @@ def configure_moe(layers: nn.ModuleList, enabled: bool, max_rows: int) -> MoePla
     blocks = [m for m in layers.modules() if isinstance(m, SparseMoeBlock)]
     if not blocks:
         return None
+    start = time.perf_counter()
     plan = choose_plan(blocks[0], max_rows) if enabled else MoePlan()
+    if enabled:
+        logger.info("MoE expert paths chosen in %.1f s: %s", time.perf_counter() - start, plan)
     for block in blocks:
         block.plan = plan
     return plan
