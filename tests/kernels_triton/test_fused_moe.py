@@ -1,5 +1,5 @@
 """The fused MoE Triton kernels (kernels/triton/fused_moe.py) vs the PyTorch path of
-engine.models.moe, and the block alignment they rely on.
+engine.models.moe, the block alignment they rely on, and a Qwen3-MoE engine run through them.
 
 Tiny shapes (the interpreter runs every program in Python): hidden and expert widths that are
 not multiples of the 32-wide tiles, several experts per token, experts with no rows and with
@@ -17,6 +17,9 @@ from engine.models.config import ModelConfig
 from engine.models.moe import SparseMoeBlock
 from kernels.triton import runtime
 from kernels.triton.fused_moe import align_block_size, fused_moe
+from tests.fixtures.family_models import build_family_dir
+from tests.fixtures.greedy import random_prompts, transformers_greedy
+from tests.kernels_triton.test_engine_triton import NEW_TOKENS, run_checked, triton_llm
 
 
 def make_block(hidden: int, inter: int, experts: int, top_k: int) -> SparseMoeBlock:
@@ -101,3 +104,21 @@ def test_fused_moe_refuses_mismatched_weights():
     with pytest.raises(ValueError, match="do not match hidden size 32"):
         fused_moe(x[:, :32], torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 2),
                   block.gate_up, block.down)
+
+
+def test_engine_greedy_through_the_moe_kernels(tmp_path_factory):
+    """Qwen3-MoE through engine.LLM with its MoE layer on these kernels (what CUDA runs by
+    default; forced here, interpreted on CPU): transformers' greedy tokens, with chunked
+    prefill and decode batches."""
+    model_dir = build_family_dir(tmp_path_factory.mktemp("qwen3_moe_kernels"), "qwen3_moe",
+                                 num_hidden_layers=2)
+    prompts = random_prompts(model_dir, [1, 12, 29], seed=7)
+    llm = triton_llm(model_dir, max_num_batched_tokens=16)
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks
+    for block in blocks:
+        block.backend = "triton"
+    before = runtime.launch_counts["moe_down"]
+    assert run_checked(llm.engine, prompts) == transformers_greedy(model_dir, prompts,
+                                                                   NEW_TOKENS)
+    assert runtime.launch_counts["moe_down"] > before
