@@ -35,6 +35,7 @@ from engine.models.greedy_screen import GreedyScreen, measure_rows_limit, screen
 from engine.models.layer_ops import LayerOps
 from engine.models.linear import Linear, apply_linear, pack_weight, prepack_linears
 from engine.models.moe import SparseMoeBlock
+from engine.models.moe_select import configure_moe
 from engine.models.norms import GemmaRMSNorm, RMSNorm
 from engine.models.rope import RotaryEmbedding, apply_rotary
 from engine.models.weight_names import WeightNames
@@ -238,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
         # pauses a step there); the forward pass's state is all in its own locals, so the hook
         # may run other forward passes on this model. None: no call.
         self.layer_hook: Callable[[int], None] | None = None
+        # The engine's largest batch (set by prepack): the MoE path timing goes up to it.
+        self._max_batch_rows = MAX_PREFILL_ROWS
 
     def make_layer(self, config: ModelConfig, index: int) -> nn.Module:
         return LlamaDecoderLayer(config, self.ops, index)
@@ -274,8 +277,10 @@ class LlamaForCausalLM(nn.Module):
         return hidden if keep_rows is None else hidden.index_select(0, keep_rows)
 
     def use_fused_ops(self, enabled: bool) -> None:
-        """Switch the elementwise steps to the C++ CPU kernels (float32 and bfloat16)."""
+        """Switch the elementwise steps to the C++ CPU kernels (float32 and bfloat16), and
+        let MoE layers take the fused expert kernel where start-up timing finds it faster."""
         self.ops.fused = enabled
+        configure_moe(self.layers, enabled, self._max_batch_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab]; computed in the model dtype, then upcast, as HF does."""
@@ -288,6 +293,7 @@ class LlamaForCausalLM(nn.Module):
         `prefill_rows`: the engine's largest batch) and pack every projection and the LM head
         for theirs; returns the decoder layers' backend."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._max_batch_rows = prefill_rows
         layers = []
         for layer in self.layers:
             assert isinstance(layer, LlamaDecoderLayer)

@@ -2,25 +2,54 @@
 
 The router is one [experts, hidden] matmul; softmax in float32 over all experts, top-k, then
 (Mixtral always; Qwen3-MoE with norm_topk_prob) the k weights renormalised to sum 1, as
-transformers' TopKRouter does. Tokens are then grouped by expert: (token, slot) pairs are
-sorted by expert id once, and each expert that received tokens runs two GEMMs on all of its
-rows together ([n_e, H] x [2I, H]^T, SiLU-and-mul, x [H, I]^T), scaled by the rows' routing
-weights and summed into the output with index_add_ (no Python loop over tokens; one over the
-experts hit, as transformers' own experts loop).
+transformers' TopKRouter does. The experts then run on one of three paths:
+
+- the fused C++ kernel (kernels/cpu/fused_moe.cpp) on CPU, float32 and bfloat16, for the row
+  counts where start-up timing found it faster (`MoePlan`, engine.models.moe_select);
+- the fused Triton kernel (kernels/triton/fused_moe.py) on CUDA;
+- the PyTorch path elsewhere: (token, slot) pairs sorted by expert once (stable), each expert
+  that received tokens runs two GEMMs on all of its rows together ([n_e, H] x [2I, H]^T,
+  SiLU-and-mul, x [H, I]^T), scaled by the rows' routing weights and summed into the output
+  with index_add_ (one Python iteration per expert hit, as transformers' own experts loop).
 
 Invariants: expert weights are batched parameters, gate_up [E, 2I, H] (gate rows, then up)
-and down [E, H, I]; the loader fills them from the checkpoint's per-expert w1/w3/w2 (Mixtral)
-or gate/up/down_proj (Qwen3-MoE) tensors (engine.models.weight_names). Float32 results equal
-transformers' to rounding: the per-expert matmuls see the same rows, in token order.
+and down [E, H, I], read in that layout by every path (no packed copy); the loader fills them
+from the checkpoint's per-expert w1/w3/w2 (Mixtral) or gate/up/down_proj (Qwen3-MoE) tensors
+(engine.models.weight_names). Float32 results of every path equal transformers' to rounding;
+the PyTorch path's per-expert matmuls see the same rows, in token order, as transformers'.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
+
+# The row counts at which start-up timing compares the paths (decode to prefill sizes).
+PLAN_ROWS = (1, 8, 64, 512)
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """Which CPU path runs a batch: `fused[i]` for batches of at most `rows[i]` rows (and
+    the last entry for larger ones). Empty: the PyTorch path always."""
+
+    rows: tuple[int, ...] = ()
+    fused: tuple[bool, ...] = ()
+
+    def use_fused(self, num_rows: int) -> bool:
+        for limit, fused in zip(self.rows, self.fused, strict=True):
+            if num_rows <= limit:
+                return fused
+        return bool(self.fused) and self.fused[-1]
+
+    @classmethod
+    def always(cls) -> MoePlan:
+        return cls(rows=(1,), fused=(True,))
 
 
 class SparseMoeBlock(nn.Module):
@@ -36,6 +65,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = nn.Parameter(torch.empty(experts, hidden))
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
+        # CPU path choice, set at start (engine.models.moe_select); the default is PyTorch's.
+        self.plan = MoePlan()
+        # "auto": Triton on CUDA, `plan` on CPU; "triton": Triton on any device (tests run it
+        # interpreted on CPU).
+        self.backend = "auto"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) per token."""
@@ -47,6 +81,28 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if self.backend == "triton" or x.device.type == "cuda":
+            from kernels.triton.fused_moe import fused_moe
+
+            return fused_moe(x, ids, weights, self.gate_up, self.down)
+        if self.plan.use_fused(x.shape[0]):
+            return self.forward_fused(x, weights, ids)
+        return self.forward_reference(x, weights, ids)
+
+    def forward_fused(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The C++ kernel (float32 and bfloat16 on CPU)."""
+        out = torch.empty_like(x)
+        torch.ops.kvfleet_cpu.fused_moe(
+            out, x.contiguous(), ids.contiguous(), weights.float().contiguous(),
+            self.gate_up, self.down)
+        return out
+
+    def forward_reference(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The PyTorch path: grouped per-expert GEMMs, one Python iteration per expert hit."""
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         # Stable sort: within an expert, rows stay in token order (as transformers' where()).

@@ -24,8 +24,9 @@ class Family:
     spec_decode: bool = True
     # The Triton attention kernel (every CUDA run, CPU when asked).
     triton: bool = True
-    # Decode steps as captured CUDA graphs. MoE reads its per-expert row counts on the host
-    # (engine.models.moe), which a graph cannot capture: those decode eagerly (logged).
+    # Decode steps as captured CUDA graphs. MoE on CUDA runs kernels/triton/fused_moe.py,
+    # which sizes its grid from shapes alone (no host sync), but no graph of it has been
+    # captured on a GPU yet: those decode eagerly (logged) until that is checked.
     cuda_graphs: bool = True
 
 

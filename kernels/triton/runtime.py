@@ -20,7 +20,7 @@ from collections import Counter
 from types import ModuleType
 
 KERNEL_MODULES = (
-    "kv_write", "unified_attention", "rms_norm", "rotary", "silu_and_mul", "lora"
+    "kv_write", "unified_attention", "rms_norm", "rotary", "silu_and_mul", "lora", "fused_moe"
 )
 
 launch_counts: Counter[str] = Counter()

@@ -1,0 +1,320 @@
+// Fused mixture-of-experts MLP for CPU, float32 and bfloat16: out[t] = sum over the token's k
+// routed experts e of w[t, e] * down_e(silu(gate_e(x[t])) * up_e(x[t])), in one call.
+//
+// Why: the PyTorch path (engine/models/moe.py) makes an argsort, a bincount, a host sync and
+// then five to six ATen calls per expert hit (index_select, two GEMMs, SiLU, mul, index_add);
+// at decode sizes that dispatch costs more than the math, and its intermediates round-trip
+// through memory. Here the routing is grouped once (a counting sort, stable: an expert's rows
+// stay in token order, as the PyTorch path's stable argsort keeps them), and each expert's
+// rows run as one grouped GEMM against that expert's weights.
+//
+// Weights stay in the model's layout, no packed copy: gate_up [E, 2I, H] (gate rows, then up)
+// and down [E, H, I], both row-major (a row per output column). The micro-kernel therefore
+// takes dot products along K: up to 4 rows x 6 weight rows in 24 vector accumulators, the rows'
+// K chunks loaded once per chunk and each weight row's chunk once, summed across lanes at the
+// end. The gate/up tile holds 3 gate rows and their 3 up rows, so SiLU-and-mul is applied in
+// registers and only the [rows, I] activation is stored.
+//
+// Phases (each a pass of work units over an atomic counter, as lora_delta's):
+//   A  per (expert, row block, column group): act[pos] = silu(x[tok] . gate) * (x[tok] . up),
+//      pos being the row's place in expert order; bfloat16 act is rounded once.
+//   B  per (expert, row block, column group): y[pos] = (act[pos] . down) * routing weight,
+//      float32.
+//   C  per token: out[t] = sum of its k rows of y in expert order (the PyTorch path's
+//      index_add_ order), rounded to out's dtype once.
+// Float32 results equal the PyTorch path's to rounding (only the dot products' summation
+// order differs). bfloat16 sums bf16 x bf16 products in float32 (VDPBF16PS where the CPU has
+// AVX512-BF16, else widened FMAs) and rounds the activation and the output only.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define KVFLEET_MOE_BF16 1
+#endif
+
+#include "simd.h"
+
+namespace {
+
+using BF16 = c10::BFloat16;
+using kvfleet::load16;
+using kvfleet::v16;
+
+constexpr int kMr = 4;           // rows per register tile
+constexpr int kNc = 6;           // weight rows per register tile
+constexpr int kPairs = kNc / 2;  // gate/up tile: 3 gate rows + their 3 up rows
+constexpr int64_t kRowBlock = 32;
+
+inline float to_float(float v) { return v; }
+inline float to_float(BF16 v) { return static_cast<float>(v); }
+
+// res[r][c] = the sum of acc[r][c]'s lanes, 16 accumulators per transpose-and-add network
+// (simd.h's reduce16): a horizontal sum each cost about as much as a quarter of the K loop.
+template <int MR>
+inline void reduce_tile(v16 (&acc)[MR][kNc], float (*res)[kNc]) {
+  constexpr int kCount = MR * kNc;
+  v16 rows[32];
+  for (int i = 0; i < 32; ++i) rows[i] = i < kCount ? acc[i / kNc][i % kNc] : v16{};
+  alignas(64) float sums[32];
+  kvfleet::store16(sums, kvfleet::reduce16(rows));
+  if (kCount > 16) kvfleet::store16(sums + 16, kvfleet::reduce16(rows + 16));
+  for (int i = 0; i < kCount; ++i) res[i / kNc][i % kNc] = sums[i];
+}
+
+// res[r][c] = a[r] . w[c] over k_len elements.
+template <int MR, typename T>
+inline void dot_tile(const T* const* a, const T* const* w, int64_t k_len, float (*res)[kNc]) {
+  int64_t k = 0;
+#if KVFLEET_MOE_BF16
+  if constexpr (std::is_same_v<T, BF16>) {
+    // Pairs of bf16 products summed exactly into float32 lanes, 32 elements per step.
+    __m512 acc[MR][kNc];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 6
+      for (int c = 0; c < kNc; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (; k + 32 <= k_len; k += 32) {
+      __m512bh xa[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) xa[r] = (__m512bh)_mm512_loadu_si512(a[r] + k);
+#pragma GCC unroll 6
+      for (int c = 0; c < kNc; ++c) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w[c] + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xa[r], wv);
+      }
+    }
+    v16 sums[MR][kNc];
+    std::memcpy(sums, acc, sizeof sums);  // the same 16 floats per register
+    reduce_tile<MR>(sums, res);
+  } else
+#endif
+  {
+    v16 acc[MR][kNc];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 6
+      for (int c = 0; c < kNc; ++c) acc[r][c] = v16{};
+    for (; k + 16 <= k_len; k += 16) {
+      v16 xa[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) xa[r] = load16(a[r] + k);
+#pragma GCC unroll 6
+      for (int c = 0; c < kNc; ++c) {
+        const v16 wv = load16(w[c] + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) acc[r][c] += xa[r] * wv;
+      }
+    }
+    reduce_tile<MR>(acc, res);
+  }
+  for (; k < k_len; ++k)  // K not a multiple of the step: the rest one element at a time
+    for (int r = 0; r < MR; ++r)
+      for (int c = 0; c < kNc; ++c) res[r][c] += to_float(a[r][k]) * to_float(w[c][k]);
+}
+
+template <typename T>
+using DotFn = void (*)(const T* const*, const T* const*, int64_t, float (*)[kNc]);
+
+template <typename T>
+DotFn<T> pick(int rows) {
+  static constexpr DotFn<T> table[kMr + 1] = {nullptr, dot_tile<1, T>, dot_tile<2, T>,
+                                              dot_tile<3, T>, dot_tile<4, T>};
+  return table[rows];
+}
+
+template <typename T>
+struct Problem {
+  const T* x;
+  int64_t ldx;
+  const T* gate_up;  // [E, 2I, H]
+  const T* down;     // [E, H, I]
+  int64_t hidden, inter;
+  const int64_t* offsets;  // [E + 1]: expert e's rows are positions [offsets[e], offsets[e+1])
+  const int64_t* flat;     // [T * k]: position -> flat index t * k + slot
+  const float* weights;    // [T * k] by flat index
+  int64_t topk;
+  T* act;    // [T * k, I] by position
+  float* y;  // [T * k, H] by position
+};
+
+struct Unit {
+  int64_t expert, r0, r1, c0, c1;
+};
+
+// Units over every expert's row blocks x column groups (columns: `cols` in steps of `step`),
+// about eight per thread so a core slowed by another process does not leave a long tail.
+std::vector<Unit> make_units(const int64_t* offsets, int64_t experts, int64_t cols, int64_t step) {
+  const int64_t tiles = (cols + step - 1) / step;
+  int64_t blocks = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    blocks += (offsets[e + 1] - offsets[e] + kRowBlock - 1) / kRowBlock;
+  const int64_t target = std::max<int64_t>(1, at::get_num_threads()) * 8;
+  const int64_t group = std::max<int64_t>(1, blocks * tiles / target) * step;
+  std::vector<Unit> units;
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; r += kRowBlock)
+      for (int64_t c = 0; c < cols; c += group)
+        units.push_back({e, r, std::min(offsets[e + 1], r + kRowBlock), c,
+                         std::min(cols, c + group)});
+  return units;
+}
+
+template <typename F>
+void run_units(int64_t units, F&& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
+  at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t, int64_t) {
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) body(u);
+  });
+}
+
+// Phase A: silu(gate) * up for columns [c0, c1) of the unit's rows.
+template <typename T>
+void gate_up_unit(const Problem<T>& p, const Unit& u) {
+  const T* base = p.gate_up + u.expert * 2 * p.inter * p.hidden;
+  for (int64_t j = u.c0; j < u.c1; j += kPairs) {
+    const int n = static_cast<int>(std::min<int64_t>(kPairs, u.c1 - j));
+    const T* w[kNc];
+    for (int c = 0; c < kPairs; ++c) {  // past the last column: repeat it (results unused)
+      const int64_t col = j + std::min(c, n - 1);
+      w[c] = base + col * p.hidden;
+      w[kPairs + c] = base + (p.inter + col) * p.hidden;
+    }
+    for (int64_t r = u.r0; r < u.r1; r += kMr) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMr, u.r1 - r));
+      const T* a[kMr];
+      for (int i = 0; i < rows; ++i) a[i] = p.x + p.flat[r + i] / p.topk * p.ldx;
+      float res[kMr][kNc];
+      pick<T>(rows)(a, w, p.hidden, res);
+      for (int i = 0; i < rows; ++i)
+        for (int c = 0; c < n; ++c) {
+          const float g = res[i][c];
+          p.act[(r + i) * p.inter + j + c] = static_cast<T>(g / (1.f + std::exp(-g)) * res[i][kPairs + c]);
+        }
+    }
+  }
+}
+
+// Phase B: y = (act . down) * routing weight for columns [c0, c1) of the unit's rows.
+template <typename T>
+void down_unit(const Problem<T>& p, const Unit& u) {
+  const T* base = p.down + u.expert * p.hidden * p.inter;
+  for (int64_t j = u.c0; j < u.c1; j += kNc) {
+    const int n = static_cast<int>(std::min<int64_t>(kNc, u.c1 - j));
+    const T* w[kNc];
+    for (int c = 0; c < kNc; ++c) w[c] = base + (j + std::min(c, n - 1)) * p.inter;
+    for (int64_t r = u.r0; r < u.r1; r += kMr) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMr, u.r1 - r));
+      const T* a[kMr];
+      for (int i = 0; i < rows; ++i) a[i] = p.act + (r + i) * p.inter;
+      float res[kMr][kNc];
+      pick<T>(rows)(a, w, p.inter, res);
+      for (int i = 0; i < rows; ++i) {
+        const float weight = p.weights[p.flat[r + i]];
+        for (int c = 0; c < n; ++c) p.y[(r + i) * p.hidden + j + c] = res[i][c] * weight;
+      }
+    }
+  }
+}
+
+template <typename T>
+void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+         const at::Tensor& gate_up, const at::Tensor& down) {
+  const int64_t tokens = x.size(0), hidden = x.size(1), topk = ids.size(1);
+  const int64_t experts = gate_up.size(0), inter = down.size(2), rows = tokens * topk;
+  // Counting sort by expert, stable (flat order is token order within an expert).
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> offsets(experts + 1, 0), flat(rows), position(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < experts, "fused_moe: topk_ids holds expert ", id[i],
+                " outside [0, ", experts, ")");
+    ++offsets[id[i] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  {
+    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+    for (int64_t i = 0; i < rows; ++i) {
+      position[i] = fill[id[i]]++;
+      flat[position[i]] = i;
+    }
+  }
+  at::Tensor act = at::empty({rows, inter}, x.options());
+  at::Tensor y = at::empty({rows, hidden}, x.options().dtype(at::kFloat));
+  const Problem<T> p{x.data_ptr<T>(), x.stride(0), gate_up.data_ptr<T>(), down.data_ptr<T>(),
+                     hidden, inter, offsets.data(), flat.data(), weights.data_ptr<float>(),
+                     topk, act.data_ptr<T>(), y.data_ptr<float>()};
+  const std::vector<Unit> a_units = make_units(offsets.data(), experts, inter, kPairs);
+  run_units(static_cast<int64_t>(a_units.size()), [&](int64_t u) { gate_up_unit(p, a_units[u]); });
+  const std::vector<Unit> b_units = make_units(offsets.data(), experts, hidden, kNc);
+  run_units(static_cast<int64_t>(b_units.size()), [&](int64_t u) { down_unit(p, b_units[u]); });
+  // Phase C: a token's rows in position order, which is expert order.
+  T* o = out.data_ptr<T>();
+  const int64_t ldo = out.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> pos(topk);
+    std::vector<float> sum(hidden);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t s = 0; s < topk; ++s) pos[s] = position[t * topk + s];
+      std::sort(pos.begin(), pos.end());
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t s = 0; s < topk; ++s) {
+        const float* row = p.y + pos[s] * hidden;
+        for (int64_t c = 0; c < hidden; ++c) sum[c] += row[c];
+      }
+      for (int64_t c = 0; c < hidden; ++c) o[t * ldo + c] = static_cast<T>(sum[c]);
+    }
+  });
+}
+
+void fused_moe(at::Tensor out, const at::Tensor& x, const at::Tensor& topk_ids,
+               const at::Tensor& topk_weights, const at::Tensor& gate_up, const at::Tensor& down) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "fused_moe: x must be float32 or bfloat16");
+  TORCH_CHECK(out.scalar_type() == dtype && gate_up.scalar_type() == dtype &&
+                  down.scalar_type() == dtype,
+              "fused_moe: out, gate_up and down must have x's dtype");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_weights.scalar_type() == at::kFloat,
+              "fused_moe: topk_ids must be int64 and topk_weights float32");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 &&
+                  topk_ids.dim() == 2,
+              "fused_moe: x/out [T, H], topk_ids/topk_weights [T, k], gate_up [E, 2I, H], "
+              "down [E, H, I]");
+  const int64_t hidden = x.size(1), experts = gate_up.size(0), inter = down.size(2);
+  TORCH_CHECK(gate_up.size(1) == 2 * inter && gate_up.size(2) == hidden &&
+                  down.size(0) == experts && down.size(1) == hidden,
+              "fused_moe: gate_up and down shapes disagree with x's hidden size");
+  TORCH_CHECK(topk_ids.size(0) == x.size(0) && topk_weights.sizes() == topk_ids.sizes() &&
+                  out.sizes() == x.sizes(),
+              "fused_moe: topk_ids, topk_weights and out must have x's rows");
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && gate_up.is_contiguous() &&
+                  down.is_contiguous() && topk_ids.is_contiguous() &&
+                  topk_weights.is_contiguous(),
+              "fused_moe: rows must be unit-stride and the weights contiguous");
+  if (x.size(0) == 0) return;
+  if (dtype == at::kFloat)
+    run<float>(out, x, topk_ids, topk_weights, gate_up, down);
+  else
+    run<BF16>(out, x, topk_ids, topk_weights, gate_up, down);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
+  m.def(
+      "fused_moe(Tensor(a!) out, Tensor x, Tensor topk_ids, Tensor topk_weights, "
+      "Tensor gate_up, Tensor down) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
