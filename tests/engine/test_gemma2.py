@@ -1,5 +1,8 @@
 """Gemma 2 against transformers, float32: sliding windows (16 tokens) alternating with global
-layers, attention and final logit soft-capping, GeGLU, (1 + w) norms, tied embeddings."""
+layers, attention and final logit soft-capping, GeGLU, (1 + w) norms, tied embeddings.
+
+Sliding-window KV is on (engine.core.kv_groups: 2 groups of 2 layers): the sliding layers drop
+the blocks that left the window in every mode; once more with it off."""
 
 from __future__ import annotations
 
@@ -26,9 +29,20 @@ def reference(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     return family_reference(model_dir)
 
 
+# A block holds 2 of the 4 layers: 18 blocks are the KV memory of the other families' 9.
+POOL = {"preemption": {"num_kv_blocks": 18}}
+
+
 @pytest.mark.parametrize("mode", list(MODES))  # every mode: window, caps, tied head
 def test_gemma2_greedy_matches_transformers(model_dir, reference, mode):
-    check_mode(model_dir, *reference, mode)
+    llm = check_mode(model_dir, *reference, mode, **POOL.get(mode, {}))
+    assert llm.engine.kv.sliding is not None
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_gemma2_without_sliding_kv_matches_transformers(model_dir, reference):
+    llm = check_mode(model_dir, *reference, "preemption", disable_hybrid_kv_cache_manager=True)
+    assert llm.engine.kv.sliding is None
 
 
 def test_gemma2_logprobs_and_prefix_hits(model_dir, reference):
