@@ -156,9 +156,14 @@ class KVCacheManager:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request holding `num_tokens` could ever fit in the whole pool."""
+        return self.blocks_needed(num_tokens) <= self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Most blocks a request of `num_tokens` holds at once (every group; a sliding
+        group at most a window and a step's tokens)."""
         sliding = (0 if self.sliding is None
                    else self.sliding.blocks_per_request(num_tokens, self.max_step_tokens))
-        return self._blocks_for(num_tokens) + sliding <= self.pool.num_blocks
+        return self._blocks_for(num_tokens) + sliding
 
     def allocate_slots(
         self,

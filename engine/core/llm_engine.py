@@ -280,7 +280,7 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len})"
             )
         if not self.kv.can_fit(num_prompt + max_tokens):
-            needed = -(-(num_prompt + max_tokens) // self.config.block_size)
+            needed = self.kv.blocks_needed(num_prompt + max_tokens)
             raise ValueError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} "
                 f"KV blocks but the cache has only {self.kv.num_blocks}"

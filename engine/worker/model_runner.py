@@ -219,7 +219,11 @@ class ModelRunner:
     def _group_metas(
         self, scheduled: list[ScheduledRequest], group_block_ids: dict[str, list[list[int]]]
     ) -> tuple[AttentionMetadata, ...]:
-        """The step's attention metadata through each sliding group's block tables."""
+        """The step's attention metadata through each sliding group's block tables.
+
+        Their decode batches may pair requests by the null placeholders their tables start
+        with as a 'shared prefix'; only windowed layers read these metas, and windowed layers
+        never take the shared-prefix kernel."""
         assert self.kv_groups is not None
         metas = []
         for g in range(self.kv_groups.num_sliding_groups):
