@@ -57,6 +57,18 @@ DEFAULT_FAMILIES = "qwen3,gemma2,gemma3,phi3,mixtral"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
+def family_config(family: str, smollm2_config: dict[str, Any]) -> Any:
+    """The transformers config of `family` at SmolLM2's shape, with its token ids."""
+    import transformers
+
+    model_type, settings = FAMILIES[family]
+    return transformers.AutoConfig.for_model(
+        model_type, vocab_size=smollm2_config["vocab_size"],
+        bos_token_id=smollm2_config["bos_token_id"], eos_token_id=smollm2_config["eos_token_id"],
+        pad_token_id=smollm2_config["pad_token_id"], **{**SMOLLM2_SHAPE, **settings},
+    )
+
+
 def build_checkpoint(family: str, smollm2_dir: Path, dest: Path, seed: int = 0) -> Path:
     """`family`'s random-weight checkpoint at SmolLM2's shape in `dest` (kept if complete)."""
     import torch
@@ -64,13 +76,8 @@ def build_checkpoint(family: str, smollm2_dir: Path, dest: Path, seed: int = 0) 
 
     if (dest / "config.json").is_file() and any(dest.glob("*.safetensors")):
         return dest
-    model_type, settings = FAMILIES[family]
     smol = json.loads((smollm2_dir / "config.json").read_text(encoding="utf-8"))
-    config = transformers.AutoConfig.for_model(
-        model_type, vocab_size=smol["vocab_size"], bos_token_id=smol["bos_token_id"],
-        eos_token_id=smol["eos_token_id"], pad_token_id=smol["pad_token_id"],
-        **{**SMOLLM2_SHAPE, **settings},
-    )
+    config = family_config(family, smol)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     staging = dest.with_name(dest.name + ".partial")
