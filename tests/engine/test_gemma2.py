@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.family_exactness import (
+    GREEDY,
     MODES,
     check_logprobs_and_prefix_hits,
     check_mode,
@@ -38,6 +39,10 @@ def test_gemma2_greedy_matches_transformers(model_dir, reference, mode):
     llm = check_mode(model_dir, *reference, mode, **POOL.get(mode, {}))
     assert llm.engine.kv.sliding is not None
     assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+    if mode == "one-batch":  # a KV handoff would move one block table: refused, naming the way
+        with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
+            llm.engine.add_request("handoff", list(reference[0][-1]), GREEDY,
+                                   prefill_only=True)
 
 
 def test_gemma2_without_sliding_kv_matches_transformers(model_dir, reference):

@@ -204,3 +204,16 @@ def test_kv_imports_refused_with_sliding_groups():
     manager = make_manager()
     with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
         manager.reserve("import-1", 2)
+
+
+@pytest.mark.parametrize(("argv", "disabled"), [
+    ([], False), (["--disable-hybrid-kv-cache-manager"], True),
+    # A KV handoff moves one block table per request: disaggregated roles keep every block.
+    (["--role", "prefill"], True), (["--role", "decode"], True),
+])
+def test_engine_service_flag_and_roles(argv, disabled):
+    from engine.service.server import build_parser, options_from_args
+
+    args = build_parser().parse_args(
+        ["--model", "m", "--engine-id", "e", "--redis-url", "redis://127.0.0.1:1/0", *argv])
+    assert options_from_args(args).engine.disable_hybrid_kv_cache_manager is disabled
