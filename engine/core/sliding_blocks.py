@@ -56,17 +56,27 @@ class SlidingGroups:
 
     # ------------------------------------------------------------------ prefix hits
     def longest_hit(self, hashes: Sequence[BlockHash], num_blocks: int) -> int:
-        """The longest k <= num_blocks whose window before block k is cached in every group."""
-        last_miss = -1
-        misses: list[int] = []  # per j < num_blocks: last index <= j missing in some group
-        for j in range(num_blocks):
-            if any(self.pool.get_cached_block(group_key(hashes[j], g)) is None
-                   for g in self._groups()):
-                last_miss = j
-            misses.append(last_miss)
-        for k in range(num_blocks, 0, -1):
-            if misses[k - 1] < self.first_needed_block(k * self.block_size):
+        """The longest k <= num_blocks whose window before block k is cached in every group.
+
+        Scans from the right: a miss at block j rules out every k in (j, current k], whose
+        windows all contain j (the window's first block never moves left as k grows), so only
+        the blocks of the windows tried are ever looked up.
+        """
+        known: dict[int, bool] = {}
+
+        def cached(j: int) -> bool:
+            if j not in known:
+                known[j] = all(self.pool.get_cached_block(group_key(hashes[j], g)) is not None
+                               for g in self._groups())
+            return known[j]
+
+        k = num_blocks
+        while k > 0:
+            first = self.first_needed_block(k * self.block_size)
+            miss = next((j for j in range(k - 1, first - 1, -1) if not cached(j)), None)
+            if miss is None:
                 return k
+            k = miss
         return 0
 
     def hit_tables(self, hashes: Sequence[BlockHash], num_blocks: int) -> list[SlidingTable]:

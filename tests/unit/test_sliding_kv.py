@@ -129,20 +129,25 @@ def test_8k_context_sliding_blocks_bounded_by_window(window, windows):
 
 
 def test_prefix_hit_needs_only_the_window_before_it():
-    manager = make_manager()
+    manager = make_manager(num_blocks=60)
     a = make_request("a", range(40))
     for _ in range(5):
         run_step(manager, a, 8)  # chunked: sliding blocks 0..5 leave the window on the way
     assert manager.get_group_block_ids("a")[0][:6] == [0] * 6  # the last chunk saw 27..39
     assert manager.sliding.num_held("a") == [4]
     manager.free(a)
+    # Evict the sliding blocks 0..3 (freed first, so first in LRU order): not needed.
+    num_unhashed = sum(1 for blk in manager.pool.blocks if blk.block_hash is None)
+    manager.pool.allocate(num_unhashed + 4)
+    assert [manager.pool.get_cached_block(group_key(h, 1)) is None
+            for h in a.block_hashes[:7]] == [True] * 4 + [False] * 3
     b = make_request("b", list(range(28)) + [99] * 12)
     hits, num_hit_tokens = manager.get_computed_blocks(b)
     assert num_hit_tokens == 28  # 7 shared blocks; the next query (28) sees 23.. = blocks 5, 6
     assert manager.allocate_slots(b, 40 - 28, hits) is not None
     sliding_a = [manager.pool.get_cached_block(group_key(a.block_hashes[j], 1)) for j in (5, 6)]
     assert manager.get_group_block_ids("b")[0][:7] == [0] * 5 + [blk.block_id for blk in sliding_a]
-    manager.check_integrity()
+    manager.pool.check_integrity()  # (the evicting allocation above has no owning request)
 
 
 def test_prefix_hit_cut_where_the_window_before_it_was_evicted():
