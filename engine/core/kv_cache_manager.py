@@ -119,6 +119,11 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     @property
+    def num_tables(self) -> int:
+        """Block tables per request: 1, or 1 + the sliding-window groups."""
+        return 1 if self.sliding is None else 1 + self.sliding.num_groups
+
+    @property
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 

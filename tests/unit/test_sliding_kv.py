@@ -222,3 +222,22 @@ def test_engine_service_flag_and_roles(argv, disabled):
     args = build_parser().parse_args(
         ["--model", "m", "--engine-id", "e", "--redis-url", "redis://127.0.0.1:1/0", *argv])
     assert options_from_args(args).engine.disable_hybrid_kv_cache_manager is disabled
+
+
+def test_drafts_count_a_block_per_table():
+    from engine.spec_decode.spec_scheduling import drafts_to_verify
+
+    manager = make_manager(num_blocks=8)
+    request = make_request("a", range(10))
+    run_step(manager, request, 10)  # 3 full + 3 sliding blocks: 2 free
+    request.append_output_token(5)
+    request.spec_token_ids = [1, 2, 3, 4, 5, 6]
+    # Each further 4 positions take a block in both tables: 2 free blocks are 4 positions,
+    # up to position 15 (the last known token at 10, then 5 drafts).
+    drafts = drafts_to_verify(request, 64, 1, None, manager, 0)
+    assert drafts == (1, 2, 3, 4, 5)
+    # One request behind it reserves a block per table: both free blocks; only the room left
+    # in the held blocks (positions 10, 11) remains.
+    assert drafts_to_verify(request, 64, 1, None, manager, 1) == (1,)
+    assert manager.allocate_slots(request, 1 + len(drafts)) is not None
+    manager.check_integrity()
