@@ -43,6 +43,7 @@ from engine.spec_decode.verifier import VerifyRows, verify_drafts
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.device_inputs import model_input_to_device
+from engine.worker.group_inputs import for_group_tables
 from engine.worker.input_batch import ModelInput, PromptLogprobRows, build_model_input
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingRow, gather_logprobs, plain_greedy
 
@@ -191,8 +192,8 @@ class ModelRunner:
             unified = build_unified_batch(scheduled, block_ids, self.block_size)
             batch = replace(batch, meta=replace(batch.meta, unified=unified))
         if group_block_ids:
-            batch = replace(batch, meta=replace(
-                batch.meta, groups=self._group_metas(scheduled, group_block_ids)))
+            batch = replace(batch, meta=replace(batch.meta, groups=self._group_metas(
+                batch.meta, batch.positions, scheduled, group_block_ids)))
         if batch.meta.unified is not None:
             hidden = self._graph_forward(batch, batch.meta.unified)
             batch = model_input_to_device(batch, self.device)
@@ -217,22 +218,17 @@ class ModelRunner:
                                     verified)
 
     def _group_metas(
-        self, scheduled: list[ScheduledRequest], group_block_ids: dict[str, list[list[int]]]
+        self, meta: AttentionMetadata, positions: torch.Tensor,
+        scheduled: list[ScheduledRequest], group_block_ids: dict[str, list[list[int]]],
     ) -> tuple[AttentionMetadata, ...]:
-        """The step's attention metadata through each sliding group's block tables.
-
-        Their decode batches may pair requests by the null placeholders their tables start
-        with as a 'shared prefix'; only windowed layers read these metas, and windowed layers
-        never take the shared-prefix kernel."""
+        """The step's attention metadata through each sliding group's block tables."""
         assert self.kv_groups is not None
-        metas = []
-        for g in range(self.kv_groups.num_sliding_groups):
-            ids = {rid: tables[g] for rid, tables in group_block_ids.items()}
-            meta = build_model_input(scheduled, ids, self.block_size, self.use_decode_kernel).meta
-            if self.use_triton:
-                meta = replace(meta, unified=build_unified_batch(scheduled, ids, self.block_size))
-            metas.append(meta)
-        return tuple(metas)
+        return tuple(
+            for_group_tables(meta, scheduled,
+                             {rid: tables[g] for rid, tables in group_block_ids.items()},
+                             positions, self.block_size)
+            for g in range(self.kv_groups.num_sliding_groups)
+        )
 
     def _sampled_output(
         self,

@@ -52,3 +52,10 @@ def test_gemma2_without_sliding_kv_matches_transformers(model_dir, reference):
 
 def test_gemma2_logprobs_and_prefix_hits(model_dir, reference):
     check_logprobs_and_prefix_hits(model_dir, *reference)
+
+
+def test_gemma2_swap_preemption_keeps_every_block(model_dir, reference):
+    """Swap moves one block table per request: sliding KV turns itself off, exactly."""
+    llm = check_mode(model_dir, *reference, "preemption", preemption_mode="swap",
+                     num_swap_blocks=64)
+    assert llm.engine.kv.sliding is None and llm.engine.kv.swap is not None
