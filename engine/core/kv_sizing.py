@@ -114,12 +114,15 @@ def _gpu_kv_blocks(
 
 
 def plan_sliding_kv(
-    config: EngineConfig, model_config: ModelConfig, decode_graphs: bool
+    config: EngineConfig, model_config: ModelConfig, max_model_len: int, decode_graphs: bool
 ) -> KVGroupLayout | None:
-    """The sliding-window KV groups, or None where the model has none or a feature that
-    moves or captures one block table per request is on (logged)."""
+    """The sliding-window KV groups, or None where the model has none, no context outlasts
+    the window (nothing would ever be freed), or a feature that moves or captures one block
+    table per request is on (logged)."""
     groups = plan_kv_groups(model_config.layer_windows)
     if groups is None or config.disable_hybrid_kv_cache_manager:
+        return None
+    if max_model_len <= groups.window:
         return None
     blockers = [name for name, on in (
         ("swap preemption", config.preemption_mode != "recompute"),

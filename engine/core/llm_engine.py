@@ -109,7 +109,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
         self.max_model_len = self._resolve_max_model_len()
-        self.kv_groups = plan_sliding_kv(config, self.model_config, self._decode_graphs_on())
+        self.kv_groups = plan_sliding_kv(config, self.model_config, self.max_model_len,
+                                         self._decode_graphs_on())
         self.kv_layout = size_kv_cache(
             config, self.model, self.model_config, self.dtype, self.device,
             self.max_model_len, gpu_in_use, self.kv_groups,

@@ -241,3 +241,30 @@ def test_drafts_count_a_block_per_table():
     assert drafts_to_verify(request, 64, 1, None, manager, 1) == (1,)
     assert manager.allocate_slots(request, 1 + len(drafts)) is not None
     manager.check_integrity()
+
+
+@pytest.mark.parametrize(("engine_args", "max_model_len", "on"), [
+    ({}, 512, True),
+    ({}, 16, False),  # every context fits the window: nothing would ever be freed
+    ({"disable_hybrid_kv_cache_manager": True}, 512, False),
+    ({"preemption_mode": "swap"}, 512, False),
+    ({"kv_offloading_size": 1.0}, 512, False),
+])
+def test_when_the_engine_plans_sliding_kv(engine_args, max_model_len, on):
+    import json
+
+    import transformers
+
+    from engine.config import EngineConfig
+    from engine.core.kv_sizing import plan_sliding_kv
+    from engine.models.config import ModelConfig
+
+    hf = transformers.AutoConfig.for_model(
+        "gemma2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+        max_position_embeddings=512)
+    raw = {**json.loads(hf.to_json_string()), "architectures": ["Gemma2ForCausalLM"]}
+    config = EngineConfig(model="m", **engine_args)
+    plan = plan_sliding_kv(config, ModelConfig.from_dict(raw), max_model_len, False)
+    assert (plan is not None) is on
+    assert plan_sliding_kv(EngineConfig(model="m"), ModelConfig.from_dict(raw), 512, True) is None
