@@ -28,7 +28,8 @@ def reference(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     return family_reference(model_dir)
 
 
-@pytest.mark.parametrize("mode", ["one-batch", "chunked-16", "preemption", "torch-attention"])
+@pytest.mark.parametrize("mode", ["one-batch", "chunked-16", "preemption", "torch-attention",
+                                  "spec-ngram"])
 def test_gemma3_greedy_matches_transformers(model_dir, reference, mode):
     # A block holds 1 of the 4 layers: 36 blocks are the KV memory of the other families' 9.
     pool = {"num_kv_blocks": 36} if mode == "preemption" else {}
