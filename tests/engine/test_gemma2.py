@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from engine import LLM
 from tests.fixtures.family_exactness import (
     GREEDY,
     MODES,
+    NEW_TOKENS,
     check_logprobs_and_prefix_hits,
     check_mode,
     family_reference,
 )
 from tests.fixtures.family_models import build_family_dir
+from tests.fixtures.greedy import random_prompts, run_checked, transformers_greedy
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +62,20 @@ def test_gemma2_swap_preemption_keeps_every_block(model_dir, reference):
     llm = check_mode(model_dir, *reference, "preemption", preemption_mode="swap",
                      num_swap_blocks=64)
     assert llm.engine.kv.sliding is None and llm.engine.kv.swap is not None
+
+
+def test_gemma2_long_prompt_fits_only_with_sliding_kv(model_dir):
+    """300 prompt tokens against a 16-token window, in 32-token chunks: with sliding KV the
+    request holds 20 full + at most 4 sliding blocks of 2 layers (24 blocks); every layer
+    keeping every block would need 20 blocks of 4 layers, twice that memory."""
+    prompts = random_prompts(model_dir, [300], seed=5)
+    reference = transformers_greedy(model_dir, prompts, NEW_TOKENS)
+    llm = LLM(str(model_dir), dtype="float32", linear_backend="dense", num_kv_blocks=24,
+              max_num_batched_tokens=32)
+    got, _ = run_checked(llm.engine, prompts, GREEDY)
+    assert got == reference
+    assert llm.get_stats()["num_preemptions"] == 0
+    full = LLM(str(model_dir), dtype="float32", linear_backend="dense", num_kv_blocks=12,
+               max_num_batched_tokens=32, disable_hybrid_kv_cache_manager=True)
+    with pytest.raises(ValueError, match="needs 20 KV blocks but the cache has only 12"):
+        full.engine.validate_request(prompts[0], GREEDY)
