@@ -176,9 +176,13 @@ def log_kv_cache(
     max_model_len: int,
     kv_layout: KVCacheLayout,
     host_layout: HostLayout,
+    blocks_per_request: int | None = None,
 ) -> None:
+    """`blocks_per_request`: blocks one request of max_model_len holds at most (with KV
+    groups a block is not a token of every layer); None: ceil(max_model_len / block_size)."""
     blocks = kv_layout.num_blocks
     tokens = blocks * config.block_size
+    per_request = blocks_per_request or -(-max_model_len // config.block_size)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
         "max concurrency %.2fx at max_model_len %d",
@@ -187,7 +191,7 @@ def log_kv_cache(
         tokens,
         blocks * kv_layout.bytes_per_block / 2**20,
         str(dtype).removeprefix("torch."),
-        tokens / max_model_len,
+        blocks / per_request,
         max_model_len,
     )
     if host_layout.num_blocks:

@@ -155,7 +155,8 @@ class LLMEngine:
         self._arrival_seq = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        log_kv_cache(config, self.dtype, self.max_model_len, self.kv_layout, self.host_layout)
+        log_kv_cache(config, self.dtype, self.max_model_len, self.kv_layout, self.host_layout,
+                     self.kv.blocks_needed(self.max_model_len))
 
     # ------------------------------------------------------------------ start-up
     def _decode_graphs_on(self) -> bool:
