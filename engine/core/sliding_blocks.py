@@ -86,7 +86,10 @@ class SlidingGroups:
         for g in self._groups():
             table: SlidingTable = [None] * first
             for j in range(first, num_blocks):
-                table.append(self.pool.get_cached_block(group_key(hashes[j], g)))
+                block = self.pool.get_cached_block(group_key(hashes[j], g))
+                # `longest_hit` vouched for it, and nothing evicts between lookup and use.
+                assert block is not None, f"sliding block {j} of group {g} left the cache"
+                table.append(block)
             tables.append(table)
         return tables
 
