@@ -66,6 +66,11 @@ class EngineConfig:
     # swap_min_computed_tokens computed tokens); swap_space in GiB, allocated only when the
     # mode can swap; num_swap_blocks overrides it (tests).
     preemption_mode: str = "recompute"
+    # vLLM's name: keep every KV block in every layer. Otherwise (the default) a model with
+    # sliding-window layers beside full ones (Gemma 2/3) frees, for its sliding layers, the
+    # blocks that left the window (engine.core.kv_groups); it is off by itself with swap,
+    # a host tier or CUDA graphs, which handle one block table per request.
+    disable_hybrid_kv_cache_manager: bool = False
     swap_space: float = 4.0
     num_swap_blocks: int | None = None
     swap_min_computed_tokens: int = 256

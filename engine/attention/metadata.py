@@ -3,6 +3,8 @@
 The flattened batch holds T query tokens. Every token's K/V is written to the cache at
 `slot_mapping[t]` (slot = block_id * block_size + offset) before attention runs, so attention
 can read any request's whole context, this step's tokens included, through the cache.
+With sliding-window KV groups the step carries one such description per group (`groups`),
+and each layer reads the one of its group.
 
 Requests with several query tokens (prefill or a prefill chunk) are `PrefillSegment`s; requests
 with a single query token are gathered into one `DecodeBatch` and attended together. With the
@@ -98,3 +100,6 @@ class AttentionMetadata:
     # Set with the Triton backend: the whole step for the unified kernel (the fields above
     # are then unused by attention).
     unified: UnifiedBatch | None = None
+    # Sliding-window KV groups 1.. (engine.core.kv_groups): the same step described through
+    # each group's block tables (slots, tables); empty when every layer shares one table.
+    groups: tuple[AttentionMetadata, ...] = ()

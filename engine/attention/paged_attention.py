@@ -51,6 +51,9 @@ class PagedAttention(nn.Module):
         # The compiled kernels are instantiated for these head sizes only; other models keep
         # the PyTorch paths.
         self.kernel_fits = head_dim in (16, 32, 64, 128, 256)
+        # The KV group whose block tables this layer reads (engine.core.kv_groups); 0 is the
+        # full-attention group, the step's `meta` itself.
+        self.kv_group = 0
 
     def forward(
         self,
@@ -60,6 +63,8 @@ class PagedAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        if self.kv_group:
+            meta = meta.groups[self.kv_group - 1]
         if meta.unified is not None:  # Triton backend (CUDA, or CPU interpreted)
             return triton_attention(
                 query, key, value, kv_cache, meta.slot_mapping, meta.unified, self.scale,

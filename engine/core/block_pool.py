@@ -11,6 +11,8 @@ Invariants:
 - At most one block is registered per hash.
 - `on_evict`, when set (the host tier), sees every eviction of a registered block before its
   hash is dropped, while the slot still holds the block's KV.
+- Blocks cached with `publish=False` (sliding-window groups, engine.core.sliding_blocks) are
+  hits like any other but appear in no stored/removed event and never reach `on_evict`.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class BlockPool:
         self.stored_events: list[BlockHash] = []
         self.removed_events: list[BlockHash] = []
         self.on_evict: Callable[[KVCacheBlock, BlockHash], None] | None = None
+        self._unpublished: set[BlockHash] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,7 +153,9 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def cache_block(
+        self, block: KVCacheBlock, block_hash: BlockHash, publish: bool = True
+    ) -> None:
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached:
@@ -158,16 +163,23 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
-        self.stored_events.append(block_hash)
+        if publish:
+            self.stored_events.append(block_hash)
+        else:
+            self._unpublished.add(block_hash)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
-            if self.on_evict is not None:
+            published = block.block_hash not in self._unpublished
+            if published and self.on_evict is not None:
                 self.on_evict(block, block.block_hash)
             del self.cached[block.block_hash]
-            self.removed_events.append(block.block_hash)
+            if published:
+                self.removed_events.append(block.block_hash)
+            else:
+                self._unpublished.discard(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:

@@ -23,6 +23,13 @@ Memory tiers (both optional; without them nothing below runs):
   device blocks, or onto the same hash's block if the device still caches it.
 - Copies are planned into `transfers` and run before the next forward pass (see
   engine.kv_tiers.transfer for the ordering guarantees).
+
+Sliding-window KV (`groups`, engine.core.kv_groups; without it nothing below runs):
+- `req_to_blocks` is the full-attention group's table; `sliding` holds the sliding groups'
+  tables, drawn from the same pool (engine.core.sliding_blocks). Allocation checks both
+  against the free blocks at once, so a request gets all of its groups' blocks or none.
+- A prefix hit is cut to what every sliding group still caches inside the window.
+- Neither memory tier nor a KV import runs with it: they move one table's blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.kv_groups import KVGroupLayout
 from engine.core.request import Request
+from engine.core.sliding_blocks import SlidingGroups, SlidingTable
 from engine.kv_tiers.host_tier import HostKVTier
 from engine.kv_tiers.swap_space import SwappedBlock, SwapSpace
 from engine.kv_tiers.transfer import TransferQueue
@@ -77,8 +86,13 @@ class KVCacheManager:
         *,
         host_tier: HostKVTier | None = None,
         swap: SwapSpace | None = None,
+        groups: KVGroupLayout | None = None,
+        max_step_tokens: int = 2048,
     ) -> None:
+        if groups is not None and (host_tier is not None or swap is not None):
+            raise ValueError("sliding-window KV groups cannot run with host KV tiers or swap")
         self.block_size = block_size
+        self.max_step_tokens = max_step_tokens
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host_tier = host_tier if enable_caching else None
@@ -90,6 +104,11 @@ class KVCacheManager:
         # How many leading blocks of each request have been offered to the cache.
         self._num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        self.groups = groups
+        self.sliding = (
+            SlidingGroups(self.pool, block_size, groups.window, groups.num_sliding_groups)
+            if groups is not None else None
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -98,6 +117,11 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_tables(self) -> int:
+        """Block tables per request: 1, or 1 + the sliding-window groups."""
+        return 1 if self.sliding is None else 1 + self.sliding.num_groups
 
     @property
     def usage(self) -> float:
@@ -122,6 +146,8 @@ class KVCacheManager:
             if host_id is None:
                 break
             hits.append(HostHit(host_id, block_hash))
+        if self.sliding is not None and hits:
+            del hits[self.sliding.longest_hit(request.block_hashes, len(hits)):]
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, hits: list[PrefixHit]) -> None:
@@ -135,7 +161,14 @@ class KVCacheManager:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether a request holding `num_tokens` could ever fit in the whole pool."""
-        return self._blocks_for(num_tokens) <= self.pool.num_blocks
+        return self.blocks_needed(num_tokens) <= self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Most blocks a request of `num_tokens` holds at once (every group; a sliding
+        group at most a window and a step's tokens)."""
+        sliding = (0 if self.sliding is None
+                   else self.sliding.blocks_per_request(num_tokens, self.max_step_tokens))
+        return self._blocks_for(num_tokens) + sliding
 
     def allocate_slots(
         self,
@@ -158,11 +191,16 @@ class KVCacheManager:
         num_host_hits = len(hits) - len(device_hits)
         # Free hit blocks leave the queue when touched, so they cannot also be allocated.
         num_free_hits = sum(1 for block in device_hits if block.ref_cnt == 0)
-        if num_new_blocks + num_host_hits > self.pool.num_free_blocks - num_free_hits:
+        sliding_hits, num_sliding = self._plan_sliding(request, len(hits),
+                                                       num_computed + num_new_tokens)
+        if (num_new_blocks + num_host_hits + num_sliding[0]
+                > self.pool.num_free_blocks - num_free_hits - num_sliding[1]):
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
         self.pool.touch(device_hits)
+        if self.sliding is not None:
+            self.sliding.commit(request.request_id, sliding_hits, num_computed + num_new_tokens)
         if num_host_hits:
             reloaded = self._reload_host_hits(hits)
             blocks.extend(reloaded)
@@ -171,6 +209,17 @@ class KVCacheManager:
         new_blocks = self.pool.allocate(num_new_blocks)
         blocks.extend(new_blocks)
         return new_blocks
+
+    def _plan_sliding(
+        self, request: Request, num_hits: int, num_tokens: int
+    ) -> tuple[list[SlidingTable] | None, tuple[int, int]]:
+        """The sliding groups' hit tables and (new blocks, free hit blocks) for
+        `allocate_slots`, after releasing the blocks that left the window."""
+        if self.sliding is None:
+            return None, (0, 0)
+        self.sliding.remove_skipped(request.request_id, request.num_computed_tokens)
+        hits = self.sliding.hit_tables(request.block_hashes, num_hits) if num_hits else None
+        return hits, self.sliding.plan(request.request_id, hits, num_tokens)
 
     def _reload_host_hits(self, hits: list[PrefixHit]) -> list[KVCacheBlock]:
         """Device blocks for `hits` in order; host hits get fresh blocks and a planned reload."""
@@ -219,10 +268,15 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = max(start, end)
+        if self.sliding is not None:
+            self.sliding.cache(request.request_id, request.block_hashes,
+                               request.num_computed_tokens)
 
     def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
         """Free the request's blocks past its first `num_tokens` positions (speculative
         decoding's rollback: they hold only rejected drafts' KV and were never cached)."""
+        if self.sliding is not None:
+            self.sliding.free_beyond(request.request_id, num_tokens)
         blocks = self.req_to_blocks.get(request.request_id)
         keep = self._blocks_for(num_tokens)
         if not blocks or len(blocks) <= keep:
@@ -236,6 +290,8 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
+        if self.sliding is not None:
+            self.sliding.free(request.request_id)
         if self.swap is not None and request.request_id in self.swap.records:
             self.drop_swapped(request)
 
@@ -335,6 +391,9 @@ class KVCacheManager:
         request or `release` frees them; None if they do not fit."""
         if owner in self.req_to_blocks:
             raise ValueError(f"{owner!r} already holds blocks")
+        if self.sliding is not None:
+            raise ValueError("KV imports cannot fill sliding-window KV groups; start the "
+                             "engine with disable_hybrid_kv_cache_manager")
         # Free prefix blocks leave the queue when touched, so they cannot also be allocated.
         num_free_prefix = sum(1 for block in prefix if block.ref_cnt == 0)
         if num_blocks > self.pool.num_free_blocks - num_free_prefix:
@@ -369,6 +428,10 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
 
+    def get_group_block_ids(self, request_id: str) -> list[list[int]]:
+        """The sliding groups' tables (group 1 first; 0 for released blocks); [] without."""
+        return [] if self.sliding is None else self.sliding.block_ids(request_id)
+
     def reset_prefix_cache(self) -> bool:
         if self.transfers or (self.swap is not None and self.swap.records):
             return False
@@ -399,6 +462,8 @@ class KVCacheManager:
                       for rec in self.swap.records.values()]
         if self.host_tier is not None:
             self.host_tier.check_integrity()
+        if self.sliding is not None:
+            owned.append(list(self.sliding.owned()))
         for blocks in owned:
             for block in blocks:
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1

@@ -7,6 +7,9 @@ weights and a profiled largest step (CUDA, engine.worker.gpu_memory), else from
 `kv_cache_memory_bytes` (CPU, or CUDA when set). Host blocks come from
 engine.kv_tiers.offload.plan_host_layout.
 
+With sliding-window KV groups (`plan_sliding_kv`) a block holds `group_size` layers, not
+every layer, so the same budget gives more blocks.
+
 Invariants: a budget smaller than one KV block is a ValueError with the numbers; nothing here
 keeps state, so sizing twice with the same inputs gives the same layout.
 """
@@ -20,6 +23,7 @@ import torch
 
 from engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_groups import KVGroupLayout, plan_kv_groups
 from engine.kv_tiers.host_tier import HostKVTier
 from engine.kv_tiers.offload import plan_host_layout
 from engine.kv_tiers.swap_space import SwapSpace
@@ -51,10 +55,11 @@ def size_kv_cache(
     device: torch.device,
     max_model_len: int,
     gpu_in_use_at_start: tuple[int, int] | None,
+    groups: KVGroupLayout | None = None,
 ) -> KVCacheLayout:
     """`gpu_in_use_at_start`: (bytes in use, total) measured before the weights were loaded;
     None on CPU."""
-    per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype)
+    per_block = kv_cache_bytes_per_block(model_config, config.block_size, dtype, groups)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda" and config.kv_cache_memory_bytes is None:
@@ -108,6 +113,32 @@ def _gpu_kv_blocks(
     return num_blocks
 
 
+def plan_sliding_kv(
+    config: EngineConfig, model_config: ModelConfig, max_model_len: int, decode_graphs: bool
+) -> KVGroupLayout | None:
+    """The sliding-window KV groups, or None where the model has none, no context outlasts
+    the window (nothing would ever be freed), or a feature that moves or captures one block
+    table per request is on (logged)."""
+    groups = plan_kv_groups(model_config.layer_windows)
+    if groups is None or config.disable_hybrid_kv_cache_manager:
+        return None
+    if max_model_len <= groups.window:
+        return None
+    blockers = [name for name, on in (
+        ("swap preemption", config.preemption_mode != "recompute"),
+        ("the host KV tier", config.enable_prefix_caching
+         and bool(config.kv_offloading_size or config.num_host_kv_blocks)),
+        ("CUDA graphs", decode_graphs),
+    ) if on]
+    if blockers:
+        logger.info("sliding-window KV freeing off (every layer keeps every block): %s on",
+                    ", ".join(blockers))
+        return None
+    logger.info("sliding-window KV: %d groups of %d layers, window %d: sliding layers keep "
+                "only the blocks inside it", groups.num_groups, groups.group_size, groups.window)
+    return groups
+
+
 def size_host_kv(config: EngineConfig, bytes_per_block: int) -> HostLayout:
     return plan_host_layout(
         preemption_mode=config.preemption_mode,
@@ -121,7 +152,8 @@ def size_host_kv(config: EngineConfig, bytes_per_block: int) -> HostLayout:
 
 
 def make_kv_manager(
-    config: EngineConfig, kv_layout: KVCacheLayout, host_layout: HostLayout
+    config: EngineConfig, kv_layout: KVCacheLayout, host_layout: HostLayout,
+    groups: KVGroupLayout | None = None,
 ) -> KVCacheManager:
     """The block manager; a host tier or swap space only where the host layout has blocks."""
     return KVCacheManager(
@@ -133,6 +165,8 @@ def make_kv_manager(
             if host_layout.num_tier_blocks else None
         ),
         swap=SwapSpace(host_layout.num_swap_blocks) if host_layout.num_swap_blocks else None,
+        groups=groups,
+        max_step_tokens=config.max_num_batched_tokens,
     )
 
 
@@ -142,9 +176,13 @@ def log_kv_cache(
     max_model_len: int,
     kv_layout: KVCacheLayout,
     host_layout: HostLayout,
+    blocks_per_request: int | None = None,
 ) -> None:
+    """`blocks_per_request`: blocks one request of max_model_len holds at most (with KV
+    groups a block is not a token of every layer); None: ceil(max_model_len / block_size)."""
     blocks = kv_layout.num_blocks
     tokens = blocks * config.block_size
+    per_request = blocks_per_request or -(-max_model_len // config.block_size)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s); "
         "max concurrency %.2fx at max_model_len %d",
@@ -153,7 +191,7 @@ def log_kv_cache(
         tokens,
         blocks * kv_layout.bytes_per_block / 2**20,
         str(dtype).removeprefix("torch."),
-        tokens / max_model_len,
+        blocks / per_request,
         max_model_len,
     )
     if host_layout.num_blocks:

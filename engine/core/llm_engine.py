@@ -29,7 +29,13 @@ from engine.config import EngineConfig
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.kv_handoff import KVHandoff
-from engine.core.kv_sizing import log_kv_cache, make_kv_manager, size_host_kv, size_kv_cache
+from engine.core.kv_sizing import (
+    log_kv_cache,
+    make_kv_manager,
+    plan_sliding_kv,
+    size_host_kv,
+    size_kv_cache,
+)
 from engine.core.request import Request, TenantShare
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import RequestUpdate, SchedulerConfig, SchedulerOutput
@@ -103,12 +109,14 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
         self.max_model_len = self._resolve_max_model_len()
+        self.kv_groups = plan_sliding_kv(config, self.model_config, self.max_model_len,
+                                         self._decode_graphs_on())
         self.kv_layout = size_kv_cache(
             config, self.model, self.model_config, self.dtype, self.device,
-            self.max_model_len, gpu_in_use,
+            self.max_model_len, gpu_in_use, self.kv_groups,
         )
         self.host_layout = size_host_kv(config, self.kv_layout.bytes_per_block)
-        self.kv = make_kv_manager(config, self.kv_layout, self.host_layout)
+        self.kv = make_kv_manager(config, self.kv_layout, self.host_layout, self.kv_groups)
         self.scheduler = self._make_scheduler()
         self.runner = self._make_runner()
         # Host memory of the KV tiers; None (the default) keeps the step free of tier work.
@@ -120,12 +128,11 @@ class LLMEngine:
         self.lora = self._make_lora()
         # The LoRA delta reads per-step row maps that a captured graph would freeze: with
         # adapters on, decode steps run eagerly.
-        graphs_fit = supports_cuda_graphs(self.model_config.architecture)
-        if self.device.type == "cuda" and not config.enforce_eager and not graphs_fit:
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and not supports_cuda_graphs(self.model_config.architecture)):
             logger.warning("%s decodes eagerly: its MoE layers cannot be captured in CUDA graphs",
                            self.model_config.architecture)
-        if (self.device.type == "cuda" and not config.enforce_eager and not config.enable_lora
-                and graphs_fit):
+        if self._decode_graphs_on():
             self.runner.enable_decode_graphs(
                 capture_sizes(config.max_num_seqs, config.cuda_graph_sizes),
                 -(-self.max_model_len // config.block_size),
@@ -148,9 +155,16 @@ class LLMEngine:
         self._arrival_seq = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        log_kv_cache(config, self.dtype, self.max_model_len, self.kv_layout, self.host_layout)
+        log_kv_cache(config, self.dtype, self.max_model_len, self.kv_layout, self.host_layout,
+                     self.kv.blocks_needed(self.max_model_len))
 
     # ------------------------------------------------------------------ start-up
+    def _decode_graphs_on(self) -> bool:
+        config = self.config
+        return (self.device.type == "cuda" and not config.enforce_eager
+                and not config.enable_lora
+                and supports_cuda_graphs(self.model_config.architecture))
+
     def _make_scheduler(self) -> Scheduler:
         config = self.config
         return Scheduler(
@@ -241,7 +255,7 @@ class LLMEngine:
             return ModelRunner(
                 self.model, self.model_config, self.kv_layout.num_blocks, config.block_size,
                 self.dtype, config.seed, self.attention_backend, config.linear_backend,
-                self.device, config.max_num_batched_tokens,
+                self.device, config.max_num_batched_tokens, self.kv_groups,
             )
         except torch.OutOfMemoryError as exc:
             asked = self.kv_layout.num_blocks * self.kv_layout.bytes_per_block
@@ -268,7 +282,7 @@ class LLMEngine:
                 f"max_model_len ({self.max_model_len})"
             )
         if not self.kv.can_fit(num_prompt + max_tokens):
-            needed = -(-(num_prompt + max_tokens) // self.config.block_size)
+            needed = self.kv.blocks_needed(num_prompt + max_tokens)
             raise ValueError(
                 f"prompt ({num_prompt} tokens) plus max_tokens ({max_tokens}) needs {needed} "
                 f"KV blocks but the cache has only {self.kv.num_blocks}"
@@ -298,6 +312,10 @@ class LLMEngine:
         name of a loaded adapter; None runs the base model. `prefill_only`: end it after its
         first token, its KV exported (engine.disagg)."""
         max_tokens = self.validate_request(prompt_token_ids, params)
+        if prefill_only and self.kv.sliding is not None:
+            raise ValueError("prefill_only: a KV handoff exports one block table, and "
+                             f"{self.model_config.architecture}'s sliding-window KV has several; "
+                             "start the engine with disable_hybrid_kv_cache_manager")
         lora_id = self.resolve_lora(lora_request)
         # Compiled here, before the request is queued: a bad grammar fails this request alone.
         grammar = (
@@ -441,10 +459,13 @@ class LLMEngine:
         """The forward pass and sampling of a scheduled step."""
         block_ids = {s.request.request_id: self.kv.get_block_ids(s.request.request_id)
                      for s in out.scheduled}
+        group_ids = (None if self.kv.sliding is None else {
+            s.request.request_id: self.kv.get_group_block_ids(s.request.request_id)
+            for s in out.scheduled})
         if self.lora is not None:
             self.lora.begin_step(out.scheduled)
         try:
-            return self.runner.execute(out.scheduled, block_ids)
+            return self.runner.execute(out.scheduled, block_ids, group_ids)
         finally:
             if self.lora is not None:
                 self.lora.end_step()

@@ -39,6 +39,10 @@ def add_kv_tier_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--kv-offloading-size", type=_non_negative_float, default=None,
                        help="host tier of the prefix cache in GiB: evicted cached blocks are "
                             "kept there and reloaded on a hit (default: off)")
+    group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="every layer keeps every KV block; by default the sliding-window "
+                            "layers of Gemma 2/3 free the blocks that left their window "
+                            "(always off for --role prefill|decode)")
 
 
 def kv_tier_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,4 +51,5 @@ def kv_tier_config(args: argparse.Namespace) -> dict[str, Any]:
         "swap_space": args.swap_space,
         "swap_min_computed_tokens": args.swap_min_computed_tokens,
         "kv_offloading_size": args.kv_offloading_size,
+        "disable_hybrid_kv_cache_manager": args.disable_hybrid_kv_cache_manager,
     }

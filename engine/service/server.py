@@ -406,7 +406,9 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         speculative_config=args.speculative_config,
-        **kv_tier_config(args),
+        **{**kv_tier_config(args),
+           # A KV handoff moves one block table per request (engine.disagg).
+           **({"disable_hybrid_kv_cache_manager": True} if args.role != ROLE_BOTH else {})},
         **lora_config(args),
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded

@@ -46,7 +46,8 @@ def drafts_to_verify(
     """The drafts `request` verifies this step: () when it is not decoding or cannot.
 
     Drafts only use free blocks beyond `num_reserved_blocks` (one per running request still
-    to be scheduled in the step), so speculation never makes the scheduler preempt.
+    to be scheduled in the step, in each of its block tables), so speculation never makes the
+    scheduler preempt.
     """
     drafts = request.spec_token_ids
     if not drafts or request.num_computed_tokens != request.num_tokens - 1:
@@ -54,7 +55,9 @@ def drafts_to_verify(
     if disable_by_batch_size is not None and num_running >= disable_by_batch_size:
         return ()
     num_blocks = len(kv.req_to_blocks.get(request.request_id, ()))
-    usable_blocks = num_blocks + max(0, kv.num_free_blocks - num_reserved_blocks)
+    # With sliding-window KV every block of positions takes a block in each group's table.
+    tables = kv.num_tables
+    usable_blocks = num_blocks + max(0, kv.num_free_blocks - num_reserved_blocks * tables) // tables
     room = usable_blocks * kv.block_size - request.num_computed_tokens
     # The last known token takes one budget slot and one position; every kept draft and the
     # bonus token are outputs, which max_tokens bounds (and with it max_model_len: the

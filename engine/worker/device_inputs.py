@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.unified_batch import UnifiedBatch
 from engine.worker.input_batch import ModelInput
 
@@ -31,15 +32,20 @@ def unified_to_device(batch: UnifiedBatch, device: torch.device) -> UnifiedBatch
     )
 
 
+def meta_to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    unified = meta.unified
+    return replace(
+        meta,
+        slot_mapping=to_device(meta.slot_mapping, device),
+        unified=None if unified is None else unified_to_device(unified, device),
+        groups=tuple(meta_to_device(group, device) for group in meta.groups),
+    )
+
+
 def model_input_to_device(batch: ModelInput, device: torch.device) -> ModelInput:
     if device.type == "cpu":
         return batch
-    unified = batch.meta.unified
-    meta = replace(
-        batch.meta,
-        slot_mapping=to_device(batch.meta.slot_mapping, device),
-        unified=None if unified is None else unified_to_device(unified, device),
-    )
+    meta = meta_to_device(batch.meta, device)
     return replace(
         batch,
         input_ids=to_device(batch.input_ids, device),

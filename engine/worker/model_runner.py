@@ -3,7 +3,9 @@
 prefill chunks for requests that still owe them.
 
 Owns the paged KV cache tensors (one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor
-per layer, in the model's dtype, on the engine's device), the sampler and the per-request
+per layer, in the model's dtype, on the engine's device; with sliding-window KV groups,
+engine.core.kv_groups, one tensor per slot, shared by that slot's layer of every group, and
+each layer's attention reads its group's block tables), the sampler and the per-request
 generators of seeded requests. On CUDA the inputs are built on the host and sent non-blocking
 (engine.worker.device_inputs), decode-only steps replay captured CUDA graphs when enabled
 (engine.worker.cuda_graphs), and the only host<->device sync of a step is reading its samples back.
@@ -25,20 +27,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from engine.attention.metadata import AttentionMetadata
 from engine.attention.triton_backend import load_kernels
 from engine.attention.unified_batch import UnifiedBatch, build_unified_batch
+from engine.core.kv_groups import KVGroupLayout
 from engine.core.request import Request
 from engine.core.scheduler_output import ScheduledRequest
 from engine.logprobs import TokenLogprobs
 from engine.models.config import ModelConfig
 from engine.models.gemm_select import MAX_PREFILL_ROWS
 from engine.models.layer_ops import FUSED_DTYPES
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.spec_decode.spec_scheduling import VerifiedTokens
 from engine.spec_decode.verifier import VerifyRows, verify_drafts
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.device_inputs import model_input_to_device
+from engine.worker.group_inputs import for_group_tables
 from engine.worker.input_batch import ModelInput, PromptLogprobRows, build_model_input
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingRow, gather_logprobs, plain_greedy
 
@@ -47,9 +52,13 @@ from engine.worker.sampler import Sampler, SamplerOutput, SamplingRow, gather_lo
 PROMPT_LOGPROBS_MAX_ROWS = 256
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype,
+    groups: KVGroupLayout | None = None,
+) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    num_tensors = config.num_hidden_layers if groups is None else groups.group_size
+    per_token = 2 * num_tensors * config.num_key_value_heads * config.head_dim
     return per_token * block_size * itemsize
 
 
@@ -79,6 +88,7 @@ class ModelRunner:
         linear_backend: str = "auto",
         device: torch.device | None = None,
         max_batch_rows: int = MAX_PREFILL_ROWS,
+        kv_groups: KVGroupLayout | None = None,
     ) -> None:
         self.model = model
         self.device = device or torch.device("cpu")
@@ -97,10 +107,8 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = model_config.vocab_size
         shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=self.device)
-            for _ in range(model_config.num_hidden_layers)
-        ]
+        self.kv_groups = kv_groups
+        self.kv_caches = self._allocate_kv(shape, dtype, model_config.num_hidden_layers)
         self.sampler = Sampler(seed)
         # Set by the engine: masks for constrained requests (engine.structured).
         self.structured: StructuredOutputManager | None = None
@@ -114,9 +122,27 @@ class ModelRunner:
         runs their padded static-buffer path eagerly (how CPU tests check it)."""
         if not self.use_triton:
             raise ValueError("decode graphs need the Triton attention backend")
+        if self.kv_groups is not None:
+            raise ValueError("decode graphs read one block table; sliding-window KV groups "
+                             "have several")
         self.decode_graphs = DecodeGraphs(
             self.model, self.kv_caches, sizes, max_blocks_per_seq, capture
         )
+
+    def _allocate_kv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, num_layers: int
+    ) -> list[torch.Tensor]:
+        """One KV tensor per layer; with KV groups, layers of one slot share a tensor and
+        their attention is told its group."""
+        groups = self.kv_groups
+        if groups is None:
+            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        shared = [torch.zeros(shape, dtype=dtype, device=self.device)
+                  for _ in range(groups.group_size)]
+        for layer, group in zip(self.model.layers, groups.layer_group, strict=True):
+            assert isinstance(layer, LlamaDecoderLayer)
+            layer.self_attn.attn.kv_group = group
+        return [shared[slot] for slot in groups.layer_slot]
 
     @staticmethod
     def _choose_decode_kernel(backend: str) -> bool:
@@ -157,13 +183,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]]
+        self, scheduled: list[ScheduledRequest], block_ids: dict[str, list[int]],
+        group_block_ids: dict[str, list[list[int]]] | None = None,
     ) -> RunnerOutput:
+        """`group_block_ids`: per request, the sliding KV groups' tables (group 1 first)."""
         batch = build_model_input(scheduled, block_ids, self.block_size, self.use_decode_kernel)
         if self.use_triton:
             unified = build_unified_batch(scheduled, block_ids, self.block_size)
             batch = replace(batch, meta=replace(batch.meta, unified=unified))
-            hidden = self._graph_forward(batch, unified)
+        if group_block_ids:
+            batch = replace(batch, meta=replace(batch.meta, groups=self._group_metas(
+                batch.meta, batch.positions, scheduled, group_block_ids)))
+        if batch.meta.unified is not None:
+            hidden = self._graph_forward(batch, batch.meta.unified)
             batch = model_input_to_device(batch, self.device)
             if hidden is None:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
@@ -184,6 +216,19 @@ class ModelRunner:
         )
         return self._sampled_output(batch, hidden[batch.sample_indices], prompt_logprobs,
                                     verified)
+
+    def _group_metas(
+        self, meta: AttentionMetadata, positions: torch.Tensor,
+        scheduled: list[ScheduledRequest], group_block_ids: dict[str, list[list[int]]],
+    ) -> tuple[AttentionMetadata, ...]:
+        """The step's attention metadata through each sliding group's block tables."""
+        assert self.kv_groups is not None
+        return tuple(
+            for_group_tables(meta, scheduled,
+                             {rid: tables[g] for rid, tables in group_block_ids.items()},
+                             positions, self.block_size)
+            for g in range(self.kv_groups.num_sliding_groups)
+        )
 
     def _sampled_output(
         self,

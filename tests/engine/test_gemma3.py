@@ -1,5 +1,8 @@
 """Gemma 3 text against transformers, float32: local sliding layers (24-token window) with
-their own RoPE base, a global layer with linear-scaled RoPE, (1 + w) q/k norms."""
+their own RoPE base, a global layer with linear-scaled RoPE, (1 + w) q/k norms.
+
+Sliding-window KV is on (engine.core.kv_groups: the global layer's group and 3 sliding groups
+of one layer each, so a block holds one layer)."""
 
 from __future__ import annotations
 
@@ -25,9 +28,14 @@ def reference(model_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     return family_reference(model_dir)
 
 
-@pytest.mark.parametrize("mode", ["one-batch", "chunked-16", "preemption", "torch-attention"])
+@pytest.mark.parametrize("mode", ["one-batch", "chunked-16", "preemption", "torch-attention",
+                                  "spec-ngram"])
 def test_gemma3_greedy_matches_transformers(model_dir, reference, mode):
-    check_mode(model_dir, *reference, mode)
+    # A block holds 1 of the 4 layers: 36 blocks are the KV memory of the other families' 9.
+    pool = {"num_kv_blocks": 36} if mode == "preemption" else {}
+    llm = check_mode(model_dir, *reference, mode, **pool)
+    assert llm.engine.kv_groups is not None and llm.engine.kv_groups.num_groups == 4
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_gemma3_logprobs_and_prefix_hits(model_dir, reference):
