@@ -42,7 +42,8 @@ class QuantTensor:
         if self.qtype in formats.QUANTIZED_KERNEL_TYPES and _kernel_ready():
             out = torch.empty(self.rows, self.k)
             ops = torch.ops.kvfleet_quant
-            op = ops.kquant_dequantize if self.qtype in formats.KQUANT_TYPES else ops.quant_dequantize
+            kquant = self.qtype in formats.KQUANT_TYPES
+            op = ops.kquant_dequantize if kquant else ops.quant_dequantize
             op(out, self.raw, self.qtype)
             return out
         return formats.dequantize(self.raw, self.qtype, self.k)
