@@ -26,6 +26,9 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 20
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Name three primary colors."]
+# Shared by every prompt and longer than two 16-token blocks: the second run hits the cache.
+PREFACE = ("You are a helpful assistant. Answer the question below in one short sentence, "
+           "plainly, without lists or headings, and do not repeat the question.\n\n")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -46,7 +49,7 @@ def llm(gguf: Path) -> LLM:
 @pytest.fixture(scope="module")
 def prompts(llm: LLM) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
-    turns = [f"<bos><start_of_turn>user\n{q}<end_of_turn>\n<start_of_turn>model\n"
+    turns = [f"<bos><start_of_turn>user\n{PREFACE}{q}<end_of_turn>\n<start_of_turn>model\n"
              for q in QUESTIONS]
     return [tokenizer.encode(t, add_special_tokens=False) for t in turns]
 
@@ -84,4 +87,4 @@ def test_gemma3_gguf_greedy_matches_transformers(llm, prompts, reference):
     first, second = _run(llm, prompts), _run(llm, prompts)
     assert [o.outputs[0].token_ids for o in first] == reference
     assert [o.outputs[0].token_ids for o in second] == reference
-    assert all(o.num_cached_tokens > 0 for o in second)
+    assert all(o.num_cached_tokens >= 32 for o in second)
