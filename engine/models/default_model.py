@@ -157,7 +157,8 @@ def _rebuild_without_quantization(gguf_model: Any) -> Any:
     return clean.eval()
 
 
-def _save_tokenizer(tokenizer: Any, out_dir: Path, max_length: int) -> None:
+def _save_tokenizer(tokenizer: Any, out_dir: Path, max_length: int,
+                    require_chat_template: bool = True) -> None:
     # Embed the chat template in tokenizer_config.json (older readers only look there).
     tokenizer.save_pretrained(str(out_dir), save_jinja_files=False)
     config_path = out_dir / "tokenizer_config.json"
@@ -165,7 +166,7 @@ def _save_tokenizer(tokenizer: Any, out_dir: Path, max_length: int) -> None:
     for key in ("is_local", "local_files_only"):  # loader bookkeeping, not tokenizer settings
         config.pop(key, None)
     config["model_max_length"] = max_length
-    if config.get("chat_template") is None:
+    if require_chat_template and config.get("chat_template") is None:
         raise RuntimeError("the GGUF tokenizer has no chat template; conversion is incomplete")
     _write_json(config_path, config)
 

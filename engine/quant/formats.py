@@ -21,11 +21,19 @@ from gguf.quants import dequantize as gguf_dequantize
 Q4_0 = int(GGMLQuantizationType.Q4_0)
 Q4_1 = int(GGMLQuantizationType.Q4_1)
 Q8_0 = int(GGMLQuantizationType.Q8_0)
+Q5_0 = int(GGMLQuantizationType.Q5_0)
+Q4_K = int(GGMLQuantizationType.Q4_K)
+Q5_K = int(GGMLQuantizationType.Q5_K)
+Q6_K = int(GGMLQuantizationType.Q6_K)
 F32 = int(GGMLQuantizationType.F32)
 F16 = int(GGMLQuantizationType.F16)
 BF16 = int(GGMLQuantizationType.BF16)
 # Formats the C++ kernel (kernels/cpu/quant/quant_gemm.cpp) reads directly.
 KERNEL_TYPES = frozenset({Q4_0, Q4_1, Q8_0})
+# Formats kernels/cpu/quant/kquant_gemm.cpp reads directly (ops kquant_linear / kquant_dequantize);
+# Q5_0 is there because llama.cpp's K-quant mixes use it where K is not a multiple of 256.
+KQUANT_TYPES = frozenset({Q5_0, Q4_K, Q5_K, Q6_K})
+QUANTIZED_KERNEL_TYPES = KERNEL_TYPES | KQUANT_TYPES
 FLOAT_TYPES = frozenset({F32, F16, BF16})
 
 

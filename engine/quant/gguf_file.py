@@ -8,14 +8,16 @@ generation_config.json: the engine's tokenizer and stop ids come from there, the
 always from the GGUF itself. It is built once, in a temporary sibling renamed into place, so a
 directory that exists is complete.
 
-Only the llama architecture (Llama, SmolLM2, Mistral-style GGUFs) is mapped; others raise
-ValueError naming the architecture.
+The architectures mapped (llama, gemma3) and their config are engine.quant.gguf_arch's; others
+raise ValueError naming the architecture. A file without `tokenizer.chat_template` (Gemma 3
+270M's) gets a tokenizer without one: completions work, chat needs `--chat-template`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -27,7 +29,10 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 
+from engine.quant.gguf_arch import arch_of
 from engine.quant.qlinear import QuantTensor
+
+logger = logging.getLogger("kvfleet.engine")
 
 _MARKER = ".kvfleet-gguf.json"
 _VERSION = 1
@@ -48,39 +53,8 @@ def metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def config_dict(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """A config.json for engine.models.config.ModelConfig from llama GGUF metadata."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
-    if meta.get("llama.rope.scaling.type", "none") not in ("none", "linear") or meta.get(
-            "llama.rope.scaling.factor", 1.0) != 1.0:
-        raise ValueError("unsupported GGUF RoPE scaling")
-    hidden = int(meta["llama.embedding_length"])
-    heads = int(meta["llama.attention.head_count"])
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("llama.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "vocab_size": int(meta.get("llama.vocab_size") or 0),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "hidden_act": "silu",
-        # Dequantized values (fp16 scale * q + min) are exact in float32, not in bfloat16.
-        "dtype": "float32",
-    }
-    for ours, theirs in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                         ("pad_token_id", "padding_token_id")):
-        value = meta.get(f"tokenizer.ggml.{theirs}")
-        if value is not None:
-            config[ours] = int(value)
-    return config
+    """A config.json for engine.models.config.ModelConfig from the file's metadata."""
+    return arch_of(meta.get("general.architecture")).config(meta, tensor_names)
 
 
 def iter_tensors(reader: GGUFReader) -> Iterator[tuple[str, QuantTensor]]:
@@ -132,7 +106,11 @@ def _write_companion(path: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if not config["vocab_size"]:
         config["vocab_size"] = len(tokenizer)
-    _save_tokenizer(tokenizer, out, config["max_position_embeddings"])
+    if tokenizer.chat_template is None:
+        logger.warning("GGUF %s has no chat template: chat requests need --chat-template",
+                       path.name)
+    _save_tokenizer(tokenizer, out, config["max_position_embeddings"],
+                    require_chat_template=False)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
                   if k in config}
     for name, data in (("config.json", config), ("generation_config.json", generation),

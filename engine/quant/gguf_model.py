@@ -1,18 +1,20 @@
-"""A Llama-family model served straight from a GGUF file, its projections kept quantized.
+"""A model served straight from a GGUF file, its projections kept quantized.
 
-`load_gguf_model(path, dtype)` builds `engine.models.llama`'s decoder on the meta device,
-swaps every projection for a `QuantLinear` over the file's quantized rows (q/k/v and gate/up
-fused by stacking rows), the embedding for a `QuantEmbedding` (which, tied, is also the LM
-head), and fills the norms from the file. Tensor names follow llama.cpp's
-(`blk.N.attn_q.weight`, ...).
+`load_gguf_model(path, dtype)` builds our decoder for the file's architecture (Llama's from
+`engine.models.llama`, Gemma 3's from `engine.models.gemma`; engine.quant.gguf_arch maps the
+names and conventions) on the meta device, swaps every projection for a `QuantLinear` over
+the file's quantized rows (q/k/v and gate/up fused by stacking rows), the embedding for a
+`QuantEmbedding` (which, tied, is also the LM head), and fills the norms from the file.
+Tensor names follow llama.cpp's (`blk.N.attn_q.weight`, ...).
 
-GGUF's llama Q/K rows are permuted (llama.cpp's converter interleaves each head's two RoPE
-halves); `_unpermute` applies transformers' inverse (`reverse_permute_weights`) to the rows,
-which is exact on quantized data because a row's blocks never mix rows.
+GGUF's llama Q/K rows (not Gemma's) are permuted (llama.cpp's converter interleaves each
+head's two RoPE halves); `_unpermute` applies transformers' inverse
+(`reverse_permute_weights`) to the rows, exact on quantized data: a row's blocks never mix
+rows.
 
-Formats the kernel reads (Q8_0, Q4_0, Q4_1) stay quantized; any other quantized type (the
-K-quants) is dequantized to float32 at load (bit-equal to gguf-py), so every GGUF gguf-py
-reads loads, the K-quants without the memory saving.
+Formats the kernels read (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) stay quantized; any other
+quantized type is dequantized to float32 at load (bit-equal to gguf-py), so every GGUF gguf-py
+reads loads, those without the memory saving.
 
 Invariants: every tensor of the file is used and every parameter is filled (ValueError
 otherwise); the model is in eval mode with no gradients.
@@ -30,15 +32,16 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.gemm_select import MAX_PREFILL_ROWS
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.quant import formats
+from engine.quant.gguf_arch import BY_MODEL_ARCHITECTURE, GgufArch, arch_of
 from engine.quant.gguf_file import iter_tensors
 from engine.quant.qlinear import QuantEmbedding, QuantLinear, QuantTensor
 
 logger = logging.getLogger("kvfleet.engine")
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 
 
 def _unpermute(t: QuantTensor, heads: int) -> QuantTensor:
@@ -50,7 +53,7 @@ def _unpermute(t: QuantTensor, heads: int) -> QuantTensor:
 
 def _kept_format(t: QuantTensor) -> QuantTensor:
     """Kernel formats as they are; anything else as float32 rows (dequantized once)."""
-    if t.qtype in formats.KERNEL_TYPES or t.qtype == formats.F32:
+    if t.qtype in formats.QUANTIZED_KERNEL_TYPES or t.qtype == formats.F32:
         return t
     dense = t.dequantize().contiguous()
     return QuantTensor(dense.view(torch.uint8), formats.F32, t.k)
@@ -107,15 +110,22 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
         return total
 
 
+class QuantGemmaForCausalLM(GemmaForCausalLM, QuantLlamaForCausalLM):
+    """Gemma 3 over quantized rows: Gemma's forward and logit cap, the quantized head, embedding
+    and prepack of `QuantLlamaForCausalLM` (next in the MRO, so Gemma's `super()` reaches it)."""
+
+
 def load_gguf_model(path: str | Path, config: ModelConfig, dtype: torch.dtype,
                     device: str | torch.device = "cpu") -> QuantLlamaForCausalLM:
     """The model of GGUF file `path` (config from its companion directory) in `dtype`."""
     if torch.device(device).type != "cpu":
         raise ValueError("GGUF models run on CPU only (the quantized kernel is a CPU kernel)")
+    arch = arch_of(BY_MODEL_ARCHITECTURE.get(config.architecture, config.architecture))
+    cls = QuantGemmaForCausalLM if arch.name == "gemma3" else QuantLlamaForCausalLM
     with torch.device("meta"):
-        model = QuantLlamaForCausalLM(config)
+        model = cls(config)
     tensors = dict(iter_tensors(GGUFReader(str(path))))
-    _fill(model, config, tensors, dtype)
+    _fill(model, arch, tensors, dtype)
     if tensors:
         raise ValueError(f"GGUF tensors with no place in the model: {sorted(tensors)[:8]}")
     missing = [n for n, p in model.named_parameters() if p.is_meta]
@@ -128,19 +138,24 @@ def load_gguf_model(path: str | Path, config: ModelConfig, dtype: torch.dtype,
     return model
 
 
-def _fill(model: QuantLlamaForCausalLM, config: ModelConfig,
+def _fill(model: QuantLlamaForCausalLM, arch: GgufArch,
           tensors: dict[str, QuantTensor], dtype: torch.dtype) -> None:
     embed = _kept_format(tensors.pop("token_embd.weight"))
     model.embed_tokens = QuantEmbedding(embed, dtype)  # type: ignore[assignment]
     head = tensors.pop("output.weight", None)
     model.add_module("head", QuantLinear([embed if head is None else _kept_format(head)]))
-    model.norm.weight = nn.Parameter(_as_float(tensors.pop("output_norm.weight"), dtype))
+    model.norm.weight = _norm(tensors.pop("output_norm.weight"), arch, dtype)
     for index, layer in enumerate(model.layers):
         assert isinstance(layer, LlamaDecoderLayer)
-        _fill_layer(layer, index, config, tensors, dtype)
+        _fill_layer(layer, index, model.config, arch, tensors, dtype)
 
 
-def _fill_layer(layer: LlamaDecoderLayer, i: int, config: ModelConfig,
+def _norm(t: QuantTensor, arch: GgufArch, dtype: torch.dtype) -> nn.Parameter:
+    # The offset comes off in float32 before any cast, as transformers' GGUF loader does it.
+    return nn.Parameter((t.dequantize().reshape(-1) - arch.norm_offset).to(dtype))
+
+
+def _fill_layer(layer: LlamaDecoderLayer, i: int, config: ModelConfig, arch: GgufArch,
                 tensors: dict[str, QuantTensor], dtype: torch.dtype) -> None:
     def take(name: str, kind: str = "weight") -> QuantTensor | None:
         return tensors.pop(f"blk.{i}.{name}.{kind}", None)
@@ -151,14 +166,16 @@ def _fill_layer(layer: LlamaDecoderLayer, i: int, config: ModelConfig,
             raise ValueError(f"GGUF file is missing blk.{i}.{name}.weight")
         return _kept_format(t)
 
-    q = _unpermute(need("attn_q"), config.num_attention_heads)
-    k = _unpermute(need("attn_k"), config.num_key_value_heads)
+    q, k = need("attn_q"), need("attn_k")
+    if arch.unpermute_qk:
+        q, k = _unpermute(q, config.num_attention_heads), _unpermute(k, config.num_key_value_heads)
     biases = [take(n, "bias") for n in ("attn_q", "attn_k", "attn_v")]
     qkv_bias = None
     if all(b is not None for b in biases):
         bq, bk, bv = (_as_float(b, torch.float32) for b in biases if b is not None)
-        bq = bq.view(config.num_attention_heads, -1, 2).transpose(1, 2).reshape(-1)
-        bk = bk.view(config.num_key_value_heads, -1, 2).transpose(1, 2).reshape(-1)
+        if arch.unpermute_qk:
+            bq = bq.view(config.num_attention_heads, -1, 2).transpose(1, 2).reshape(-1)
+            bk = bk.view(config.num_key_value_heads, -1, 2).transpose(1, 2).reshape(-1)
         qkv_bias = torch.cat([bq, bk, bv])
     attn = layer.self_attn
     attn.qkv_proj = QuantLinear([q, k, need("attn_v")], qkv_bias)  # type: ignore[assignment]
@@ -168,9 +185,9 @@ def _fill_layer(layer: LlamaDecoderLayer, i: int, config: ModelConfig,
     mlp = layer.mlp
     mlp.gate_up_proj = QuantLinear([need("ffn_gate"), need("ffn_up")])
     mlp.down_proj = QuantLinear([need("ffn_down")])
-    for gguf_name, ours in _NORMS.items():
-        norm = getattr(layer, ours)
-        norm.weight = nn.Parameter(_as_float(tensors.pop(f"blk.{i}.{gguf_name}.weight"), dtype))
+    for gguf_name, ours in arch.norms.items():
+        norm = layer.get_submodule(ours)
+        norm.weight = _norm(tensors.pop(f"blk.{i}.{gguf_name}.weight"), arch, dtype)
 
 
 def _type_counts(model: nn.Module) -> str:

@@ -2,7 +2,8 @@
 
 `QuantLinear` holds one or more row segments (a fused q/k/v or gate/up projection is its
 GGUF tensors stacked; segments of one format are merged into one). Its forward pass either
-runs the C++ kernel (kernels/cpu/quant/quant_gemm.cpp), which dequantizes each block inside
+runs the C++ kernel (kernels/cpu/quant/quant_gemm.cpp; kquant_gemm.cpp for Q5_0 and the
+K-quants), which dequantizes each block inside
 the GEMM, or — for batches of more than `kernel_max_rows` rows (prefill), or where the kernel
 is missing — dequantizes the weight (formats.dequantize, bit-equal to gguf-py) and calls
 F.linear, whose BLAS GEMM is faster once the weight is reused over many rows. The crossover
@@ -38,9 +39,12 @@ class QuantTensor:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], by the C++ op where it applies (fast), else formats.dequantize."""
-        if self.qtype in formats.KERNEL_TYPES and _kernel_ready():
+        if self.qtype in formats.QUANTIZED_KERNEL_TYPES and _kernel_ready():
             out = torch.empty(self.rows, self.k)
-            torch.ops.kvfleet_quant.quant_dequantize(out, self.raw, self.qtype)
+            ops = torch.ops.kvfleet_quant
+            kquant = self.qtype in formats.KQUANT_TYPES
+            op = ops.kquant_dequantize if kquant else ops.quant_dequantize
+            op(out, self.raw, self.qtype)
             return out
         return formats.dequantize(self.raw, self.qtype, self.k)
 
@@ -83,7 +87,7 @@ class QuantLinear(nn.Module):
         self.in_features = parts[0].k
         self.out_features = sum(p.rows for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.use_kernel = all(s.qtype in formats.KERNEL_TYPES for s in self.segments)
+        self.use_kernel = all(s.qtype in formats.QUANTIZED_KERNEL_TYPES for s in self.segments)
 
     @property
     def weight_bytes(self) -> int:
@@ -112,7 +116,9 @@ class QuantLinear(nn.Module):
         if x.stride(-1) != 1:
             x = x.contiguous()
         out = x.new_empty(x.shape[0], segment.rows)
-        torch.ops.kvfleet_quant.quant_linear(out, x, segment.raw, segment.qtype)
+        ops = torch.ops.kvfleet_quant
+        op = ops.kquant_linear if segment.qtype in formats.KQUANT_TYPES else ops.quant_linear
+        op(out, x, segment.raw, segment.qtype)
         return out
 
 

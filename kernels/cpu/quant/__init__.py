@@ -1,4 +1,5 @@
-"""Builds and loads the GGUF quantized-GEMM kernel (`torch.ops.kvfleet_quant.*`) on first use.
+"""Builds and loads the GGUF quantized-GEMM kernels (`torch.ops.kvfleet_quant.*`) on first use:
+quant_gemm.cpp (Q8_0, Q4_0, Q4_1) and kquant_gemm.cpp (Q5_0, Q4_K, Q5_K, Q6_K), one library.
 
 A library of its own beside `kernels.cpu`'s: editing this kernel rebuilds only it, and the
 quantized path can be missing (no compiler) while the other CPU ops work, or the reverse.
@@ -18,7 +19,7 @@ from kernels.cpu import _build_dir, _load_or_build
 
 logger = logging.getLogger("kvfleet.kernels")
 
-_SOURCES = [Path(__file__).with_name("quant_gemm.cpp")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("quant_gemm.cpp", "kquant_gemm.cpp")]
 _NAME = "kvfleet_quant_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -30,7 +31,8 @@ def load() -> bool:
         if "loaded" not in _state:
             try:
                 _load_or_build(_build_dir(_SOURCES), _NAME, _SOURCES)
-                _state["loaded"] = hasattr(torch.ops.kvfleet_quant, "quant_linear")
+                _state["loaded"] = all(hasattr(torch.ops.kvfleet_quant, op)
+                                       for op in ("quant_linear", "kquant_linear"))
             except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
                 logger.warning("quantized GEMM kernel unavailable, dequantizing instead: %s", exc)
                 _state["loaded"] = False
