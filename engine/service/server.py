@@ -42,6 +42,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.disagg.grpc_connector import GrpcKVConnector
 from engine.disagg.metrics import TransferMetrics
+from engine.disagg.shm_connector import KV_TRANSFER_MODES, SameHostKVConnector
 from engine.kv_tiers.flags import add_kv_tier_arguments, kv_tier_config
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
@@ -108,6 +109,9 @@ class EngineServerOptions:
     lora_roots: AdapterRoots = field(default_factory=AdapterRoots)
     # Prefill/decode disaggregation (docs/disaggregation.md): what routers send here.
     role: str = ROLE_BOTH
+    # How KV is pushed to decode engines: auto (shared memory on one host, else gRPC), shm,
+    # grpc (engine.disagg.shm_connector).
+    kv_transfer: str = "auto"
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -192,7 +196,10 @@ class EngineServer:
         servicer = EngineServicer(
             self._async_engine, identity, self._watchdog.problem, options.lora_roots,
             # KV pushes to decode engines carry the fleet's engine credential too.
-            GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
+            SameHostKVConnector(
+                GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
+                options.kv_transfer,
+            ),
             TransferMetrics(self._metrics.registry, model_name),
         )
         self._grpc = GrpcServer(
@@ -379,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "decode: routers send it handed-off requests and short prompts; "
                              "both: whole requests (docs/disaggregation.md; "
                              "default: %(default)s)")
+    parser.add_argument("--kv-transfer", choices=KV_TRANSFER_MODES, default="auto",
+                        help="how a prefill engine pushes KV: shm through shared memory "
+                             "(decode engines on this host), grpc as bytes, auto shm where "
+                             "the decode engine can open it, else grpc (default: %(default)s)")
     return parser
 
 
@@ -424,6 +435,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         redis_access=RedisAccess.from_args(args),
         lora_roots=lora_roots(args),
         role=args.role,
+        kv_transfer=args.kv_transfer,
     )
 
 

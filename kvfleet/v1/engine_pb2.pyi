@@ -44,7 +44,7 @@ class KVTransferResult(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "prompt_token_ids", "cache_salt", "lora_id", "block_size", "num_blocks", "num_tokens", "dtype", "block_shape", "block_hashes", "first_block")
+    __slots__ = ("transfer_id", "request_id", "prompt_token_ids", "cache_salt", "lora_id", "block_size", "num_blocks", "num_tokens", "dtype", "block_shape", "block_hashes", "first_block", "shm")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class KVTransferHeader(_message.Message):
     BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +70,18 @@ class KVTransferHeader(_message.Message):
     block_shape: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     first_block: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ...) -> None: ...
+    shm: KVSharedMemory
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., shm: _Optional[_Union[KVSharedMemory, _Mapping]] = ...) -> None: ...
+
+class KVSharedMemory(_message.Message):
+    __slots__ = ("name", "host_id", "num_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    host_id: str
+    num_bytes: int
+    def __init__(self, name: _Optional[str] = ..., host_id: _Optional[str] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
     __slots__ = ("block_index", "data")

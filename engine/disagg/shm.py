@@ -1,0 +1,150 @@
+"""Shared-memory segments for same-host KV transfers (engine.disagg.shm_connector).
+
+Role: a segment is one file in the shared-memory directory (/dev/shm), created by the
+prefill engine for one transfer, mapped by both engines: the prefill engine writes the
+request's blocks into it, the decode engine copies them into its cache. This module names,
+creates, opens, removes and sweeps segments, and says which host a process runs on.
+
+Invariants:
+- Names are `kvfleet-kv.<host tag>.<creator pid>.<32 hex>`: a receiver opens only a name
+  of that form inside its own shared-memory directory (never a caller's path).
+- Every segment is unlinked by whoever is done with it first: the receiver right after
+  mapping it (the mapping outlives the name), the sender when its transfer ends, however it
+  ends. A sender killed between creating and sending leaves a file its host's next sweep
+  removes (its pid is gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import re
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_SHM_DIR = Path("/dev/shm")
+PREFIX = "kvfleet-kv"
+_NAME = re.compile(rf"^{PREFIX}\.([0-9a-f]{{8}})\.([0-9]+)\.[0-9a-f]{{32}}$")
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def host_id() -> str:
+    """This machine's identity for the same-host check: hostname and kernel boot id (two
+    containers of one pod share both; two machines never share the boot id)."""
+    try:
+        boot = _BOOT_ID.read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(host_id().encode()).hexdigest()[:8]
+
+
+def check_name(name: str) -> None:
+    """ValueError naming the field unless `name` is a segment name (no path, our form)."""
+    if not _NAME.match(name):
+        raise ValueError(f"shm.name: {name[:80]!r} is not a KV segment name")
+
+
+@dataclass
+class Segment:
+    """One mapped segment; `tensor` views its bytes (uint8) without copying."""
+
+    path: Path
+    num_bytes: int
+    _map: mmap.mmap
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=self.num_bytes)
+
+    def close(self) -> None:
+        """Unmap (a tensor still viewing it keeps the mapping alive until dropped)."""
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def create(directory: Path, num_bytes: int) -> Segment:
+    """A new segment of `num_bytes` (at least 1), readable and writable by this user only."""
+    name = f"{PREFIX}.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex}"
+    path = directory / name
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(1, num_bytes))
+        mapped = mmap.mmap(fd, max(1, num_bytes))
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        raise
+    os.close(fd)
+    return Segment(path, num_bytes, mapped)
+
+
+def open_and_unlink(directory: Path, name: str, num_bytes: int) -> Segment:
+    """Map an existing segment and remove its name at once (nothing else needs it).
+    FileNotFoundError if it is not here; ValueError if its size is not `num_bytes`."""
+    check_name(name)
+    path = directory / name
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size != max(1, num_bytes):
+            raise ValueError(f"shm.num_bytes: the segment has {size} bytes, not {num_bytes}")
+        mapped = mmap.mmap(fd, max(1, num_bytes))
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    return Segment(path, num_bytes, mapped)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def sweep(directory: Path) -> list[str]:
+    """Remove this host's segments whose creator is dead (an engine killed mid-transfer);
+    the names removed."""
+    tag = _host_tag()
+    removed: list[str] = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for path in entries:
+        match = _NAME.match(path.name)
+        if match is None or match.group(1) != tag or _alive(int(match.group(2))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def segments_of(directory: Path, pid: int) -> list[str]:
+    """The names of the segments `pid` created here (tests: none may be left over)."""
+    return sorted(p.name for p in directory.iterdir()
+                  if (m := _NAME.match(p.name)) is not None and int(m.group(2)) == pid)

@@ -1,0 +1,93 @@
+"""The same-host KV transport: blocks through a shared-memory segment, a header over gRPC.
+
+Role: `SameHostKVConnector` implements `engine.disagg.transfer.KVConnector`. For a decode
+engine on this host it writes the blocks into a fresh segment (engine.disagg.shm) and sends
+only the transfer header naming it, over the same ReceiveKV call the gRPC transport uses
+(credential, TLS, deadline); the decode engine copies the blocks into its cache and answers.
+Otherwise it sends bytes over gRPC (engine.disagg.grpc_connector).
+
+Modes (`--kv-transfer`, like vLLM's kv-transfer config): `grpc` never uses shared memory;
+`shm` always does (a receiver that cannot open the segment fails the transfer); `auto`
+tries it and, when the receiver answers NOT_FOUND (another host: the host ids differ, or a
+container without the same /dev/shm), sends that transfer over gRPC and remembers the
+destination as remote.
+
+Invariants: the sender unlinks its segment when the call ends, whatever the outcome
+(success, refusal, timeout, receiver death); the receiver unlinks it as soon as it mapped
+it. A segment left by a killed engine is removed by the next sweep on its host (at start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import torch
+
+from engine.disagg import shm
+from engine.disagg.grpc_connector import GrpcKVConnector
+from engine.disagg.transfer import KVTransfer, transfer_header, transfer_result
+from kvfleet.v1 import engine_pb2
+
+KV_TRANSFER_MODES = ("auto", "shm", "grpc")
+
+
+class SameHostKVConnector:
+    def __init__(
+        self, grpc_connector: GrpcKVConnector, mode: str = "auto",
+        shm_dir: Path = shm.DEFAULT_SHM_DIR, host_id: str | None = None,
+    ) -> None:
+        if mode not in KV_TRANSFER_MODES:
+            raise ValueError(f"kv_transfer: {mode!r} is not one of {', '.join(KV_TRANSFER_MODES)}")
+        self._grpc = grpc_connector
+        self._mode = mode
+        self._dir = shm_dir
+        self._host_id = host_id or shm.host_id()
+        # Destinations that answered NOT_FOUND to a segment (auto mode): gRPC from then on.
+        self._remote: set[str] = set()
+        if mode != "grpc":
+            shm.sweep(shm_dir)
+
+    async def send(self, transfer: KVTransfer) -> engine_pb2.KVTransferResult:
+        if self._mode == "grpc" or transfer.destination in self._remote:
+            return await self._grpc.send(transfer)
+        try:
+            return await self._send_shm(transfer)
+        except grpc.aio.AioRpcError as exc:
+            if self._mode == "shm" or exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        self._remote.add(transfer.destination)
+        return await self._grpc.send(transfer)
+
+    async def _send_shm(self, transfer: KVTransfer) -> engine_pb2.KVTransferResult:
+        start = time.monotonic()
+        export = transfer.export
+        blocks = export.blocks[transfer.first_block:]
+        num_bytes = blocks.numel() * blocks.element_size()
+        segment = shm.create(self._dir, num_bytes)
+        try:
+            # Off the event loop: a request's KV is tens of MB (torch drops the GIL).
+            await asyncio.to_thread(_fill, segment, blocks)
+            header = transfer_header(export, transfer.transfer_id, transfer.request,
+                                     transfer.first_block)
+            header.shm.CopyFrom(engine_pb2.KVSharedMemory(
+                name=segment.name, host_id=self._host_id, num_bytes=num_bytes))
+
+            async def chunks() -> AsyncIterator[engine_pb2.KVTransferChunk]:
+                yield engine_pb2.KVTransferChunk(header=header)
+
+            reply = await self._grpc.receive_kv(transfer, chunks())
+        finally:
+            segment.close()
+            segment.unlink()
+        return transfer_result(transfer, reply, time.monotonic() - start)
+
+    async def close(self) -> None:
+        await self._grpc.close()
+
+
+def _fill(segment: shm.Segment, blocks: torch.Tensor) -> None:
+    segment.tensor.copy_(blocks.contiguous().view(torch.uint8).reshape(-1))
