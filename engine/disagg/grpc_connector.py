@@ -58,7 +58,7 @@ class GrpcKVConnector:
                 yield engine_pb2.KVTransferChunk(block=block)
 
         reply = await self.receive_kv(transfer, chunks())
-        return transfer_result(transfer, reply, time.monotonic() - start)
+        return transfer_result(transfer, reply, time.monotonic() - start, "grpc")
 
     async def receive_kv(
         self, transfer: KVTransfer, chunks: AsyncIterator[engine_pb2.KVTransferChunk]

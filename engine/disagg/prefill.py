@@ -71,5 +71,5 @@ async def prefill_responses(
             f"KV transfer {request.transfer_id} to {request.decode_address} failed: {exc}"
         ) from exc
     if metrics is not None:
-        metrics.sent(result.num_bytes, result.seconds)
+        metrics.sent(result.num_bytes, result.seconds, result.num_blocks, result.transport)
     yield engine_pb2.PrefillResponse(transfer=result)

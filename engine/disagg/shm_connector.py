@@ -83,7 +83,7 @@ class SameHostKVConnector:
         finally:
             segment.close()
             segment.unlink()
-        return transfer_result(transfer, reply, time.monotonic() - start)
+        return transfer_result(transfer, reply, time.monotonic() - start, "shm")
 
     async def close(self) -> None:
         await self._grpc.close()

@@ -34,7 +34,7 @@ def transfer_header(
 
 
 def transfer_result(
-    transfer: KVTransfer, reply: engine_pb2.ReceiveKVResponse, seconds: float
+    transfer: KVTransfer, reply: engine_pb2.ReceiveKVResponse, seconds: float, transport: str,
 ) -> engine_pb2.KVTransferResult:
     """What was sent, once the receiver's reply says it took every block (else raises)."""
     export = transfer.export
@@ -44,7 +44,7 @@ def transfer_result(
     return engine_pb2.KVTransferResult(
         transfer_id=transfer.transfer_id, num_blocks=sent,
         num_bytes=sent * export.fmt.num_bytes, seconds=seconds,
-        num_cached_tokens=export.num_cached_tokens,
+        num_cached_tokens=export.num_cached_tokens, transport=transport,
     )
 
 

@@ -30,18 +30,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[GenerateResponse, _Mapping]] = ..., transfer: _Optional[_Union[KVTransferResult, _Mapping]] = ...) -> None: ...
 
 class KVTransferResult(_message.Message):
-    __slots__ = ("transfer_id", "num_blocks", "num_bytes", "seconds", "num_cached_tokens")
+    __slots__ = ("transfer_id", "num_blocks", "num_bytes", "seconds", "num_cached_tokens", "transport")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     num_blocks: int
     num_bytes: int
     seconds: float
     num_cached_tokens: int
-    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
     __slots__ = ("transfer_id", "request_id", "prompt_token_ids", "cache_salt", "lora_id", "block_size", "num_blocks", "num_tokens", "dtype", "block_shape", "block_hashes", "first_block", "shm")

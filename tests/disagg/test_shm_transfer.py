@@ -1,0 +1,201 @@
+"""The same-host transport on its own (engine.disagg.shm, engine.disagg.shm_connector): the
+bytes a decode engine holds after a transfer are the bytes sent, by shared memory or gRPC;
+`auto` falls back to gRPC for a decode engine on another host and remembers it; a receiver
+opens only its own host's segments, by name, and refuses the rest clearly; segments never
+outlive a transfer, nor an engine killed while holding one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from engine.disagg import shm
+from engine.disagg.grpc_connector import GrpcKVConnector
+from engine.disagg.kv_imports import owner_key
+from engine.disagg.kv_payload import BlockFormat, KVExport, gather_blocks
+from engine.disagg.shm_connector import SameHostKVConnector
+from engine.disagg.transfer import KVTransfer
+from kvfleet.v1 import engine_pb2, engine_pb2_grpc
+from tests.fixtures.engine_harness import (
+    EngineHarness,
+    engine_options,
+    gen_request,
+    make_prompt,
+    wait_all_blocks_free,
+)
+from tests.fixtures.servers import RedisServer
+
+TIMEOUT_S = 30.0
+NUM_TOKENS = 70  # 5 blocks, the last one partial
+
+
+@pytest.fixture(scope="module")
+def decode(tiny_model_dir: Path, redis_server: RedisServer) -> Iterator[EngineHarness]:
+    options = engine_options(tiny_model_dir, redis_server.url, "shm-d0")
+    harness = EngineHarness(options.__class__(**{**options.__dict__, "role": "decode"}))
+    yield harness.start()
+    harness.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_segment_left() -> Iterator[None]:
+    yield
+    assert shm.segments_of(shm.DEFAULT_SHM_DIR, os.getpid()) == []
+
+
+def _fmt(decode: EngineHarness) -> BlockFormat:
+    return BlockFormat.of(decode.server.async_engine.engine.runner.kv_caches)
+
+
+def _export(decode: EngineHarness, seed: int) -> KVExport:
+    fmt = _fmt(decode)
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randn((5, *fmt.shape), generator=generator).to(fmt.torch_dtype)
+    return KVExport(blocks, fmt, NUM_TOKENS, 16, (), 0)
+
+
+def _send(connector: SameHostKVConnector, transfer: KVTransfer) -> engine_pb2.KVTransferResult:
+    async def go() -> engine_pb2.KVTransferResult:
+        try:
+            return await connector.send(transfer)
+        finally:
+            await connector.close()
+    return asyncio.run(go())
+
+
+def _held(decode: EngineHarness, transfer_id: str) -> torch.Tensor:
+    """The blocks the decode engine holds for a complete import, then frees them."""
+    llm = decode.server.async_engine.engine
+
+    def read() -> torch.Tensor:
+        entry = llm.handoff.imports.take(transfer_id)
+        blocks = gather_blocks(llm.runner.kv_caches, entry.block_ids)
+        llm.kv.release(owner_key(transfer_id))
+        return blocks
+    return decode.in_engine_thread(read)
+
+
+@pytest.mark.parametrize("mode,host,transport", [
+    ("shm", None, "shm"), ("grpc", None, "grpc"), ("auto", None, "shm"),
+    ("auto", "another-host/0", "grpc"),
+])
+def test_decode_engine_holds_the_bytes_sent(decode, mode, host, transport):
+    export = _export(decode, seed=len(mode) + (host is not None))
+    connector = SameHostKVConnector(GrpcKVConnector(), mode, host_id=host)
+    transfer_id = f"bytes-{mode}-{host is not None}"
+    transfer = KVTransfer(transfer_id, gen_request("r", make_prompt(1, NUM_TOKENS), 4),
+                          export, decode.address, TIMEOUT_S)
+    result = _send(connector, transfer)
+    assert (result.transport, result.num_blocks) == (transport, 5)
+    assert result.num_bytes == 5 * export.fmt.num_bytes
+    assert torch.equal(_held(decode, transfer_id), export.blocks)
+    if host is not None:  # remembered as remote: the next transfer goes straight to gRPC
+        assert _send(connector, transfer_again(transfer)).transport == "grpc"
+        _held(decode, transfer.transfer_id + "-again")
+    wait_all_blocks_free(_stub(decode))
+
+
+def transfer_again(transfer: KVTransfer) -> KVTransfer:
+    return KVTransfer(transfer.transfer_id + "-again", transfer.request, transfer.export,
+                      transfer.destination, transfer.timeout_s)
+
+
+def test_forced_shm_to_another_host_fails_without_fallback(decode):
+    connector = SameHostKVConnector(GrpcKVConnector(), "shm", host_id="another-host/0")
+    transfer = KVTransfer("forced", gen_request("r", make_prompt(2, NUM_TOKENS), 4),
+                          _export(decode, 7), decode.address, TIMEOUT_S)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        _send(connector, transfer)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "shm.host_id" in (info.value.details() or "")
+    wait_all_blocks_free(_stub(decode))
+
+
+def _stub(harness: EngineHarness) -> engine_pb2_grpc.EngineStub:
+    return engine_pb2_grpc.EngineStub(grpc.insecure_channel(harness.address))
+
+
+def _header(decode: EngineHarness, transfer_id: str, spec: engine_pb2.KVSharedMemory,
+            ) -> engine_pb2.KVTransferChunk:
+    fmt = _fmt(decode)
+    return engine_pb2.KVTransferChunk(header=engine_pb2.KVTransferHeader(
+        transfer_id=transfer_id, request_id=transfer_id, prompt_token_ids=make_prompt(3, 40),
+        block_size=16, num_blocks=3, num_tokens=40, dtype=fmt.dtype, block_shape=fmt.shape,
+        shm=spec,
+    ))
+
+
+@pytest.mark.parametrize("name,host,code,field", [
+    ("../../etc/passwd", None, grpc.StatusCode.INVALID_ARGUMENT, "shm.name"),
+    (f"kvfleet-kv.0000abcd.{os.getpid()}.{'0' * 32}", None, grpc.StatusCode.NOT_FOUND,
+     "shm.name"),
+    (None, "another-host/0", grpc.StatusCode.NOT_FOUND, "shm.host_id"),
+])
+def test_receiver_refuses_segments_it_must_not_or_cannot_open(decode, name, host, code, field):
+    segment = shm.create(shm.DEFAULT_SHM_DIR, 3 * _fmt(decode).num_bytes)
+    try:
+        spec = engine_pb2.KVSharedMemory(name=name or segment.name,
+                                         host_id=host or shm.host_id(),
+                                         num_bytes=segment.num_bytes)
+        with pytest.raises(grpc.RpcError) as info:
+            _stub(decode).ReceiveKV(iter([_header(decode, f"refuse-{field}", spec)]),
+                                    timeout=TIMEOUT_S)
+        assert info.value.code() == code
+        assert field in (info.value.details() or "")
+        assert segment.path.exists()  # not opened, so not unlinked
+    finally:
+        segment.close()
+        segment.unlink()
+    wait_all_blocks_free(_stub(decode))
+
+
+def test_receiver_unlinks_the_segment_even_if_the_sender_never_does(decode):
+    """A prefill engine that dies after sending the header leaves nothing behind."""
+    fmt = _fmt(decode)
+    segment = shm.create(shm.DEFAULT_SHM_DIR, 3 * fmt.num_bytes)
+    blocks = torch.arange(segment.num_bytes // 4, dtype=torch.float32).view(3, *fmt.shape)
+    segment.tensor.copy_(blocks.view(torch.uint8).reshape(-1))
+    segment.close()
+    spec = engine_pb2.KVSharedMemory(name=segment.name, host_id=shm.host_id(),
+                                     num_bytes=segment.num_bytes)
+    reply = _stub(decode).ReceiveKV(iter([_header(decode, "orphan", spec)]), timeout=TIMEOUT_S)
+    assert reply.num_blocks == 3
+    assert not segment.path.exists()
+    assert torch.equal(_held(decode, "orphan"), blocks)
+    wait_all_blocks_free(_stub(decode))
+
+
+_CREATE_AND_HANG = """
+import sys, time
+from pathlib import Path
+from engine.disagg import shm
+segment = shm.create(Path(sys.argv[1]), 4096)
+print(segment.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_sweep_removes_segments_of_killed_engines_only(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", _CREATE_AND_HANG, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    orphan = child.stdout.readline().strip()
+    mine = shm.create(tmp_path, 4096)
+    try:
+        assert shm.sweep(tmp_path) == []  # its creator is alive
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert shm.sweep(tmp_path) == [orphan]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [mine.name]
+    finally:
+        mine.close()
+        mine.unlink()
