@@ -25,7 +25,7 @@ Invariants (engine thread only, between steps, except `copy_in`):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -82,10 +82,12 @@ class KVHandoff:
         self._apply_host_copies()
         scatter_blocks(self._caches, targets, blocks)
 
-    def copy_in(self, block_ids: list[int], blocks: torch.Tensor) -> Future[None]:
-        """Write blocks into reserved blocks `block_ids` on the copier thread (any thread
-        may call; see the module's invariants)."""
-        return self._copier.submit(scatter_blocks, self._caches, block_ids, blocks)
+    def copy_in(
+        self, block_ids: list[int], blocks: Callable[[], torch.Tensor]
+    ) -> Future[None]:
+        """Write the blocks `blocks()` makes into reserved blocks `block_ids`, both on the
+        copier thread (any thread may call; see the module's invariants)."""
+        return self._copier.submit(lambda: scatter_blocks(self._caches, block_ids, blocks()))
 
     def finish_import(self, transfer_id: str, indexes: list[int]) -> None:
         """Record the blocks `copy_in` wrote and mark the import complete."""

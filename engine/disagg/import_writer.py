@@ -30,8 +30,9 @@ class ImportWriter:
         self._in_flight: Future[None] | None = None
         self.written: list[int] = []
 
-    async def write(self, indexes: Sequence[int], blocks: torch.Tensor) -> None:
-        """Copy `blocks` ([n, layers, 2, ...], CPU) into blocks `indexes` of the transfer."""
+    async def write(self, indexes: Sequence[int], blocks: Callable[[], torch.Tensor]) -> None:
+        """Copy what `blocks` makes ([n, layers, 2, ...], CPU; called on the copier thread,
+        so turning bytes into a tensor holds no step up either) into blocks `indexes`."""
         targets = []
         for index in indexes:
             if not self._first_block <= index < len(self._block_ids):

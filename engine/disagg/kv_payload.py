@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 _DTYPES = {
@@ -84,12 +85,17 @@ def block_bytes(blocks: torch.Tensor, index: int) -> bytes:
 
 
 def blocks_from_bytes(chunks: Sequence[bytes], fmt: BlockFormat) -> torch.Tensor:
-    """Wire bytes back to [num_blocks, *fmt.shape] (CPU); ValueError on a wrong size."""
+    """Wire bytes back to [num_blocks, *fmt.shape] (CPU, one copy); ValueError on a wrong
+    size."""
     for chunk in chunks:
         if len(chunk) != fmt.num_bytes:
             raise ValueError(f"KV block has {len(chunk)} bytes, expected {fmt.num_bytes}")
-    raw = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-    return raw.view(fmt.torch_dtype).view(len(chunks), *fmt.shape)
+    out = torch.empty((len(chunks), fmt.num_bytes), dtype=torch.uint8)
+    rows = out.numpy()
+    for row, chunk in enumerate(chunks):
+        # numpy reads the immutable bytes in place (torch.frombuffer wants them writable).
+        rows[row] = numpy.frombuffer(chunk, dtype=numpy.uint8)
+    return out.view(fmt.torch_dtype).view(len(chunks), *fmt.shape)
 
 
 @torch.inference_mode()

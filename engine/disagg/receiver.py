@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
 from engine.disagg import shm
 from engine.disagg.import_writer import ImportWriter
 from engine.disagg.kv_imports import DEFAULT_IMPORT_TIMEOUT_S
@@ -120,7 +122,8 @@ async def _write_segment(
     blocks = segment.tensor.view(fmt.torch_dtype).view(-1, *fmt.shape)
     for start in range(first, header.num_blocks, SHM_COPY_BATCH):
         stop = min(start + SHM_COPY_BATCH, header.num_blocks)
-        await writer.write(range(start, stop), blocks[start - first:stop - first])
+        batch = blocks[start - first:stop - first]
+        await writer.write(range(start, stop), functools.partial(_same, batch))
 
 
 async def _write_chunks(
@@ -134,10 +137,14 @@ async def _write_chunks(
         indexes.append(chunk.block.block_index)
         data.append(chunk.block.data)
         if len(indexes) >= WRITE_BATCH:
-            await writer.write(indexes, blocks_from_bytes(data, fmt))
+            await writer.write(indexes, functools.partial(blocks_from_bytes, data, fmt))
             indexes, data = [], []
     if indexes:
-        await writer.write(indexes, blocks_from_bytes(data, fmt))
+        await writer.write(indexes, functools.partial(blocks_from_bytes, data, fmt))
+
+
+def _same(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks
 
 
 def _check_header(header: engine_pb2.KVTransferHeader, block_size: int) -> BlockFormat:
