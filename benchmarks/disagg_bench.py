@@ -11,6 +11,9 @@ engine's push until the decode engine has the blocks in its cache; from its metr
 
     python -m benchmarks.disagg_bench [--model DIR] [--seconds 60] [--chats 4]
                                       [--long-tokens 2000] [--transports shm,grpc]
+
+`--transfer-only N`: instead, the transfer's own cost per block on one idle engine, N pushes
+per transport (benchmarks.kv_transfer_cost; no prefill compute in the figure).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import kv_transfer_cost
 from kvfleet.fleet import Fleet, FleetConfig
 from kvfleet.router_client import auth_metadata, build_request, channel
 from kvfleet.v1 import common_pb2, router_pb2_grpc
@@ -124,6 +128,9 @@ def main() -> None:
                         help="comma-separated KV transports, a 1P+1D fleet each: shm, grpc")
     parser.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
                         help="also run 2 colocated engines (default: %(default)s)")
+    parser.add_argument("--transfer-only", type=int, default=0, metavar="N",
+                        help="only the transfer's cost: N pushes per transport to an idle "
+                             "engine")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -133,8 +140,12 @@ def main() -> None:
     context = str(args.max_model_len or max(4096, args.long_tokens + 512))
     engine_args = ("--max-model-len", context, *args.engine_arg)
     threshold = ("--disagg-prefill-threshold", str(max(1, args.long_tokens // 2)))
-    fleets = [(f"1P+1D {transport}", (1, 1), ("--kv-transfer", transport))
-              for transport in args.transports.split(",")]
+    if args.transfer_only:
+        _transfer_only(model, engine_args, args)
+        return
+    fleets: list[tuple[str, tuple[int, int], tuple[str, ...]]] = [
+        (f"1P+1D {transport}", (1, 1), ("--kv-transfer", transport))
+        for transport in args.transports.split(",")]
     if args.colocated:
         fleets.append(("2 colocated", (0, 0), ()))
     with tempfile.TemporaryDirectory() as work:
@@ -146,6 +157,18 @@ def main() -> None:
                 engine_threads=1,
             )
             _run(name, config, args)
+
+
+def _transfer_only(model: Path, engine_args: tuple[str, ...], args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        config = FleetConfig(model_dir=model, num_engines=1, engine_args=engine_args,
+                             log_dir=Path(work) / "engine", engine_threads=1)
+        with Fleet(config) as fleet:
+            costs = kv_transfer_cost.run(
+                fleet.engines[0].address, fleet.router_secret_file, model,
+                args.transports.split(","), args.long_tokens, args.transfer_only)
+    for cost in costs:
+        print(cost.line(), flush=True)
 
 
 if __name__ == "__main__":
