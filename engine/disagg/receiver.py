@@ -10,7 +10,8 @@ error goes back.
 
 Invariants: every KV manager change runs on the engine thread (`call_in_engine_thread`);
 steps never wait for an import's copy; bytes are turned into tensors on the event loop;
-a segment is unlinked as soon as it is mapped; a header naming another host's segment is
+a one-shot segment is unlinked as soon as it is mapped (a reused one is the sender's
+to remove); a header naming another host's segment is
 refused with NOT_FOUND before anything is reserved (the sender then sends bytes). An
 import that completes but is never claimed is freed by `KVImports.expire` at its deadline,
 checked by a timer set here.
@@ -109,7 +110,8 @@ def _open_segment(
     if spec.num_bytes != expected:
         raise ValueError(f"shm.num_bytes: {spec.num_bytes}, the blocks take {expected}")
     try:
-        return shm.open_and_unlink(access.directory, spec.name, spec.num_bytes)
+        return shm.open_segment(access.directory, spec.name, spec.num_bytes,
+                                unlink=not spec.reused)
     except FileNotFoundError as exc:  # same host id, another /dev/shm (a container)
         raise NotFoundError(f"shm.name: no segment {spec.name!r} here") from exc
 
@@ -119,7 +121,7 @@ async def _write_segment(
     fmt: BlockFormat,
 ) -> None:
     first = header.first_block
-    blocks = segment.tensor.view(fmt.torch_dtype).view(-1, *fmt.shape)
+    blocks = segment.tensor(segment.capacity).view(fmt.torch_dtype).view(-1, *fmt.shape)
     for start in range(first, header.num_blocks, SHM_COPY_BATCH):
         stop = min(start + SHM_COPY_BATCH, header.num_blocks)
         batch = blocks[start - first:stop - first]

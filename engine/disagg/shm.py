@@ -1,17 +1,21 @@
 """Shared-memory segments for same-host KV transfers (engine.disagg.shm_connector).
 
 Role: a segment is one file in the shared-memory directory (/dev/shm), created by the
-prefill engine for one transfer, mapped by both engines: the prefill engine writes the
-request's blocks into it, the decode engine copies them into its cache. This module names,
-creates, opens, removes and sweeps segments, and says which host a process runs on.
+prefill engine, mapped by both engines: the prefill engine writes a request's blocks into
+it, the decode engine copies them into its cache. This module names, creates, opens,
+removes and sweeps segments, keeps a prefill engine's few idle ones for reuse
+(`SegmentPool`: a fresh segment's pages cost more to fault in than the blocks to copy), and
+says which host a process runs on.
 
 Invariants:
 - Names are `kvfleet-kv.<host tag>.<creator pid>.<32 hex>`: a receiver opens only a name
   of that form inside its own shared-memory directory (never a caller's path).
-- Every segment is unlinked by whoever is done with it first: the receiver right after
-  mapping it (the mapping outlives the name), the sender when its transfer ends, however it
-  ends. A sender killed between creating and sending leaves a file its host's next sweep
-  removes (its pid is gone).
+- A segment is reused only after the transfer that used it succeeded (the receiver has
+  copied everything); one whose transfer failed is unlinked at once. A one-shot segment is
+  unlinked by the receiver right after mapping it (the mapping outlives the name).
+- The pool unlinks what it does not keep and everything at close; segments of an engine
+  killed meanwhile are removed by its host's next sweep (at an engine's start: their
+  creator pid is gone).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_SHM_DIR = Path("/dev/shm")
+# Idle segments a sender keeps for reuse (each as large as the largest transfer it served).
+DEFAULT_MAX_IDLE = 2
 PREFIX = "kvfleet-kv"
 _NAME = re.compile(rf"^{PREFIX}\.([0-9a-f]{{8}})\.([0-9]+)\.[0-9a-f]{{32}}$")
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -56,19 +62,18 @@ def check_name(name: str) -> None:
 
 @dataclass
 class Segment:
-    """One mapped segment; `tensor` views its bytes (uint8) without copying."""
+    """One mapped segment of `capacity` bytes; `tensor` views its start without copying."""
 
     path: Path
-    num_bytes: int
+    capacity: int
     _map: mmap.mmap
 
     @property
     def name(self) -> str:
         return self.path.name
 
-    @property
-    def tensor(self) -> torch.Tensor:
-        return torch.frombuffer(self._map, dtype=torch.uint8, count=self.num_bytes)
+    def tensor(self, num_bytes: int) -> torch.Tensor:
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=num_bytes)
 
     def close(self) -> None:
         """Unmap (a tensor still viewing it keeps the mapping alive until dropped)."""
@@ -80,39 +85,76 @@ class Segment:
             self.path.unlink()
 
 
-def create(directory: Path, num_bytes: int) -> Segment:
-    """A new segment of `num_bytes` (at least 1), readable and writable by this user only."""
+def create(directory: Path, capacity: int) -> Segment:
+    """A new segment of `capacity` bytes (at least 1), readable and writable by this user
+    only."""
+    capacity = max(1, capacity)
     name = f"{PREFIX}.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex}"
     path = directory / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, max(1, num_bytes))
-        mapped = mmap.mmap(fd, max(1, num_bytes))
+        os.ftruncate(fd, capacity)
+        mapped = mmap.mmap(fd, capacity)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         raise
     os.close(fd)
-    return Segment(path, num_bytes, mapped)
+    return Segment(path, capacity, mapped)
 
 
-def open_and_unlink(directory: Path, name: str, num_bytes: int) -> Segment:
-    """Map an existing segment and remove its name at once (nothing else needs it).
-    FileNotFoundError if it is not here; ValueError if its size is not `num_bytes`."""
+def open_segment(directory: Path, name: str, num_bytes: int, unlink: bool) -> Segment:
+    """Map an existing segment's first `num_bytes`, and remove its name at once if `unlink`
+    (a one-shot segment). FileNotFoundError if it is not here; ValueError if it is smaller."""
     check_name(name)
     path = directory / name
     fd = os.open(path, os.O_RDWR)
     try:
         size = os.fstat(fd).st_size
-        if size != max(1, num_bytes):
-            raise ValueError(f"shm.num_bytes: the segment has {size} bytes, not {num_bytes}")
+        if size < max(1, num_bytes):
+            raise ValueError(f"shm.num_bytes: {num_bytes}, the segment has {size} bytes")
         mapped = mmap.mmap(fd, max(1, num_bytes))
     finally:
         os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-    return Segment(path, num_bytes, mapped)
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    return Segment(path, max(1, num_bytes), mapped)
+
+
+class SegmentPool:
+    """A sender's segments: `take` one that fits (a kept one if any), then `keep` it after a
+    successful transfer or `discard` it after a failed one. At most `max_idle` are kept."""
+
+    def __init__(self, directory: Path, max_idle: int = DEFAULT_MAX_IDLE) -> None:
+        self._dir = directory
+        self._max_idle = max_idle
+        self._idle: list[Segment] = []
+
+    def take(self, num_bytes: int) -> Segment:
+        fitting = [s for s in self._idle if s.capacity >= num_bytes]
+        if fitting:
+            segment = min(fitting, key=lambda s: s.capacity)
+            self._idle.remove(segment)
+            return segment
+        return create(self._dir, num_bytes)
+
+    def keep(self, segment: Segment) -> None:
+        self._idle.append(segment)
+        while len(self._idle) > self._max_idle:  # the smallest go first
+            self.discard(self._idle.pop(self._idle.index(min(self._idle,
+                                                             key=lambda s: s.capacity))))
+
+    @staticmethod
+    def discard(segment: Segment) -> None:
+        segment.close()
+        segment.unlink()
+
+    def close(self) -> None:
+        for segment in self._idle:
+            self.discard(segment)
+        self._idle.clear()
 
 
 def _alive(pid: int) -> bool:

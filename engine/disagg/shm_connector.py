@@ -12,9 +12,10 @@ tries it and, when the receiver answers NOT_FOUND (another host: the host ids di
 container without the same /dev/shm), sends that transfer over gRPC and remembers the
 destination as remote.
 
-Invariants: the sender unlinks its segment when the call ends, whatever the outcome
-(success, refusal, timeout, receiver death); the receiver unlinks it as soon as it mapped
-it. A segment left by a killed engine is removed by the next sweep on its host (at start).
+Invariants: a segment is reused (kept warm: faulting a fresh one's pages in costs more than
+the copy) only after its transfer succeeded; after a refusal, a timeout or the receiver's
+death it is unlinked at once. `close` unlinks the kept ones. Segments of an engine killed
+meanwhile are removed by the next sweep on its host (at an engine's start).
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ class SameHostKVConnector:
         self._host_id = host_id or shm.host_id()
         # Destinations that answered NOT_FOUND to a segment (auto mode): gRPC from then on.
         self._remote: set[str] = set()
+        self._segments = shm.SegmentPool(shm_dir)
         if mode != "grpc":
             shm.sweep(shm_dir)
+
+    @property
+    def remote_destinations(self) -> frozenset[str]:
+        return frozenset(self._remote)
 
     async def send(self, transfer: KVTransfer) -> engine_pb2.KVTransferResult:
         if self._mode == "grpc" or transfer.destination in self._remote:
@@ -67,27 +73,29 @@ class SameHostKVConnector:
         export = transfer.export
         blocks = export.blocks[transfer.first_block:]
         num_bytes = blocks.numel() * blocks.element_size()
-        segment = shm.create(self._dir, num_bytes)
+        segment = self._segments.take(num_bytes)
         try:
             # Off the event loop: a request's KV is tens of MB (torch drops the GIL).
-            await asyncio.to_thread(_fill, segment, blocks)
+            await asyncio.to_thread(_fill, segment, blocks, num_bytes)
             header = transfer_header(export, transfer.transfer_id, transfer.request,
                                      transfer.first_block)
             header.shm.CopyFrom(engine_pb2.KVSharedMemory(
-                name=segment.name, host_id=self._host_id, num_bytes=num_bytes))
+                name=segment.name, host_id=self._host_id, num_bytes=num_bytes, reused=True))
 
             async def chunks() -> AsyncIterator[engine_pb2.KVTransferChunk]:
                 yield engine_pb2.KVTransferChunk(header=header)
 
             reply = await self._grpc.receive_kv(transfer, chunks())
-        finally:
-            segment.close()
-            segment.unlink()
+        except BaseException:
+            self._segments.discard(segment)
+            raise
+        self._segments.keep(segment)
         return transfer_result(transfer, reply, time.monotonic() - start, "shm")
 
     async def close(self) -> None:
+        self._segments.close()
         await self._grpc.close()
 
 
-def _fill(segment: shm.Segment, blocks: torch.Tensor) -> None:
-    segment.tensor.copy_(blocks.contiguous().view(torch.uint8).reshape(-1))
+def _fill(segment: shm.Segment, blocks: torch.Tensor, num_bytes: int) -> None:
+    segment.tensor(num_bytes).copy_(blocks.contiguous().view(torch.uint8).reshape(-1))

@@ -130,6 +130,7 @@ class EngineServer:
         self._llm_engine = engine
         self._async_engine: AsyncEngine | None = None
         self._grpc: GrpcServer | None = None
+        self._connector: SameHostKVConnector | None = None
         self._publisher: RedisPublisher | None = None
         self._metrics: EngineMetrics | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
@@ -193,13 +194,14 @@ class EngineServer:
         )
         secret = (None if options.router_secret_file is None
                   else read_secret(options.router_secret_file))
+        # KV pushes to decode engines carry the fleet's engine credential too.
+        self._connector = SameHostKVConnector(
+            GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
+            options.kv_transfer,
+        )
         servicer = EngineServicer(
             self._async_engine, identity, self._watchdog.problem, options.lora_roots,
-            # KV pushes to decode engines carry the fleet's engine credential too.
-            SameHostKVConnector(
-                GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
-                options.kv_transfer,
-            ),
+            self._connector,
             TransferMetrics(self._metrics.registry, model_name),
         )
         self._grpc = GrpcServer(
@@ -246,6 +248,7 @@ class EngineServer:
         code = await self.grpc_server.serve_until_signal(self._deregister)
         await self._stop_watchdog()
         await self.async_engine.shutdown()
+        await self._close_connector()
         self._close_metrics()
         return code
 
@@ -258,6 +261,7 @@ class EngineServer:
             await self.grpc_server.shutdown()
         await self._stop_watchdog()
         await self.async_engine.shutdown()
+        await self._close_connector()
         self._close_metrics()
 
     async def _stop_watchdog(self) -> None:
@@ -271,6 +275,11 @@ class EngineServer:
         # It will never step again: routers must stop picking it (health alone is not
         # what they read).
         await asyncio.to_thread(self.publisher.deregister)
+
+    async def _close_connector(self) -> None:
+        if self._connector is not None:  # its kept shared-memory segments go too
+            await self._connector.close()
+            self._connector = None
 
     def _close_metrics(self) -> None:
         if self._metrics_endpoint is not None:

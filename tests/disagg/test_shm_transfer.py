@@ -1,8 +1,9 @@
 """The same-host transport on its own (engine.disagg.shm, engine.disagg.shm_connector): the
 bytes a decode engine holds after a transfer are the bytes sent, by shared memory or gRPC;
-`auto` falls back to gRPC for a decode engine on another host and remembers it; a receiver
-opens only its own host's segments, by name, and refuses the rest clearly; segments never
-outlive a transfer, nor an engine killed while holding one."""
+`auto` falls back to gRPC for a decode engine on another host and remembers it; a sender
+reuses a segment only after a transfer succeeded; a receiver opens only its own host's
+segments, by name, and refuses the rest clearly; segments never outlive their sender (its
+close, or the sweep after it was killed)."""
 
 from __future__ import annotations
 
@@ -99,8 +100,38 @@ def test_decode_engine_holds_the_bytes_sent(decode, mode, host, transport):
     assert result.num_bytes == 5 * export.fmt.num_bytes
     assert torch.equal(_held(decode, transfer_id), export.blocks)
     if host is not None:  # remembered as remote: the next transfer goes straight to gRPC
+        assert connector.remote_destinations == {decode.address}
         assert _send(connector, transfer_again(transfer)).transport == "grpc"
         _held(decode, transfer.transfer_id + "-again")
+    wait_all_blocks_free(_stub(decode))
+
+
+def test_segment_is_reused_after_success_and_dropped_after_failure(decode):
+    """Two transfers through one warm segment (the receiver leaves it to the sender); a
+    refused one unlinks it; close unlinks what is kept."""
+    connector = SameHostKVConnector(GrpcKVConnector(), "shm")
+    export = _export(decode, 11)
+    request = gen_request("r", make_prompt(4, NUM_TOKENS), 4)
+    seen = []
+
+    async def go() -> None:
+        for attempt in range(2):
+            await connector.send(KVTransfer(f"reuse-{attempt}", request, export,
+                                            decode.address, TIMEOUT_S))
+            seen.append(shm.segments_of(shm.DEFAULT_SHM_DIR, os.getpid()))
+        with pytest.raises(grpc.aio.AioRpcError):  # reuse-0 is still held: refused
+            await connector.send(KVTransfer("reuse-0", request, export, decode.address,
+                                            TIMEOUT_S))
+        seen.append(shm.segments_of(shm.DEFAULT_SHM_DIR, os.getpid()))
+        await connector.send(KVTransfer("reuse-2", request, export, decode.address,
+                                        TIMEOUT_S))
+        await connector.close()
+
+    asyncio.run(go())
+    assert len(seen[0]) == 1 and seen[1] == seen[0]  # one segment, used twice
+    assert seen[2] == []  # the refused transfer's segment is gone
+    for attempt in range(3):
+        assert torch.equal(_held(decode, f"reuse-{attempt}"), export.blocks)
     wait_all_blocks_free(_stub(decode))
 
 
@@ -145,7 +176,7 @@ def test_receiver_refuses_segments_it_must_not_or_cannot_open(decode, name, host
     try:
         spec = engine_pb2.KVSharedMemory(name=name or segment.name,
                                          host_id=host or shm.host_id(),
-                                         num_bytes=segment.num_bytes)
+                                         num_bytes=segment.capacity)
         with pytest.raises(grpc.RpcError) as info:
             _stub(decode).ReceiveKV(iter([_header(decode, f"refuse-{field}", spec)]),
                                     timeout=TIMEOUT_S)
@@ -158,15 +189,15 @@ def test_receiver_refuses_segments_it_must_not_or_cannot_open(decode, name, host
     wait_all_blocks_free(_stub(decode))
 
 
-def test_receiver_unlinks_the_segment_even_if_the_sender_never_does(decode):
-    """A prefill engine that dies after sending the header leaves nothing behind."""
+def test_receiver_unlinks_a_one_shot_segment_even_if_the_sender_never_does(decode):
+    """A one-shot segment (not reused) is the receiver's to remove once mapped."""
     fmt = _fmt(decode)
     segment = shm.create(shm.DEFAULT_SHM_DIR, 3 * fmt.num_bytes)
-    blocks = torch.arange(segment.num_bytes // 4, dtype=torch.float32).view(3, *fmt.shape)
-    segment.tensor.copy_(blocks.view(torch.uint8).reshape(-1))
+    blocks = torch.arange(segment.capacity // 4, dtype=torch.float32).view(3, *fmt.shape)
+    segment.tensor(segment.capacity).copy_(blocks.view(torch.uint8).reshape(-1))
     segment.close()
     spec = engine_pb2.KVSharedMemory(name=segment.name, host_id=shm.host_id(),
-                                     num_bytes=segment.num_bytes)
+                                     num_bytes=segment.capacity)
     reply = _stub(decode).ReceiveKV(iter([_header(decode, "orphan", spec)]), timeout=TIMEOUT_S)
     assert reply.num_blocks == 3
     assert not segment.path.exists()
