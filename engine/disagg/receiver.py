@@ -23,7 +23,6 @@ import asyncio
 import functools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -51,9 +50,11 @@ class ReceivedKV:
 
 @dataclass(frozen=True)
 class ShmAccess:
-    """Where this engine finds same-host segments, and which host it is on."""
+    """Where this engine finds same-host segments (and keeps senders' reused ones mapped;
+    event loop only), and which host it is on."""
 
-    directory: Path = shm.DEFAULT_SHM_DIR
+    segments: shm.MappedSegments = field(
+        default_factory=lambda: shm.MappedSegments(shm.DEFAULT_SHM_DIR))
     host_id: str = field(default_factory=shm.host_id)
 
 
@@ -71,8 +72,8 @@ async def receive_kv(
     if fmt != own:
         raise ValueError(f"KV blocks are {fmt}, this engine's are {own} (same model and "
                          "dtype on both sides?)")
-    segment = _open_segment(header, fmt, access or ShmAccess()) if header.HasField("shm") \
-        else None
+    segment, owned = (_open_segment(header, fmt, access or ShmAccess())
+                      if header.HasField("shm") else (None, False))
     transfer_id = header.transfer_id
     try:
         block_ids = await _on_engine(engine, functools.partial(
@@ -93,7 +94,7 @@ async def receive_kv(
             writer.after_copies(lambda: engine.call_in_engine_thread(abort))
             raise
     finally:
-        if segment is not None:
+        if segment is not None and owned:
             segment.close()
     _expire_later(engine)
     return ReceivedKV(len(writer.written), len(writer.written) * fmt.num_bytes)
@@ -101,7 +102,7 @@ async def receive_kv(
 
 def _open_segment(
     header: engine_pb2.KVTransferHeader, fmt: BlockFormat, access: ShmAccess
-) -> shm.Segment:
+) -> tuple[shm.Segment, bool]:
     spec = header.shm
     if spec.host_id != access.host_id:
         raise NotFoundError(f"shm.host_id: the segment is on host {spec.host_id!r}, this "
@@ -110,8 +111,7 @@ def _open_segment(
     if spec.num_bytes != expected:
         raise ValueError(f"shm.num_bytes: {spec.num_bytes}, the blocks take {expected}")
     try:
-        return shm.open_segment(access.directory, spec.name, spec.num_bytes,
-                                unlink=not spec.reused)
+        return access.segments.open(spec.name, spec.num_bytes, spec.reused)
     except FileNotFoundError as exc:  # same host id, another /dev/shm (a container)
         raise NotFoundError(f"shm.name: no segment {spec.name!r} here") from exc
 
@@ -121,7 +121,8 @@ async def _write_segment(
     fmt: BlockFormat,
 ) -> None:
     first = header.first_block
-    blocks = segment.tensor(segment.capacity).view(fmt.torch_dtype).view(-1, *fmt.shape)
+    count = header.num_blocks - first
+    blocks = segment.tensor(count * fmt.num_bytes).view(fmt.torch_dtype).view(count, *fmt.shape)
     for start in range(first, header.num_blocks, SHM_COPY_BATCH):
         stop = min(start + SHM_COPY_BATCH, header.num_blocks)
         batch = blocks[start - first:stop - first]

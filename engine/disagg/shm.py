@@ -105,8 +105,9 @@ def create(directory: Path, capacity: int) -> Segment:
 
 
 def open_segment(directory: Path, name: str, num_bytes: int, unlink: bool) -> Segment:
-    """Map an existing segment's first `num_bytes`, and remove its name at once if `unlink`
-    (a one-shot segment). FileNotFoundError if it is not here; ValueError if it is smaller."""
+    """Map an existing segment (all of it), and remove its name at once if `unlink` (a
+    one-shot segment). FileNotFoundError if it is not here; ValueError if it is smaller
+    than `num_bytes`."""
     check_name(name)
     path = directory / name
     fd = os.open(path, os.O_RDWR)
@@ -114,13 +115,50 @@ def open_segment(directory: Path, name: str, num_bytes: int, unlink: bool) -> Se
         size = os.fstat(fd).st_size
         if size < max(1, num_bytes):
             raise ValueError(f"shm.num_bytes: {num_bytes}, the segment has {size} bytes")
-        mapped = mmap.mmap(fd, max(1, num_bytes))
+        mapped = mmap.mmap(fd, size)
     finally:
         os.close(fd)
         if unlink:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-    return Segment(path, max(1, num_bytes), mapped)
+    return Segment(path, size, mapped)
+
+
+class MappedSegments:
+    """A receiver's mappings of senders' reused segments, kept across transfers: mapping a
+    segment afresh faults every page in again on each transfer. A mapping is dropped once
+    its sender unlinked the segment (names are never reused), or when more than `max_kept`
+    are held (the least recently used goes)."""
+
+    def __init__(self, directory: Path, max_kept: int = 8) -> None:
+        self.directory = directory
+        self._max_kept = max_kept
+        self._kept: dict[str, Segment] = {}
+
+    def open(self, name: str, num_bytes: int, reused: bool) -> tuple[Segment, bool]:
+        """The segment, and whether the caller owns it (closes it when done): a one-shot
+        one it does; a kept one it does not."""
+        if not reused:
+            return open_segment(self.directory, name, num_bytes, unlink=True), True
+        for gone in [n for n, seg in self._kept.items() if not seg.path.exists()]:
+            self._kept.pop(gone).close()
+        segment = self._kept.pop(name, None)
+        if segment is None or segment.capacity < num_bytes:
+            if segment is not None:
+                segment.close()
+            segment = open_segment(self.directory, name, num_bytes, unlink=False)
+        self._kept[name] = segment  # the most recently used last
+        while len(self._kept) > self._max_kept:
+            self._kept.pop(next(iter(self._kept))).close()
+        return segment, False
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def close(self) -> None:
+        for segment in self._kept.values():
+            segment.close()
+        self._kept.clear()
 
 
 class SegmentPool:

@@ -230,3 +230,31 @@ def test_sweep_removes_segments_of_killed_engines_only(tmp_path):
     finally:
         mine.close()
         mine.unlink()
+
+
+def test_receiver_keeps_reused_segments_mapped_until_their_sender_unlinks(tmp_path):
+    maps = shm.MappedSegments(tmp_path, max_kept=2)
+    first, second, third = (shm.create(tmp_path, 4096) for _ in range(3))
+    try:
+        first.tensor(4).copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+        mapped, owned = maps.open(first.name, 4, reused=True)
+        assert not owned and maps.open(first.name, 4, reused=True)[0] is mapped
+        assert mapped.tensor(4).tolist() == [1, 2, 3, 4]
+        first.tensor(1).fill_(9)  # the sender's next transfer, through the same pages
+        assert mapped.tensor(4).tolist() == [9, 2, 3, 4]
+        maps.open(second.name, 4, reused=True)
+        maps.open(third.name, 4, reused=True)
+        assert len(maps) == 2  # the least recently used (first) went
+        third.unlink()  # its sender dropped it: so does the receiver, at the next open
+        maps.open(second.name, 4, reused=True)
+        assert len(maps) == 1
+        with pytest.raises(ValueError, match="shm.num_bytes"):
+            maps.open(first.name, 8192, reused=True)
+        one_shot, owned = maps.open(first.name, 4, reused=False)
+        assert owned and not first.path.exists()
+        one_shot.close()
+    finally:
+        maps.close()
+        for segment in (first, second, third):
+            segment.close()
+            segment.unlink()
