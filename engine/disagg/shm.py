@@ -87,13 +87,15 @@ class Segment:
 
 def create(directory: Path, capacity: int) -> Segment:
     """A new segment of `capacity` bytes (at least 1), readable and writable by this user
-    only."""
+    only; OSError if the directory has no room (nothing is left behind)."""
     capacity = max(1, capacity)
     name = f"{PREFIX}.{_host_tag()}.{os.getpid()}.{uuid.uuid4().hex}"
     path = directory / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, capacity)
+        # Allocated now: a full /dev/shm (64 MB in a default Docker container) is an OSError
+        # here, not a SIGBUS when the pages are first written.
+        os.posix_fallocate(fd, 0, capacity)
         mapped = mmap.mmap(fd, capacity)
     except BaseException:
         os.close(fd)

@@ -10,7 +10,8 @@ Modes (`--kv-transfer`, like vLLM's kv-transfer config): `grpc` never uses share
 `shm` always does (a receiver that cannot open the segment fails the transfer); `auto`
 tries it and, when the receiver answers NOT_FOUND (another host: the host ids differ, or a
 container without the same /dev/shm), sends that transfer over gRPC and remembers the
-destination as remote.
+destination as remote; when no segment can be made here (/dev/shm full or missing), that
+transfer goes over gRPC.
 
 Invariants: a segment is reused (kept warm: faulting a fresh one's pages in costs more than
 the copy) only after its transfer succeeded; after a refusal, a timeout or the receiver's
@@ -21,6 +22,7 @@ meanwhile are removed by the next sweep on its host (at an engine's start).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -34,6 +36,7 @@ from engine.disagg.transfer import KVTransfer, transfer_header, transfer_result
 from kvfleet.v1 import engine_pb2
 
 KV_TRANSFER_MODES = ("auto", "shm", "grpc")
+logger = logging.getLogger(__name__)
 
 
 class SameHostKVConnector:
@@ -65,7 +68,12 @@ class SameHostKVConnector:
         except grpc.aio.AioRpcError as exc:
             if self._mode == "shm" or exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
-        self._remote.add(transfer.destination)
+            self._remote.add(transfer.destination)
+        except OSError as exc:  # no room in /dev/shm, or none at all: this one goes as bytes
+            if self._mode == "shm":
+                raise
+            logger.warning("KV transfer %s: no shared-memory segment (%s); sending over gRPC",
+                           transfer.transfer_id, exc)
         return await self._grpc.send(transfer)
 
     async def _send_shm(self, transfer: KVTransfer) -> engine_pb2.KVTransferResult:

@@ -258,3 +258,18 @@ def test_receiver_keeps_reused_segments_mapped_until_their_sender_unlinks(tmp_pa
         for segment in (first, second, third):
             segment.close()
             segment.unlink()
+
+
+def test_no_segment_here_sends_bytes_in_auto_and_fails_in_shm(decode, tmp_path):
+    """/dev/shm full or missing (here: missing): auto sends that transfer over gRPC."""
+    export = _export(decode, 13)
+    request = gen_request("r", make_prompt(5, NUM_TOKENS), 4)
+    auto = SameHostKVConnector(GrpcKVConnector(), "auto", shm_dir=tmp_path / "missing")
+    result = _send(auto, KVTransfer("no-shm", request, export, decode.address, TIMEOUT_S))
+    assert result.transport == "grpc"
+    assert auto.remote_destinations == frozenset()  # the destination itself is not remote
+    assert torch.equal(_held(decode, "no-shm"), export.blocks)
+    forced = SameHostKVConnector(GrpcKVConnector(), "shm", shm_dir=tmp_path / "missing")
+    with pytest.raises(FileNotFoundError):
+        _send(forced, KVTransfer("no-shm-2", request, export, decode.address, TIMEOUT_S))
+    wait_all_blocks_free(_stub(decode))
