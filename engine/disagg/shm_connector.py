@@ -61,8 +61,9 @@ class SameHostKVConnector:
         return frozenset(self._remote)
 
     async def send(self, transfer: KVTransfer) -> engine_pb2.KVTransferResult:
-        if self._mode == "grpc" or transfer.destination in self._remote:
-            return await self._grpc.send(transfer)
+        nothing_to_copy = transfer.first_block >= transfer.export.num_blocks
+        if self._mode == "grpc" or transfer.destination in self._remote or nothing_to_copy:
+            return await self._grpc.send(transfer)  # (a header alone when nothing to copy)
         try:
             return await self._send_shm(transfer)
         except grpc.aio.AioRpcError as exc:
