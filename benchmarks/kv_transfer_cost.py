@@ -60,7 +60,8 @@ async def measure(address: str, secret_file: Path, fmt: BlockFormat, transport: 
     credential = credential_metadata(read_secret(secret_file))
     connector = SameHostKVConnector(GrpcKVConnector(credential), transport)
     num_blocks = -(-num_tokens // BLOCK_SIZE)
-    blocks = torch.randn((num_blocks, *fmt.shape)).to(fmt.torch_dtype)
+    layers, kv, block_size, heads, head_dim = fmt.shape  # layer-major, as gather_blocks
+    blocks = torch.randn((layers, kv, num_blocks, block_size, heads, head_dim)).to(fmt.torch_dtype)
     export = KVExport(blocks, fmt, num_tokens, BLOCK_SIZE, (), 0)
     rng = random.Random(transport)
     times = []

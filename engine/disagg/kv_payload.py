@@ -1,7 +1,9 @@
 """Block contents of the paged KV cache as bytes, for moving a request's KV between engines.
 
 Role: the torch side of a KV handoff. `gather_blocks` copies blocks out of the per-layer
-caches (prefill engine, right after the step that computed them); `scatter_blocks` writes
+caches (prefill engine, right after the step that computed them) layer-major, one copy into
+one tensor (a block-major gather needs two more of tens of MB, on the engine thread);
+`block_bytes` and `blocks_of` turn them block-major on the way out; `scatter_blocks` writes
 received blocks into fresh ones (decode engine). `BlockFormat` names the wire layout.
 
 Invariants:
@@ -52,15 +54,30 @@ class BlockFormat:
 
 @torch.inference_mode()
 def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
-    """The blocks' KV on the CPU, [num_blocks, layers, 2, block_size, heads, head_dim]."""
+    """The blocks' KV on the CPU, layer-major: [layers, 2, num_blocks, block_size, heads,
+    head_dim]."""
     index = torch.tensor(list(block_ids), dtype=torch.int64, device=caches[0].device)
-    per_layer = torch.stack([cache.index_select(1, index) for cache in caches])
-    return per_layer.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    first = caches[0]
+    out = torch.empty((len(caches), first.shape[0], len(block_ids), *first.shape[2:]),
+                      dtype=first.dtype)
+    for layer, cache in enumerate(caches):
+        if cache.device == out.device:
+            torch.index_select(cache, 1, index, out=out[layer])
+        else:  # a GPU cache: select there, one copy down
+            out[layer].copy_(cache.index_select(1, index))
+    return out
+
+
+def blocks_of(gathered: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Blocks `start`.. of a `gather_blocks` result, block-major (the wire's order) as a
+    view: [n, layers, 2, block_size, heads, head_dim]."""
+    return gathered[:, :, start:].permute(2, 0, 1, 3, 4, 5)
 
 
 @dataclass(frozen=True)
 class KVExport:
-    """A prefill-only request's KV: [num_blocks, *fmt.shape] on the CPU."""
+    """A prefill-only request's KV on the CPU, as `gather_blocks` returns it (layer-major:
+    [layers, 2, num_blocks, block_size, heads, head_dim])."""
 
     blocks: torch.Tensor
     fmt: BlockFormat
@@ -71,7 +88,7 @@ class KVExport:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.blocks.shape[0])
+        return int(self.blocks.shape[2])
 
     @property
     def num_bytes(self) -> int:
@@ -80,7 +97,7 @@ class KVExport:
 
 def block_bytes(blocks: torch.Tensor, index: int) -> bytes:
     """Block `index` of a `gather_blocks` result, as wire bytes."""
-    one = blocks[index].contiguous()
+    one = blocks[:, :, index].contiguous()
     return one.view(torch.uint8).numpy().tobytes()
 
 

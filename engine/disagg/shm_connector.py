@@ -32,6 +32,7 @@ import torch
 
 from engine.disagg import shm
 from engine.disagg.grpc_connector import GrpcKVConnector
+from engine.disagg.kv_payload import blocks_of
 from engine.disagg.transfer import KVTransfer, transfer_header, transfer_result
 from kvfleet.v1 import engine_pb2
 
@@ -80,7 +81,7 @@ class SameHostKVConnector:
     async def _send_shm(self, transfer: KVTransfer) -> engine_pb2.KVTransferResult:
         start = time.monotonic()
         export = transfer.export
-        blocks = export.blocks[transfer.first_block:]
+        blocks = blocks_of(export.blocks, transfer.first_block)
         num_bytes = blocks.numel() * blocks.element_size()
         segment = self._segments.take(num_bytes)
         try:
@@ -107,4 +108,7 @@ class SameHostKVConnector:
 
 
 def _fill(segment: shm.Segment, blocks: torch.Tensor, num_bytes: int) -> None:
-    segment.tensor(num_bytes).copy_(blocks.contiguous().view(torch.uint8).reshape(-1))
+    """Block-major `blocks` (a view of the layer-major export) into the segment: the
+    reordering is this one copy."""
+    target = segment.tensor(num_bytes).view(blocks.dtype).view(blocks.shape)
+    target.copy_(blocks)

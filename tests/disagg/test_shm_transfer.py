@@ -60,7 +60,9 @@ def _fmt(decode: EngineHarness) -> BlockFormat:
 def _export(decode: EngineHarness, seed: int) -> KVExport:
     fmt = _fmt(decode)
     generator = torch.Generator().manual_seed(seed)
-    blocks = torch.randn((5, *fmt.shape), generator=generator).to(fmt.torch_dtype)
+    layers, kv, block_size, heads, head_dim = fmt.shape  # layer-major, as gather_blocks
+    blocks = torch.randn((layers, kv, 5, block_size, heads, head_dim),
+                         generator=generator).to(fmt.torch_dtype)
     return KVExport(blocks, fmt, NUM_TOKENS, 16, (), 0)
 
 
@@ -193,8 +195,9 @@ def test_receiver_unlinks_a_one_shot_segment_even_if_the_sender_never_does(decod
     """A one-shot segment (not reused) is the receiver's to remove once mapped."""
     fmt = _fmt(decode)
     segment = shm.create(shm.DEFAULT_SHM_DIR, 3 * fmt.num_bytes)
-    blocks = torch.arange(segment.capacity // 4, dtype=torch.float32).view(3, *fmt.shape)
-    segment.tensor(segment.capacity).copy_(blocks.view(torch.uint8).reshape(-1))
+    wire = torch.arange(segment.capacity // 4, dtype=torch.float32).view(3, *fmt.shape)
+    segment.tensor(segment.capacity).copy_(wire.view(torch.uint8).reshape(-1))
+    blocks = wire.permute(1, 2, 0, 3, 4, 5)  # held blocks read back layer-major
     segment.close()
     spec = engine_pb2.KVSharedMemory(name=segment.name, host_id=shm.host_id(),
                                      num_bytes=segment.capacity)
