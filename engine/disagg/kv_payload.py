@@ -97,8 +97,9 @@ class KVExport:
 
 def block_bytes(blocks: torch.Tensor, index: int) -> bytes:
     """Block `index` of a `gather_blocks` result, as wire bytes."""
-    one = blocks[:, :, index].contiguous()
-    return one.view(torch.uint8).numpy().tobytes()
+    # numpy gathers the strided block in one single-threaded copy; torch's contiguous()
+    # spreads 60 small pieces over its intra-op threads and then needs a second copy.
+    return blocks[:, :, index].view(torch.uint8).numpy().tobytes()
 
 
 def blocks_from_bytes(chunks: Sequence[bytes], fmt: BlockFormat) -> torch.Tensor:

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import numpy
 import torch
 
 from engine.disagg import shm
@@ -110,5 +111,7 @@ class SameHostKVConnector:
 def _fill(segment: shm.Segment, blocks: torch.Tensor, num_bytes: int) -> None:
     """Block-major `blocks` (a view of the layer-major export) into the segment: the
     reordering is this one copy."""
-    target = segment.tensor(num_bytes).view(blocks.dtype).view(blocks.shape)
-    target.copy_(blocks)
+    target = segment.tensor(num_bytes).numpy().reshape(*blocks.shape[:-1], -1)
+    # numpy: one single-threaded strided copy (torch's threads only contend here), bytes
+    # as bytes whatever the dtype.
+    numpy.copyto(target, blocks.view(torch.uint8).numpy())
