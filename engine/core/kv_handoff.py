@@ -24,6 +24,7 @@ Invariants (engine thread only, between steps, except `copy_in`):
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +35,13 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import RequestUpdate
 from engine.disagg.kv_imports import KVImports, owner_key
-from engine.disagg.kv_payload import BlockFormat, KVExport, gather_blocks, scatter_blocks
+from engine.disagg.kv_payload import (
+    BlockFormat,
+    ExportBuffers,
+    KVExport,
+    gather_blocks,
+    scatter_blocks,
+)
 from engine.kv_tiers.offload import HostKVBuffer
 
 
@@ -49,6 +56,8 @@ class KVHandoff:
         self.imports = KVImports(kv, time.monotonic)
         # One thread: imports' copies run one after another, beside the steps.
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
+        # Warm memory for exports, back once their transfer ended (engine.disagg.prefill).
+        self._export_buffers = ExportBuffers()
 
     def export(self, updates: Sequence[RequestUpdate]) -> None:
         """Copy out the KV of the prefill-only requests among `updates` that handed off."""
@@ -58,10 +67,13 @@ class KVHandoff:
             if not (update.finished and request.status is RequestStatus.FINISHED_HANDOFF):
                 continue
             num_full = request.num_prompt_tokens // block_size
+            fmt = BlockFormat.of(self._caches)
+            buffer = self._export_buffers.take(len(request.handoff_block_ids) * fmt.num_bytes)
             request.exported_kv = KVExport(
-                gather_blocks(self._caches, request.handoff_block_ids),
-                BlockFormat.of(self._caches), request.num_prompt_tokens, block_size,
+                gather_blocks(self._caches, request.handoff_block_ids, buffer),
+                fmt, request.num_prompt_tokens, block_size,
                 tuple(request.block_hashes[:num_full]), request.num_cached_tokens or 0,
+                functools.partial(self._export_buffers.give_back, buffer),
             )
 
     def begin_import(

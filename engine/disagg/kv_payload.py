@@ -16,7 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy
@@ -52,14 +53,49 @@ class BlockFormat:
         return count * torch.empty((), dtype=self.torch_dtype).element_size()
 
 
+class ExportBuffers:
+    """Warm CPU memory for exports (a fresh tens-of-MB tensor costs more in page faults
+    than the gather itself): `take` on the engine thread, `give_back` from any thread once
+    nothing reads the export any more; at most `max_idle` kept. A buffer never given back
+    is simply freed by Python."""
+
+    def __init__(self, max_idle: int = 2) -> None:
+        self._max_idle = max_idle
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [b for b in self._idle if b.numel() >= num_bytes]
+            if fitting:
+                buffer = min(fitting, key=lambda b: b.numel())
+                self._idle = [b for b in self._idle if b is not buffer]
+                return buffer
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._idle.append(buffer)
+            self._idle.sort(key=lambda b: b.numel())
+            del self._idle[: max(0, len(self._idle) - self._max_idle)]  # keep the largest
+
+
 @torch.inference_mode()
-def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
+def gather_blocks(
+    caches: Sequence[torch.Tensor], block_ids: Sequence[int], buffer: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The blocks' KV on the CPU, layer-major: [layers, 2, num_blocks, block_size, heads,
-    head_dim]."""
+    head_dim], in the start of `buffer` (flat uint8, large enough) if given."""
     index = torch.tensor(list(block_ids), dtype=torch.int64, device=caches[0].device)
     first = caches[0]
-    out = torch.empty((len(caches), first.shape[0], len(block_ids), *first.shape[2:]),
-                      dtype=first.dtype)
+    shape = (len(caches), first.shape[0], len(block_ids), *first.shape[2:])
+    if buffer is None:
+        out = torch.empty(shape, dtype=first.dtype)
+    else:
+        count = first.element_size()
+        for size in shape:
+            count *= size
+        out = buffer[:count].view(first.dtype).view(shape)
     for layer, cache in enumerate(caches):
         if cache.device == out.device:
             torch.index_select(cache, 1, index, out=out[layer])
@@ -85,6 +121,8 @@ class KVExport:
     block_size: int
     block_hashes: tuple[bytes, ...]  # its full blocks'
     num_cached_tokens: int
+    # Returns `blocks`' memory for reuse (ExportBuffers); call once nothing reads them.
+    release: Callable[[], None] | None = None
 
     @property
     def num_blocks(self) -> int:

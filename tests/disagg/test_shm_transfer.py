@@ -276,3 +276,19 @@ def test_no_segment_here_sends_bytes_in_auto_and_fails_in_shm(decode, tmp_path):
     with pytest.raises(FileNotFoundError):
         _send(forced, KVTransfer("no-shm-2", request, export, decode.address, TIMEOUT_S))
     wait_all_blocks_free(_stub(decode))
+
+
+def test_export_buffers_are_reused_once_given_back():
+    from engine.disagg.kv_payload import ExportBuffers
+
+    buffers = ExportBuffers(max_idle=2)
+    first = buffers.take(1000)
+    assert buffers.take(1000) is not first  # still out
+    buffers.give_back(first)
+    assert buffers.take(800) is first  # fits: reused
+    small, big = buffers.take(10), buffers.take(5000)
+    for buffer in (first, small, big):
+        buffers.give_back(buffer)
+    assert buffers.take(1) is first  # the smallest kept one that fits; `small` was dropped
+    assert buffers.take(1) is big
+    assert buffers.take(1) is not small
