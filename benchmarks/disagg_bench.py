@@ -1,14 +1,19 @@
 """Prefill/decode disaggregation: do short chats keep their inter-token latency while
 another client sends long prompts? (docs/disaggregation.md)
 
-Two fleets on the same model, one after the other: 1 prefill + 1 decode engine, and 2
-colocated engines. In each, `--chats` clients stream short chats back to back while one
-client sends `--long-tokens`-token prompts back to back, for `--seconds`. Printed per fleet:
-the chats' p50/p99 inter-token latency, and for the disaggregated one the KV transfer's
-cost per block (from the prefill engine's metrics).
+Fleets on the same model, one after the other: 1 prefill + 1 decode engine per KV transport
+in `--transports` (shm: same-host shared memory, grpc: bytes over gRPC), then 2 colocated
+engines (`--no-colocated` skips them). In each, `--chats` clients stream short chats back to
+back while one client sends `--long-tokens`-token prompts back to back, for `--seconds`.
+Printed per fleet: the chats' p50/p99 inter-token latency and chat tokens streamed, and for
+a disaggregated one the KV transfer's cost per block (µs and GB/s, end to end: the prefill
+engine's push until the decode engine has the blocks in its cache; from its metrics).
 
     python -m benchmarks.disagg_bench [--model DIR] [--seconds 60] [--chats 4]
-                                      [--long-tokens 2000]
+                                      [--long-tokens 2000] [--transports shm,grpc]
+
+`--transfer-only N`: instead, the transfer's own cost per block on one idle engine, N pushes
+per transport (benchmarks.kv_transfer_cost; no prefill compute in the figure).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import kv_transfer_cost
 from kvfleet.fleet import Fleet, FleetConfig
 from kvfleet.router_client import auth_metadata, build_request, channel
 from kvfleet.v1 import common_pb2, router_pb2_grpc
@@ -30,6 +36,7 @@ from kvfleet.v1 import common_pb2, router_pb2_grpc
 @dataclass
 class Gaps:
     seconds: list[float] = field(default_factory=list)
+    streams: int = 0  # chats with a first token (each has one token more than gaps)
 
     def percentile(self, q: float) -> float:
         if not self.seconds:
@@ -48,6 +55,8 @@ async def _stream(stub: router_pb2_grpc.RouterStub, prompt: list[int], max_token
         if response.token_ids and gaps is not None:
             if last is not None:
                 gaps.seconds.append(now - last)
+            else:
+                gaps.streams += 1
             last = now
 
 
@@ -84,18 +93,24 @@ def _metric(port: int | None, name: str) -> float:
 def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
     with Fleet(config) as fleet:
         gaps = asyncio.run(_load(fleet.router_address, args))
-        line = (f"{name:>12}: chats' inter-token latency p50 {gaps.percentile(0.5) * 1e3:.1f} ms"
-                f", p99 {gaps.percentile(0.99) * 1e3:.1f} ms ({len(gaps.seconds)} gaps)")
+        line = (f"{name:>16}: chats' inter-token latency p50 {gaps.percentile(0.5) * 1e3:.1f} ms"
+                f", p99 {gaps.percentile(0.99) * 1e3:.1f} ms ({len(gaps.seconds)} gaps, "
+                f"{len(gaps.seconds) + gaps.streams} chat tokens)")
         if config.prefill_engines:
-            port = fleet.engines[0].metrics_port
-            sent = _metric(port, "kvfleet:kv_transfer_sent_bytes_total")
-            secs = _metric(port, "kvfleet:kv_transfer_seconds_sum")
-            count = _metric(port, "kvfleet:kv_transfer_seconds_count")
-            blocks = count * -(-args.long_tokens // 16)
-            if blocks:
-                line += (f"; KV transfer {sent / blocks / 1024:.0f} KiB and "
-                         f"{secs / blocks * 1e3:.2f} ms per block ({count:.0f} transfers)")
+            line += "; " + _transfer_cost(fleet.engines[0].metrics_port)
         print(line, flush=True)
+
+
+def _transfer_cost(port: int | None) -> str:
+    sent = _metric(port, "kvfleet:kv_transfer_sent_bytes_total")
+    secs = _metric(port, "kvfleet:kv_transfer_seconds_sum")
+    count = _metric(port, "kvfleet:kv_transfer_seconds_count")
+    blocks = _metric(port, "kvfleet:kv_transfer_blocks_total")
+    if not blocks or not secs:
+        return "no KV transfer"
+    return (f"KV transfer {sent / blocks / 1024:.0f} KiB blocks, {secs / blocks * 1e6:.0f} us "
+            f"per block, {sent / secs / 1e9:.2f} GB/s ({count:.0f} transfers, "
+            f"{blocks:.0f} blocks)")
 
 
 def main() -> None:
@@ -109,6 +124,13 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: long prompt + 512, at least 4096")
     parser.add_argument("--engine-arg", action="append", default=[])
+    parser.add_argument("--transports", default="shm",
+                        help="comma-separated KV transports, a 1P+1D fleet each: shm, grpc")
+    parser.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run 2 colocated engines (default: %(default)s)")
+    parser.add_argument("--transfer-only", type=int, default=0, metavar="N",
+                        help="only the transfer's cost: N pushes per transport to an idle "
+                             "engine")
     args = parser.parse_args()
     model = args.model
     if model is None:
@@ -118,14 +140,35 @@ def main() -> None:
     context = str(args.max_model_len or max(4096, args.long_tokens + 512))
     engine_args = ("--max-model-len", context, *args.engine_arg)
     threshold = ("--disagg-prefill-threshold", str(max(1, args.long_tokens // 2)))
+    if args.transfer_only:
+        _transfer_only(model, engine_args, args)
+        return
+    fleets: list[tuple[str, tuple[int, int], tuple[str, ...]]] = [
+        (f"1P+1D {transport}", (1, 1), ("--kv-transfer", transport))
+        for transport in args.transports.split(",")]
+    if args.colocated:
+        fleets.append(("2 colocated", (0, 0), ()))
     with tempfile.TemporaryDirectory() as work:
-        for name, roles in (("1P+1D", (1, 1)), ("2 colocated", (0, 0))):
+        for name, roles, transport_args in fleets:
             config = FleetConfig(
                 model_dir=model, num_engines=2, prefill_engines=roles[0],
-                decode_engines=roles[1], engine_args=engine_args, router_args=threshold,
-                log_dir=Path(work) / name.replace(" ", "-"), engine_threads=1,
+                decode_engines=roles[1], engine_args=(*engine_args, *transport_args),
+                router_args=threshold, log_dir=Path(work) / name.replace(" ", "-"),
+                engine_threads=1,
             )
             _run(name, config, args)
+
+
+def _transfer_only(model: Path, engine_args: tuple[str, ...], args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        config = FleetConfig(model_dir=model, num_engines=1, engine_args=engine_args,
+                             log_dir=Path(work) / "engine", engine_threads=1)
+        with Fleet(config) as fleet:
+            costs = kv_transfer_cost.run(
+                fleet.engines[0].address, fleet.router_secret_file, model,
+                args.transports.split(","), args.long_tokens, args.transfer_only)
+    for cost in costs:
+        print(cost.line(), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,23 +3,31 @@
 Role: `KVHandoff` gets from `LLMEngine` the parts it needs (the KV manager, the per-layer
 caches, the host-tier buffer) and does the block work of a handoff: copy out the KV of
 prefill-only requests that just handed off (`export`), reserve and fill blocks for a
-transfer (`begin_import`, `write_import`, via `imports`), and hand a complete import's
-blocks to the request that continues it (`adopt`).
+transfer (`begin_import`, then `copy_in` off the engine thread and `finish_import`, or
+`write_import` on it; `imports` keeps the books), and hand a complete import's blocks to the
+request that continues it (`adopt`).
 
-Invariants (engine thread only, between steps):
+Invariants (engine thread only, between steps, except `copy_in`):
+- `copy_in` runs on the handoff's own copier thread while steps go on: it writes only
+  blocks reserved for an import, which no step reads or writes and nothing else can
+  allocate until the import is freed; the receiver frees an import only once its copies
+  ended (engine.disagg.import_writer).
 - `export` runs right after the step's results are applied, before anything allocates: the
   handed-off request's blocks were freed by then but still hold its KV (the partial last
   block sits first in the free queue, the full ones stay cached).
-- Writing into reserved blocks first applies the pending host-tier copies: reserving may
-  have evicted cached blocks whose KV the host tier still has to save.
+- `begin_import` applies the pending host-tier copies right after reserving: reserving may
+  have evicted cached blocks whose KV the host tier still has to save before it is
+  overwritten.
 - An import's blocks are adopted by exactly one request or freed; a request that cannot
   adopt them (different prompt length or hashes) frees them and fails.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -27,7 +35,13 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import RequestUpdate
 from engine.disagg.kv_imports import KVImports, owner_key
-from engine.disagg.kv_payload import BlockFormat, KVExport, gather_blocks, scatter_blocks
+from engine.disagg.kv_payload import (
+    BlockFormat,
+    ExportBuffers,
+    KVExport,
+    gather_blocks,
+    scatter_blocks,
+)
 from engine.kv_tiers.offload import HostKVBuffer
 
 
@@ -40,6 +54,10 @@ class KVHandoff:
         self._host_kv = host_kv
         # KV received from prefill engines, waiting for their requests.
         self.imports = KVImports(kv, time.monotonic)
+        # One thread: imports' copies run one after another, beside the steps.
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
+        # Warm memory for exports, back once their transfer ended (engine.disagg.prefill).
+        self._export_buffers = ExportBuffers()
 
     def export(self, updates: Sequence[RequestUpdate]) -> None:
         """Copy out the KV of the prefill-only requests among `updates` that handed off."""
@@ -49,10 +67,13 @@ class KVHandoff:
             if not (update.finished and request.status is RequestStatus.FINISHED_HANDOFF):
                 continue
             num_full = request.num_prompt_tokens // block_size
+            fmt = BlockFormat.of(self._caches)
+            buffer = self._export_buffers.take(len(request.handoff_block_ids) * fmt.num_bytes)
             request.exported_kv = KVExport(
-                gather_blocks(self._caches, request.handoff_block_ids),
-                BlockFormat.of(self._caches), request.num_prompt_tokens, block_size,
+                gather_blocks(self._caches, request.handoff_block_ids, buffer),
+                fmt, request.num_prompt_tokens, block_size,
                 tuple(request.block_hashes[:num_full]), request.num_cached_tokens or 0,
+                functools.partial(self._export_buffers.give_back, buffer),
             )
 
     def begin_import(
@@ -62,15 +83,32 @@ class KVHandoff:
         """Reserve a transfer's blocks (engine.disagg.kv_imports)."""
         if num_blocks != -(-num_tokens // self._kv.block_size):
             raise ValueError(f"{num_blocks} blocks cannot hold exactly {num_tokens} tokens")
-        return self.imports.begin(transfer_id, num_blocks, num_tokens, block_hashes,
-                                  first_block)
+        block_ids = self.imports.begin(transfer_id, num_blocks, num_tokens, block_hashes,
+                                       first_block)
+        self._apply_host_copies()
+        return block_ids
 
     def write_import(self, transfer_id: str, indexes: list[int], blocks: torch.Tensor) -> None:
         """Write received blocks ([n, layers, 2, ...] on the CPU) into the import's blocks."""
         targets = self.imports.write_targets(transfer_id, indexes)
+        self._apply_host_copies()
+        scatter_blocks(self._caches, targets, blocks)
+
+    def copy_in(
+        self, block_ids: list[int], blocks: Callable[[], torch.Tensor]
+    ) -> Future[None]:
+        """Write the blocks `blocks()` makes into reserved blocks `block_ids`, both on the
+        copier thread (any thread may call; see the module's invariants)."""
+        return self._copier.submit(lambda: scatter_blocks(self._caches, block_ids, blocks()))
+
+    def finish_import(self, transfer_id: str, indexes: list[int]) -> None:
+        """Record the blocks `copy_in` wrote and mark the import complete."""
+        self.imports.write_targets(transfer_id, indexes)
+        self.imports.complete(transfer_id)
+
+    def _apply_host_copies(self) -> None:
         if self._host_kv is not None and self._kv.transfers:
             self._host_kv.apply(self._kv.transfers.take())
-        scatter_blocks(self._caches, targets, blocks)
 
     def adopt(self, request: Request, transfer_id: str) -> None:
         """Give `request` (its first token appended) the KV of a complete import: its prompt

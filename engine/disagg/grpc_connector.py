@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import grpc.aio
 
-from engine.disagg.transfer import KVTransfer, block_chunks, transfer_header
+from engine.disagg.transfer import KVTransfer, block_chunks, transfer_header, transfer_result
 from kvfleet.runtime.tls import ClientTls, aio_channel
 from kvfleet.runtime.tracing import trace_metadata
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
@@ -57,17 +57,17 @@ class GrpcKVConnector:
             for block in block_chunks(export, transfer.first_block):
                 yield engine_pb2.KVTransferChunk(block=block)
 
-        reply = await self._stub(transfer.destination).ReceiveKV(
-            chunks(), timeout=transfer.timeout_s,
+        reply = await self.receive_kv(transfer, chunks())
+        return transfer_result(transfer, reply, time.monotonic() - start, "grpc")
+
+    async def receive_kv(
+        self, transfer: KVTransfer, chunks: AsyncIterator[engine_pb2.KVTransferChunk]
+    ) -> engine_pb2.ReceiveKVResponse:
+        """One ReceiveKV call to the transfer's destination (other transports' control
+        channel too: engine.disagg.shm_connector sends its header through it)."""
+        return await self._stub(transfer.destination).ReceiveKV(
+            chunks, timeout=transfer.timeout_s,
             metadata=trace_metadata() + self._credential,
-        )
-        sent = export.num_blocks - transfer.first_block
-        if reply.num_blocks != sent:
-            raise RuntimeError(f"decode engine took {reply.num_blocks} of {sent} blocks")
-        return engine_pb2.KVTransferResult(
-            transfer_id=transfer.transfer_id, num_blocks=sent,
-            num_bytes=sent * export.fmt.num_bytes, seconds=time.monotonic() - start,
-            num_cached_tokens=export.num_cached_tokens,
         )
 
     async def close(self) -> None:

@@ -1,7 +1,9 @@
 """Block contents of the paged KV cache as bytes, for moving a request's KV between engines.
 
 Role: the torch side of a KV handoff. `gather_blocks` copies blocks out of the per-layer
-caches (prefill engine, right after the step that computed them); `scatter_blocks` writes
+caches (prefill engine, right after the step that computed them) layer-major, one copy into
+one tensor (a block-major gather needs two more of tens of MB, on the engine thread);
+`block_bytes` and `blocks_of` turn them block-major on the way out; `scatter_blocks` writes
 received blocks into fresh ones (decode engine). `BlockFormat` names the wire layout.
 
 Invariants:
@@ -14,9 +16,11 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 _DTYPES = {
@@ -49,17 +53,67 @@ class BlockFormat:
         return count * torch.empty((), dtype=self.torch_dtype).element_size()
 
 
+class ExportBuffers:
+    """Warm CPU memory for exports (a fresh tens-of-MB tensor costs more in page faults
+    than the gather itself): `take` on the engine thread, `give_back` from any thread once
+    nothing reads the export any more; at most `max_idle` kept. A buffer never given back
+    is simply freed by Python."""
+
+    def __init__(self, max_idle: int = 2) -> None:
+        self._max_idle = max_idle
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, num_bytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [b for b in self._idle if b.numel() >= num_bytes]
+            if fitting:
+                buffer = min(fitting, key=lambda b: b.numel())
+                self._idle = [b for b in self._idle if b is not buffer]
+                return buffer
+        return torch.empty(num_bytes, dtype=torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._idle.append(buffer)
+            self._idle.sort(key=lambda b: b.numel())
+            del self._idle[: max(0, len(self._idle) - self._max_idle)]  # keep the largest
+
+
 @torch.inference_mode()
-def gather_blocks(caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> torch.Tensor:
-    """The blocks' KV on the CPU, [num_blocks, layers, 2, block_size, heads, head_dim]."""
+def gather_blocks(
+    caches: Sequence[torch.Tensor], block_ids: Sequence[int], buffer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The blocks' KV on the CPU, layer-major: [layers, 2, num_blocks, block_size, heads,
+    head_dim], in the start of `buffer` (flat uint8, large enough) if given."""
     index = torch.tensor(list(block_ids), dtype=torch.int64, device=caches[0].device)
-    per_layer = torch.stack([cache.index_select(1, index) for cache in caches])
-    return per_layer.permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+    first = caches[0]
+    shape = (len(caches), first.shape[0], len(block_ids), *first.shape[2:])
+    if buffer is None:
+        out = torch.empty(shape, dtype=first.dtype)
+    else:
+        count = first.element_size()
+        for size in shape:
+            count *= size
+        out = buffer[:count].view(first.dtype).view(shape)
+    for layer, cache in enumerate(caches):
+        if cache.device == out.device:
+            torch.index_select(cache, 1, index, out=out[layer])
+        else:  # a GPU cache: select there, one copy down
+            out[layer].copy_(cache.index_select(1, index))
+    return out
+
+
+def blocks_of(gathered: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Blocks `start`.. of a `gather_blocks` result, block-major (the wire's order) as a
+    view: [n, layers, 2, block_size, heads, head_dim]."""
+    return gathered[:, :, start:].permute(2, 0, 1, 3, 4, 5)
 
 
 @dataclass(frozen=True)
 class KVExport:
-    """A prefill-only request's KV: [num_blocks, *fmt.shape] on the CPU."""
+    """A prefill-only request's KV on the CPU, as `gather_blocks` returns it (layer-major:
+    [layers, 2, num_blocks, block_size, heads, head_dim])."""
 
     blocks: torch.Tensor
     fmt: BlockFormat
@@ -67,10 +121,12 @@ class KVExport:
     block_size: int
     block_hashes: tuple[bytes, ...]  # its full blocks'
     num_cached_tokens: int
+    # Returns `blocks`' memory for reuse (ExportBuffers); call once nothing reads them.
+    release: Callable[[], None] | None = None
 
     @property
     def num_blocks(self) -> int:
-        return int(self.blocks.shape[0])
+        return int(self.blocks.shape[2])
 
     @property
     def num_bytes(self) -> int:
@@ -79,17 +135,23 @@ class KVExport:
 
 def block_bytes(blocks: torch.Tensor, index: int) -> bytes:
     """Block `index` of a `gather_blocks` result, as wire bytes."""
-    one = blocks[index].contiguous()
-    return one.view(torch.uint8).numpy().tobytes()
+    # numpy gathers the strided block in one single-threaded copy; torch's contiguous()
+    # spreads 60 small pieces over its intra-op threads and then needs a second copy.
+    return blocks[:, :, index].view(torch.uint8).numpy().tobytes()
 
 
 def blocks_from_bytes(chunks: Sequence[bytes], fmt: BlockFormat) -> torch.Tensor:
-    """Wire bytes back to [num_blocks, *fmt.shape] (CPU); ValueError on a wrong size."""
+    """Wire bytes back to [num_blocks, *fmt.shape] (CPU, one copy); ValueError on a wrong
+    size."""
     for chunk in chunks:
         if len(chunk) != fmt.num_bytes:
             raise ValueError(f"KV block has {len(chunk)} bytes, expected {fmt.num_bytes}")
-    raw = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-    return raw.view(fmt.torch_dtype).view(len(chunks), *fmt.shape)
+    out = torch.empty((len(chunks), fmt.num_bytes), dtype=torch.uint8)
+    rows = out.numpy()
+    for row, chunk in enumerate(chunks):
+        # numpy reads the immutable bytes in place (torch.frombuffer wants them writable).
+        rows[row] = numpy.frombuffer(chunk, dtype=numpy.uint8)
+    return out.view(fmt.torch_dtype).view(len(chunks), *fmt.shape)
 
 
 @torch.inference_mode()

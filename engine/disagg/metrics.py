@@ -2,7 +2,8 @@
 
 Role: one place that names them (`kvfleet:kv_transfer_sent_bytes_total`,
 `kvfleet:kv_transfer_received_bytes_total`, `kvfleet:kv_transfer_seconds`,
-`kvfleet:kv_transfers_total{outcome}`), registered in the engine's registry.
+`kvfleet:kv_transfers_total{side,outcome}`, `kvfleet:kv_transfer_blocks_total{transport}`),
+registered in the engine's registry.
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ class TransferMetrics:
             "kvfleet:kv_transfer_seconds", "Time to push one request's KV (prefill side)",
             labels, buckets=SECONDS_BUCKETS, registry=registry,
         )
+        self.blocks = Counter(
+            "kvfleet:kv_transfer_blocks", "KV blocks a prefill engine pushed, by transport",
+            ["model_name", "transport"], registry=registry,
+        )
         self.transfers = Counter(
             "kvfleet:kv_transfers", "KV transfers by side and outcome",
             ["model_name", "side", "outcome"], registry=registry,
         )
 
-    def sent(self, num_bytes: int, seconds: float) -> None:
+    def sent(self, num_bytes: int, seconds: float, blocks: int, transport: str) -> None:
         self.sent_bytes.labels(self._model).inc(num_bytes)
+        self.blocks.labels(self._model, transport).inc(blocks)
         self.seconds.labels(self._model).observe(seconds)
         self.transfers.labels(self._model, "send", "ok").inc()
 

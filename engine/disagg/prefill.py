@@ -49,11 +49,25 @@ async def prefill_responses(
         yield engine_pb2.PrefillResponse(output=respond(output, text.delta(output)))
     if final is None:
         raise UnavailableError("the prefill ended without a first token")
+    export = final.kv_export
     if final.finish_reason != "handoff":  # the first token ended it: a whole answer
         yield engine_pb2.PrefillResponse(output=respond(final, text.delta(final)))
         return
-    export = final.kv_export
     assert isinstance(export, KVExport)
+    try:
+        async for response in _hand_off(request, final, export, text, respond, connector,
+                                        metrics):
+            yield response
+    finally:  # nothing reads the export after its push (or the call) ended
+        if export.release is not None:
+            export.release()
+
+
+async def _hand_off(
+    request: engine_pb2.PrefillRequest, final: GenerateOutput, export: KVExport,
+    text: StreamText, respond: Respond, connector: KVConnector,
+    metrics: TransferMetrics | None,
+) -> AsyncIterator[engine_pb2.PrefillResponse]:
     going_on = dataclasses.replace(final, finished=False, finish_reason=None, kv_export=None)
     first = respond(going_on, text.delta(going_on))
     # Known only here: the router reports it on the decode engine's last message.
@@ -71,5 +85,5 @@ async def prefill_responses(
             f"KV transfer {request.transfer_id} to {request.decode_address} failed: {exc}"
         ) from exc
     if metrics is not None:
-        metrics.sent(result.num_bytes, result.seconds)
+        metrics.sent(result.num_bytes, result.seconds, result.num_blocks, result.transport)
     yield engine_pb2.PrefillResponse(transfer=result)

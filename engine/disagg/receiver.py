@@ -1,33 +1,45 @@
 """The decode side of a KV transfer: a ReceiveKV stream into reserved blocks.
 
-Role: `receive_kv` turns the stream (header, then block chunks) into engine-thread calls:
-reserve the blocks when the header arrives, write chunks in batches, mark the import
-complete at the end. Whatever goes wrong (a bad header, a short or failed stream, the
-sender gone) frees the reserved blocks before the error goes back.
+Role: `receive_kv` turns the stream into block writes: reserve the blocks when the header
+arrives (engine thread), write the blocks as they come (gRPC chunks) or from the
+shared-memory segment the header names (same host, engine.disagg.shm) on the handoff's
+copier thread (engine.disagg.import_writer), mark the import complete at the end (engine
+thread). Whatever goes wrong (a bad header, a short or failed stream, the sender gone, a
+segment that is not here) frees the reserved blocks, once no copy touches them, before the
+error goes back.
 
 Invariants: every KV manager change runs on the engine thread (`call_in_engine_thread`);
-bytes are turned into tensors on the event loop (a view, no copy); an import that completes
-but is never claimed is freed by `KVImports.expire` at its deadline, checked by a timer set
-here.
+steps never wait for an import's copy; bytes are turned into tensors on the event loop;
+a one-shot segment is unlinked as soon as it is mapped (a reused one is the sender's
+to remove); a header naming another host's segment is
+refused with NOT_FOUND before anything is reserved (the sender then sends bytes). An
+import that completes but is never claimed is freed by `KVImports.expire` at its deadline,
+checked by a timer set here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
+import torch
+
+from engine.disagg import shm
+from engine.disagg.import_writer import ImportWriter
 from engine.disagg.kv_imports import DEFAULT_IMPORT_TIMEOUT_S
 from engine.disagg.kv_payload import BlockFormat, blocks_from_bytes
 from engine.service.async_engine import AsyncEngine
+from kvfleet.contracts.errors import NotFoundError
 from kvfleet.v1 import engine_pb2
 
 T = TypeVar("T")
-# Blocks written per engine-thread call: fewer thread hops, bounded memory.
+# gRPC blocks per copy: fewer thread hops, bounded memory.
 WRITE_BATCH = 8
+# Segment blocks per copy: a cancelled transfer stops within one batch.
+SHM_COPY_BATCH = 32
 
 
 @dataclass(frozen=True)
@@ -36,8 +48,19 @@ class ReceivedKV:
     num_bytes: int
 
 
+@dataclass(frozen=True)
+class ShmAccess:
+    """Where this engine finds same-host segments (and keeps senders' reused ones mapped;
+    event loop only), and which host it is on."""
+
+    segments: shm.MappedSegments = field(
+        default_factory=lambda: shm.MappedSegments(shm.DEFAULT_SHM_DIR))
+    host_id: str = field(default_factory=shm.host_id)
+
+
 async def receive_kv(
-    engine: AsyncEngine, chunks: AsyncIterator[engine_pb2.KVTransferChunk], block_size: int
+    engine: AsyncEngine, chunks: AsyncIterator[engine_pb2.KVTransferChunk], block_size: int,
+    access: ShmAccess | None = None,
 ) -> ReceivedKV:
     first = await anext(chunks, None)
     if first is None or not first.HasField("header"):
@@ -49,52 +72,82 @@ async def receive_kv(
     if fmt != own:
         raise ValueError(f"KV blocks are {fmt}, this engine's are {own} (same model and "
                          "dtype on both sides?)")
+    segment, owned = (_open_segment(header, fmt, access or ShmAccess())
+                      if header.HasField("shm") else (None, False))
     transfer_id = header.transfer_id
-    await _on_engine(engine, functools.partial(
-        llm.handoff.begin_import, transfer_id, header.num_blocks, header.num_tokens,
-        list(header.block_hashes), header.first_block,
-    ))
-    _expire_later(engine)
     try:
-        received = await _write_all(engine, transfer_id, chunks, fmt)
-        await _on_engine(engine, functools.partial(llm.handoff.imports.complete, transfer_id))
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await _on_engine(engine, functools.partial(llm.handoff.imports.abort, transfer_id))
-        raise
+        block_ids = await _on_engine(engine, functools.partial(
+            llm.handoff.begin_import, transfer_id, header.num_blocks, header.num_tokens,
+            list(header.block_hashes), header.first_block,
+        ))
+        _expire_later(engine)
+        writer = ImportWriter(llm.handoff, block_ids, header.first_block)
+        try:
+            if segment is None:
+                await _write_chunks(writer, chunks, fmt)
+            else:
+                await _write_segment(writer, segment, header, fmt)
+            await _on_engine(engine, functools.partial(
+                llm.handoff.finish_import, transfer_id, list(writer.written)))
+        except BaseException:
+            abort = functools.partial(llm.handoff.imports.abort, transfer_id)
+            writer.after_copies(lambda: engine.call_in_engine_thread(abort))
+            raise
+    finally:
+        if segment is not None and owned:
+            segment.close()
     _expire_later(engine)
-    return ReceivedKV(received, received * fmt.num_bytes)
+    return ReceivedKV(len(writer.written), len(writer.written) * fmt.num_bytes)
 
 
-async def _write_all(
-    engine: AsyncEngine, transfer_id: str, chunks: AsyncIterator[engine_pb2.KVTransferChunk],
+def _open_segment(
+    header: engine_pb2.KVTransferHeader, fmt: BlockFormat, access: ShmAccess
+) -> tuple[shm.Segment, bool]:
+    spec = header.shm
+    if spec.host_id != access.host_id:
+        raise NotFoundError(f"shm.host_id: the segment is on host {spec.host_id!r}, this "
+                            f"engine on {access.host_id!r}")
+    expected = (header.num_blocks - header.first_block) * fmt.num_bytes
+    if spec.num_bytes != expected:
+        raise ValueError(f"shm.num_bytes: {spec.num_bytes}, the blocks take {expected}")
+    try:
+        return access.segments.open(spec.name, spec.num_bytes, spec.reused)
+    except FileNotFoundError as exc:  # same host id, another /dev/shm (a container)
+        raise NotFoundError(f"shm.name: no segment {spec.name!r} here") from exc
+
+
+async def _write_segment(
+    writer: ImportWriter, segment: shm.Segment, header: engine_pb2.KVTransferHeader,
     fmt: BlockFormat,
-) -> int:
+) -> None:
+    first = header.first_block
+    count = header.num_blocks - first
+    blocks = segment.tensor(count * fmt.num_bytes).view(fmt.torch_dtype).view(count, *fmt.shape)
+    for start in range(first, header.num_blocks, SHM_COPY_BATCH):
+        stop = min(start + SHM_COPY_BATCH, header.num_blocks)
+        batch = blocks[start - first:stop - first]
+        await writer.write(range(start, stop), functools.partial(_same, batch))
+
+
+async def _write_chunks(
+    writer: ImportWriter, chunks: AsyncIterator[engine_pb2.KVTransferChunk], fmt: BlockFormat,
+) -> None:
     indexes: list[int] = []
     data: list[bytes] = []
-    received = 0
     async for chunk in chunks:
         if not chunk.HasField("block"):
             raise ValueError("a KV transfer has one header")
         indexes.append(chunk.block.block_index)
         data.append(chunk.block.data)
         if len(indexes) >= WRITE_BATCH:
-            received += await _write(engine, transfer_id, indexes, data, fmt)
+            await writer.write(indexes, functools.partial(blocks_from_bytes, data, fmt))
             indexes, data = [], []
     if indexes:
-        received += await _write(engine, transfer_id, indexes, data, fmt)
-    return received
+        await writer.write(indexes, functools.partial(blocks_from_bytes, data, fmt))
 
 
-async def _write(
-    engine: AsyncEngine, transfer_id: str, indexes: list[int], data: list[bytes],
-    fmt: BlockFormat,
-) -> int:
-    blocks = blocks_from_bytes(data, fmt)
-    await _on_engine(engine, functools.partial(
-        engine.engine.handoff.write_import, transfer_id, list(indexes), blocks
-    ))
-    return len(indexes)
+def _same(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks
 
 
 def _check_header(header: engine_pb2.KVTransferHeader, block_size: int) -> BlockFormat:

@@ -33,6 +33,21 @@ def transfer_header(
     )
 
 
+def transfer_result(
+    transfer: KVTransfer, reply: engine_pb2.ReceiveKVResponse, seconds: float, transport: str,
+) -> engine_pb2.KVTransferResult:
+    """What was sent, once the receiver's reply says it took every block (else raises)."""
+    export = transfer.export
+    sent = export.num_blocks - transfer.first_block
+    if reply.num_blocks != sent:
+        raise RuntimeError(f"decode engine took {reply.num_blocks} of {sent} blocks")
+    return engine_pb2.KVTransferResult(
+        transfer_id=transfer.transfer_id, num_blocks=sent,
+        num_bytes=sent * export.fmt.num_bytes, seconds=seconds,
+        num_cached_tokens=export.num_cached_tokens, transport=transport,
+    )
+
+
 def block_chunks(export: KVExport, first_block: int = 0) -> Iterator[engine_pb2.KVBlockChunk]:
     for index in range(first_block, export.num_blocks):
         yield engine_pb2.KVBlockChunk(block_index=index, data=block_bytes(export.blocks, index))

@@ -42,6 +42,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.disagg.grpc_connector import GrpcKVConnector
 from engine.disagg.metrics import TransferMetrics
+from engine.disagg.shm_connector import KV_TRANSFER_MODES, SameHostKVConnector
 from engine.kv_tiers.flags import add_kv_tier_arguments, kv_tier_config
 from engine.lora.request import LoRARequest
 from engine.service.async_engine import AsyncEngine
@@ -108,6 +109,9 @@ class EngineServerOptions:
     lora_roots: AdapterRoots = field(default_factory=AdapterRoots)
     # Prefill/decode disaggregation (docs/disaggregation.md): what routers send here.
     role: str = ROLE_BOTH
+    # How KV is pushed to decode engines: auto (shared memory on one host, else gRPC), shm,
+    # grpc (engine.disagg.shm_connector).
+    kv_transfer: str = "auto"
 
     def advertised_address(self, port: int) -> str:
         host = self.advertise_host or self.server.host
@@ -126,6 +130,7 @@ class EngineServer:
         self._llm_engine = engine
         self._async_engine: AsyncEngine | None = None
         self._grpc: GrpcServer | None = None
+        self._connector: SameHostKVConnector | None = None
         self._publisher: RedisPublisher | None = None
         self._metrics: EngineMetrics | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
@@ -189,10 +194,14 @@ class EngineServer:
         )
         secret = (None if options.router_secret_file is None
                   else read_secret(options.router_secret_file))
+        # KV pushes to decode engines carry the fleet's engine credential too.
+        self._connector = SameHostKVConnector(
+            GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
+            options.kv_transfer,
+        )
         servicer = EngineServicer(
             self._async_engine, identity, self._watchdog.problem, options.lora_roots,
-            # KV pushes to decode engines carry the fleet's engine credential too.
-            GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
+            self._connector,
             TransferMetrics(self._metrics.registry, model_name),
         )
         self._grpc = GrpcServer(
@@ -239,6 +248,7 @@ class EngineServer:
         code = await self.grpc_server.serve_until_signal(self._deregister)
         await self._stop_watchdog()
         await self.async_engine.shutdown()
+        await self._close_connector()
         self._close_metrics()
         return code
 
@@ -251,6 +261,7 @@ class EngineServer:
             await self.grpc_server.shutdown()
         await self._stop_watchdog()
         await self.async_engine.shutdown()
+        await self._close_connector()
         self._close_metrics()
 
     async def _stop_watchdog(self) -> None:
@@ -264,6 +275,11 @@ class EngineServer:
         # It will never step again: routers must stop picking it (health alone is not
         # what they read).
         await asyncio.to_thread(self.publisher.deregister)
+
+    async def _close_connector(self) -> None:
+        if self._connector is not None:  # its kept shared-memory segments go too
+            await self._connector.close()
+            self._connector = None
 
     def _close_metrics(self) -> None:
         if self._metrics_endpoint is not None:
@@ -379,6 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "decode: routers send it handed-off requests and short prompts; "
                              "both: whole requests (docs/disaggregation.md; "
                              "default: %(default)s)")
+    parser.add_argument("--kv-transfer", choices=KV_TRANSFER_MODES, default="auto",
+                        help="how a prefill engine pushes KV: shm through shared memory "
+                             "(decode engines on this host), grpc as bytes, auto shm where "
+                             "the decode engine can open it, else grpc (default: %(default)s)")
     return parser
 
 
@@ -426,6 +446,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         redis_access=RedisAccess.from_args(args),
         lora_roots=lora_roots(args),
         role=args.role,
+        kv_transfer=args.kv_transfer,
     )
 
 

@@ -40,7 +40,7 @@ from engine.disagg.grpc_connector import GrpcKVConnector
 from engine.disagg.kv_imports import ImportedStart
 from engine.disagg.metrics import TransferMetrics
 from engine.disagg.prefill import prefill_responses
-from engine.disagg.receiver import receive_kv
+from engine.disagg.receiver import ShmAccess, receive_kv
 from engine.disagg.transfer import KVConnector
 from engine.logprobs import Logprob, TokenLogprobs
 from engine.lora.request import LoRARequest
@@ -87,6 +87,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         # Pushes a prefill's KV to decode engines (engine.disagg); gRPC streaming by default.
         self._connector: KVConnector = connector or GrpcKVConnector()
         self._transfer_metrics = transfer_metrics
+        # Where same-host KV transfers' segments are found (engine.disagg.shm).
+        self._shm_access = ShmAccess()
         self._adapter_roots = adapter_roots or AdapterRoots()
         self._identity = identity
         self._health_problem = health_problem
@@ -190,7 +192,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             raise UnavailableError(problem)
         try:
             received = await receive_kv(
-                self._engine, request_iterator, self._identity.block_size
+                self._engine, request_iterator, self._identity.block_size, self._shm_access
             )
         except BaseException:
             if self._transfer_metrics is not None:

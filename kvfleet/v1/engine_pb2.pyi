@@ -30,21 +30,23 @@ class PrefillResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[GenerateResponse, _Mapping]] = ..., transfer: _Optional[_Union[KVTransferResult, _Mapping]] = ...) -> None: ...
 
 class KVTransferResult(_message.Message):
-    __slots__ = ("transfer_id", "num_blocks", "num_bytes", "seconds", "num_cached_tokens")
+    __slots__ = ("transfer_id", "num_blocks", "num_bytes", "seconds", "num_cached_tokens", "transport")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     num_blocks: int
     num_bytes: int
     seconds: float
     num_cached_tokens: int
-    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    transport: str
+    def __init__(self, transfer_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class KVTransferHeader(_message.Message):
-    __slots__ = ("transfer_id", "request_id", "prompt_token_ids", "cache_salt", "lora_id", "block_size", "num_blocks", "num_tokens", "dtype", "block_shape", "block_hashes", "first_block")
+    __slots__ = ("transfer_id", "request_id", "prompt_token_ids", "cache_salt", "lora_id", "block_size", "num_blocks", "num_tokens", "dtype", "block_shape", "block_hashes", "first_block", "shm")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,7 @@ class KVTransferHeader(_message.Message):
     BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +72,20 @@ class KVTransferHeader(_message.Message):
     block_shape: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     first_block: int
-    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ...) -> None: ...
+    shm: KVSharedMemory
+    def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., shm: _Optional[_Union[KVSharedMemory, _Mapping]] = ...) -> None: ...
+
+class KVSharedMemory(_message.Message):
+    __slots__ = ("name", "host_id", "num_bytes", "reused")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    host_id: str
+    num_bytes: int
+    reused: bool
+    def __init__(self, name: _Optional[str] = ..., host_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
     __slots__ = ("block_index", "data")

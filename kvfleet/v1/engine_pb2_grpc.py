@@ -131,7 +131,8 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReceiveKV(self, request_iterator, context):
-        """On a decode engine: a request's KV, header first, then one chunk per block. The blocks
+        """On a decode engine: a request's KV, header first, then one chunk per block (or, from the
+        same host, only the header naming a shared-memory segment that holds them). The blocks
         are allocated when the header arrives (RESOURCE_EXHAUSTED if they do not fit) and freed
         if the stream fails or no GenerateImported claims them within the import timeout.
         """

@@ -187,6 +187,7 @@ class DisaggStream(EngineStream):
                 span.set_attribute("kvfleet.disagg.blocks", result.num_blocks)
                 span.set_attribute("kvfleet.disagg.bytes", result.num_bytes)
                 span.set_attribute("kvfleet.disagg.seconds", result.seconds)
+                span.set_attribute("kvfleet.disagg.transport", result.transport)
                 return result.transfer_id
 
     async def abort(self, request_id: str) -> engine_pb2.GenerateResponse | None:

@@ -1,5 +1,5 @@
 """The disaggregation flags: `kvfleet up --prefill-engines/--decode-engines` gives engines
-their roles, the engine parses --role, the router parses its threshold."""
+their roles, the engine parses --role and --kv-transfer, the router parses its threshold."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.service.server import build_parser as engine_parser
+from engine.service.server import options_from_args
 from kvfleet.cli import build_parser, up_config
 from kvfleet.fleet import FleetConfig
 from router.engines.disagg import DisaggConfig
@@ -30,6 +31,13 @@ def test_engine_and_router_flags() -> None:
     args = engine_parser().parse_args(
         ["--model", "m", "--engine-id", "e", "--redis-url", "redis://x", "--role", "decode"])
     assert args.role == "decode"
+    assert options_from_args(args).kv_transfer == "auto"
+    args = engine_parser().parse_args(
+        ["--model", "m", "--engine-id", "e", "--redis-url", "redis://x", "--kv-transfer", "grpc"])
+    assert options_from_args(args).kv_transfer == "grpc"
+    with pytest.raises(SystemExit):
+        engine_parser().parse_args(
+            ["--model", "m", "--engine-id", "e", "--redis-url", "redis://x", "--kv-transfer", "x"])
     with pytest.raises(SystemExit):
         engine_parser().parse_args(
             ["--model", "m", "--engine-id", "e", "--redis-url", "redis://x", "--role", "x"])

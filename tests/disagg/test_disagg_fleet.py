@@ -1,10 +1,12 @@
 """A 1 prefill + 1 decode fleet (real processes, tiny model): long prompts go through the
 prefill engine and continue on the decode engine, short ones go straight to the decode
-engine; greedy text equals transformers'; every block ends free on both; a dead prefill
-engine leaves the decode engine serving whole requests."""
+engine; greedy text equals transformers'; the KV goes through shared memory (both engines
+on this host, `--kv-transfer auto`); every block ends free on both; a dead prefill engine
+leaves the decode engine serving whole requests."""
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,6 +73,22 @@ def test_long_prompt_is_prefilled_then_decoded_exactly(fleet, client, reference)
     assert ids == reference[0]
     assert cached == 64
     _all_free(fleet)
+    # Same host: shared memory. 5 blocks, then only the partial one (the decode engine
+    # caches the 4 full blocks since the first time).
+    assert _blocks_sent(fleet) == {"shm": 5.0 + 1.0}
+
+
+def _blocks_sent(fleet: Fleet) -> dict[str, float]:
+    """The prefill engine's kvfleet:kv_transfer_blocks_total by transport."""
+    port = fleet.engines[0].metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+        lines = page.read().decode().splitlines()
+    sent: dict[str, float] = {}
+    for line in lines:
+        if line.startswith("kvfleet:kv_transfer_blocks_total{"):
+            transport = line.split('transport="', 1)[1].split('"', 1)[0]
+            sent[transport] = float(line.rsplit(" ", 1)[1])
+    return sent
 
 
 def test_short_prompt_goes_straight_to_decode(fleet, client, reference):

@@ -1,9 +1,12 @@
 """The handoff over gRPC between two in-process engines: Prefill pushes the KV (ReceiveKV),
 GenerateImported continues; text and tokens equal one engine's Generate, and every block on
-both sides ends free, also when a transfer fails, is cut short or is never claimed."""
+both sides ends free, also when a transfer fails, is cut short or is never claimed. Every
+test runs with both transports (`--kv-transfer shm`: same-host shared memory, and `grpc`),
+and no shared-memory segment is left behind."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -12,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine.disagg import shm
 from engine.disagg.kv_payload import BlockFormat
 from kvfleet.v1 import engine_pb2, engine_pb2_grpc
 from tests.fixtures.engine_harness import (
@@ -29,17 +33,34 @@ from tests.fixtures.servers import RedisServer
 TIMEOUT_S = 30.0
 
 
+@pytest.fixture(scope="module", params=["shm", "grpc"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir: Path, redis_server: RedisServer) -> Iterator[tuple[EngineHarness, ...]]:
+def engines(tiny_model_dir: Path, redis_server: RedisServer,
+            transport: str) -> Iterator[tuple[EngineHarness, ...]]:
     started = []
     for engine_id, role in (("p0", "prefill"), ("d0", "decode")):
         options = engine_options(tiny_model_dir, redis_server.url, engine_id,
                                  max_num_batched_tokens=32)
-        started.append(EngineHarness(options.__class__(**{**options.__dict__, "role": role}))
+        changes = {"role": role, "kv_transfer": transport}
+        started.append(EngineHarness(options.__class__(**{**options.__dict__, **changes}))
                        .start())
     yield tuple(started)
     for harness in started:
         harness.stop()
+    # Stopped: the prefill engine's kept segments are gone too.
+    assert shm.segments_of(shm.DEFAULT_SHM_DIR, os.getpid()) == []
+
+
+@pytest.fixture(autouse=True)
+def segments_bounded() -> Iterator[None]:
+    yield
+    # What a test leaves is at most what the prefill engine keeps for reuse (failed
+    # transfers' segments are unlinked at once).
+    assert len(shm.segments_of(shm.DEFAULT_SHM_DIR, os.getpid())) <= shm.DEFAULT_MAX_IDLE
 
 
 def _stub(harness: EngineHarness) -> engine_pb2_grpc.EngineStub:
@@ -58,6 +79,7 @@ def _disaggregated(prefill: EngineHarness, decode: EngineHarness,
     num_blocks = -(-len(request.prompt_token_ids) // 16)
     num_full = len(request.prompt_token_ids) // 16
     assert responses[-1].transfer.num_blocks == num_blocks - min(skip_blocks, num_full)
+    assert responses[-1].transfer.transport == prefill.server.options.kv_transfer
     rest = list(_stub(decode).GenerateImported(engine_pb2.ImportedGenerateRequest(
         request=request, transfer_id=transfer_id, first_token_id=first.token_ids[0],
     ), timeout=TIMEOUT_S))
@@ -189,8 +211,27 @@ def test_roles_are_published_and_transfers_counted(engines, redis_server):
     fmt = BlockFormat.of(decode.server.async_engine.engine.runner.kv_caches)
     assert sent >= 3 * fmt.num_bytes
     assert received == sent
+    blocks = [sample for metric in prefill.server.metrics.registry.collect()
+              for sample in metric.samples if sample.name == "kvfleet:kv_transfer_blocks_total"]
+    assert {sample.labels["transport"] for sample in blocks} == {prefill.server.options.kv_transfer}
+    assert sum(sample.value for sample in blocks) * fmt.num_bytes == sent
 
 
 def _sample(harness: EngineHarness, name: str) -> float:
     return sum(sample.value for metric in harness.server.metrics.registry.collect()
                for sample in metric.samples if sample.name == name)
+
+
+def test_refused_transfer_fails_and_frees_both_sides(engines):
+    """The decode engine refuses the KV (the blocks to skip are not cached there): the
+    Prefill call fails after its first token, nothing stays reserved, no segment is left."""
+    prefill, decode = engines
+    with pytest.raises(grpc.RpcError) as info:
+        list(_stub(prefill).Prefill(engine_pb2.PrefillRequest(
+            request=gen_request("refused", make_prompt(11, 50), 8),
+            decode_address=decode.address, transfer_id="t-refused", skip_blocks=2,
+        ), timeout=TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "t-refused" in (info.value.details() or "")
+    for harness in engines:
+        wait_all_blocks_free(_stub(harness))

@@ -1,0 +1,117 @@
+"""The same-host KV transport: blocks through a shared-memory segment, a header over gRPC.
+
+Role: `SameHostKVConnector` implements `engine.disagg.transfer.KVConnector`. For a decode
+engine on this host it writes the blocks into a fresh segment (engine.disagg.shm) and sends
+only the transfer header naming it, over the same ReceiveKV call the gRPC transport uses
+(credential, TLS, deadline); the decode engine copies the blocks into its cache and answers.
+Otherwise it sends bytes over gRPC (engine.disagg.grpc_connector).
+
+Modes (`--kv-transfer`, like vLLM's kv-transfer config): `grpc` never uses shared memory;
+`shm` always does (a receiver that cannot open the segment fails the transfer); `auto`
+tries it and, when the receiver answers NOT_FOUND (another host: the host ids differ, or a
+container without the same /dev/shm), sends that transfer over gRPC and remembers the
+destination as remote; when no segment can be made here (/dev/shm full or missing), that
+transfer goes over gRPC.
+
+Invariants: a segment is reused (kept warm: faulting a fresh one's pages in costs more than
+the copy) only after its transfer succeeded; after a refusal, a timeout or the receiver's
+death it is unlinked at once. `close` unlinks the kept ones. Segments of an engine killed
+meanwhile are removed by the next sweep on its host (at an engine's start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy
+import torch
+
+from engine.disagg import shm
+from engine.disagg.grpc_connector import GrpcKVConnector
+from engine.disagg.kv_payload import blocks_of
+from engine.disagg.transfer import KVTransfer, transfer_header, transfer_result
+from kvfleet.v1 import engine_pb2
+
+KV_TRANSFER_MODES = ("auto", "shm", "grpc")
+logger = logging.getLogger(__name__)
+
+
+class SameHostKVConnector:
+    def __init__(
+        self, grpc_connector: GrpcKVConnector, mode: str = "auto",
+        shm_dir: Path = shm.DEFAULT_SHM_DIR, host_id: str | None = None,
+    ) -> None:
+        if mode not in KV_TRANSFER_MODES:
+            raise ValueError(f"kv_transfer: {mode!r} is not one of {', '.join(KV_TRANSFER_MODES)}")
+        self._grpc = grpc_connector
+        self._mode = mode
+        self._dir = shm_dir
+        self._host_id = host_id or shm.host_id()
+        # Destinations that answered NOT_FOUND to a segment (auto mode): gRPC from then on.
+        self._remote: set[str] = set()
+        self._segments = shm.SegmentPool(shm_dir)
+        if mode != "grpc":
+            shm.sweep(shm_dir)
+
+    @property
+    def remote_destinations(self) -> frozenset[str]:
+        return frozenset(self._remote)
+
+    async def send(self, transfer: KVTransfer) -> engine_pb2.KVTransferResult:
+        nothing_to_copy = transfer.first_block >= transfer.export.num_blocks
+        if self._mode == "grpc" or transfer.destination in self._remote or nothing_to_copy:
+            return await self._grpc.send(transfer)  # (a header alone when nothing to copy)
+        try:
+            return await self._send_shm(transfer)
+        except grpc.aio.AioRpcError as exc:
+            if self._mode == "shm" or exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            self._remote.add(transfer.destination)
+        except OSError as exc:  # no room in /dev/shm, or none at all: this one goes as bytes
+            if self._mode == "shm":
+                raise
+            logger.warning("KV transfer %s: no shared-memory segment (%s); sending over gRPC",
+                           transfer.transfer_id, exc)
+        return await self._grpc.send(transfer)
+
+    async def _send_shm(self, transfer: KVTransfer) -> engine_pb2.KVTransferResult:
+        start = time.monotonic()
+        export = transfer.export
+        blocks = blocks_of(export.blocks, transfer.first_block)
+        num_bytes = blocks.numel() * blocks.element_size()
+        segment = self._segments.take(num_bytes)
+        try:
+            # Off the event loop: a request's KV is tens of MB (torch drops the GIL).
+            await asyncio.to_thread(_fill, segment, blocks, num_bytes)
+            header = transfer_header(export, transfer.transfer_id, transfer.request,
+                                     transfer.first_block)
+            header.shm.CopyFrom(engine_pb2.KVSharedMemory(
+                name=segment.name, host_id=self._host_id, num_bytes=num_bytes, reused=True))
+
+            async def chunks() -> AsyncIterator[engine_pb2.KVTransferChunk]:
+                yield engine_pb2.KVTransferChunk(header=header)
+
+            reply = await self._grpc.receive_kv(transfer, chunks())
+        except BaseException:
+            self._segments.discard(segment)
+            raise
+        self._segments.keep(segment)
+        return transfer_result(transfer, reply, time.monotonic() - start, "shm")
+
+    async def close(self) -> None:
+        self._segments.close()
+        await self._grpc.close()
+
+
+def _fill(segment: shm.Segment, blocks: torch.Tensor, num_bytes: int) -> None:
+    """Block-major `blocks` (a view of the layer-major export) into the segment: the
+    reordering is this one copy."""
+    target = segment.tensor(num_bytes).numpy().reshape(*blocks.shape[:-1], -1)
+    # numpy: one single-threaded strided copy (torch's threads only contend here), bytes
+    # as bytes whatever the dtype.
+    numpy.copyto(target, blocks.view(torch.uint8).numpy())
