@@ -201,3 +201,25 @@ def log_kv_cache(
             host_layout.num_tier_blocks,
             host_layout.num_blocks * kv_layout.bytes_per_block / 2**20,
         )
+
+
+def resolve_max_model_len(model_config: ModelConfig, config: EngineConfig) -> int:
+    """The longest sequence the engine accepts: the model's limit, or the configured one when
+    smaller (a larger one is a ValueError); without chunked prefill the step budget must hold
+    a whole prompt of that length."""
+    derived = model_config.max_position_embeddings
+    if model_config.sliding_window:
+        # Mistral-style whole-model sliding windows are not implemented; stay inside the window.
+        derived = min(derived, model_config.sliding_window)
+    requested = config.max_model_len
+    if requested is not None and requested > derived:
+        raise ValueError(
+            f"max_model_len ({requested}) is larger than the model allows ({derived})"
+        )
+    max_len = requested or derived
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_len:
+        raise ValueError(
+            f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than "
+            f"max_model_len ({max_len}); enable chunked prefill or raise the budget"
+        )
+    return max_len

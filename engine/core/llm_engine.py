@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.core.engine_stats import engine_stats
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import KVCacheEvents
 from engine.core.kv_handoff import KVHandoff
@@ -33,6 +34,7 @@ from engine.core.kv_sizing import (
     log_kv_cache,
     make_kv_manager,
     plan_sliding_kv,
+    resolve_max_model_len,
     size_host_kv,
     size_kv_cache,
 )
@@ -108,7 +110,7 @@ class LLMEngine:
         self.model = self._load_model(model_dir)
         self.tokenizer = Tokenizer.from_dir(Path(config.tokenizer or model_dir))
         self.eos_token_ids = frozenset(load_generation_eos_ids(model_dir))
-        self.max_model_len = self._resolve_max_model_len()
+        self.max_model_len = resolve_max_model_len(self.model_config, self.config)
         self.kv_groups = plan_sliding_kv(config, self.model_config, self.max_model_len,
                                          self._decode_graphs_on())
         self.kv_layout = size_kv_cache(
@@ -230,24 +232,6 @@ class LLMEngine:
             raise out_of_memory(
                 "weights", self.model_config.num_parameters * itemsize, self.device
             ) from exc
-
-    def _resolve_max_model_len(self) -> int:
-        derived = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            # Sliding-window attention is not implemented; stay inside the window.
-            derived = min(derived, self.model_config.sliding_window)
-        requested = self.config.max_model_len
-        if requested is not None and requested > derived:
-            raise ValueError(
-                f"max_model_len ({requested}) is larger than the model allows ({derived})"
-            )
-        max_len = requested or derived
-        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < max_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({max_len}); enable chunked prefill or raise the budget"
-            )
-        return max_len
 
     def _make_runner(self) -> ModelRunner:
         config = self.config
@@ -510,37 +494,4 @@ class LLMEngine:
         return ok
 
     def get_stats(self) -> dict[str, int | float]:
-        return {
-            "kv_blocks_total": self.kv.num_blocks,
-            "kv_blocks_free": self.kv.num_free_blocks,
-            "kv_cache_usage": self.kv.usage,
-            "num_requests_running": self.scheduler.num_running,
-            "num_requests_waiting": self.scheduler.num_waiting,
-            "prefix_cache_queries": self.kv.stats.queries,
-            "prefix_cache_hits": self.kv.stats.hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prompt_tokens": self.prompt_tokens,
-            "generation_tokens": self.generation_tokens,
-            **self._kv_tier_stats(),
-            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
-        }
-
-    def _kv_tier_stats(self) -> dict[str, int | float]:
-        """Swap and host-tier figures (zeros when a tier is off), for metrics."""
-        swap, tier, host = self.kv.swap, self.kv.host_tier, self.host_kv
-        return {
-            "num_requests_swapped": self.scheduler.num_swapped,
-            "swap_blocks_total": 0 if swap is None else swap.num_blocks,
-            "swap_space_usage": 0.0 if swap is None else swap.usage,
-            "swapped_out_blocks": 0 if swap is None else swap.stats.swapped_out_blocks,
-            "swapped_in_blocks": 0 if swap is None else swap.stats.swapped_in_blocks,
-            "host_cache_blocks_total": 0 if tier is None else tier.num_blocks,
-            "host_cache_usage": 0.0 if tier is None else tier.usage,
-            "host_cache_hits": 0 if tier is None else tier.stats.hits,
-            "host_cache_misses": 0 if tier is None else tier.stats.misses,
-            "host_cache_evictions": 0 if tier is None else tier.stats.evictions,
-            "host_cache_stored": 0 if tier is None else tier.stats.stored,
-            "prefix_cache_host_hits": self.kv.stats.host_hits,
-            "kv_transfer_bytes_to_host": 0 if host is None else host.stats.bytes_to_host,
-            "kv_transfer_bytes_to_device": 0 if host is None else host.stats.bytes_to_device,
-        }
+        return engine_stats(self)

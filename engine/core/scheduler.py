@@ -67,6 +67,7 @@ import time
 
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import HostHit, KVCacheManager
+from engine.core.prompt_logprobs import store_prompt_logprobs, take_prompt_logprobs
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import (
     RequestUpdate,
@@ -396,7 +397,7 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens - len(item.spec_token_ids)
             entries = prompt_logprobs.get(request.request_id)
             if entries is not None:
-                _store_prompt_logprobs(request, start, entries)
+                store_prompt_logprobs(request, start, entries)
             result = step_tokens(item, sampled, logprobs, verified)
             if result is None:
                 # Only now is this step's KV written: its full blocks may become cache hits.
@@ -411,7 +412,7 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
             new_logprobs = None if token_logprobs is None else token_logprobs[: len(tokens)]
-            prompt = _take_prompt_logprobs(request) if owes_prompt_logprobs else None
+            prompt = take_prompt_logprobs(request) if owes_prompt_logprobs else None
             updates.append(
                 RequestUpdate(request, tokens, status is not None, new_logprobs, prompt)
             )
@@ -496,24 +497,3 @@ class Scheduler:
 def _insert_sorted(queue: list[Request], request: Request) -> None:
     keys = [r.sort_key for r in queue]
     queue.insert(bisect.bisect_right(keys, request.sort_key), request)
-
-
-def _store_prompt_logprobs(request: Request, start: int, entries: list[TokenLogprobs]) -> None:
-    """Write one chunk's entries, which start at prompt token `start + 1`."""
-    pending = request.pending_prompt_logprobs
-    if not pending:
-        pending.append(None)  # prompt token 0: nothing precedes it
-    # No prefix hits and no skipped chunk, so the entries before this chunk are all there.
-    assert len(pending) >= start + 1, "prompt logprobs chunk out of order"
-    # Written by position, not appended: a prompt recomputed after preemption replaces its
-    # entries rather than duplicating them.
-    pending[start + 1 :] = entries
-
-
-def _take_prompt_logprobs(request: Request) -> list[TokenLogprobs | None]:
-    """Hand over the whole list with the first token; the request keeps nothing."""
-    # A one-token prompt never ran a chunk with entries: its list is just [None].
-    taken = request.pending_prompt_logprobs or [None]
-    request.pending_prompt_logprobs = []
-    assert len(taken) == request.num_prompt_tokens, "prompt logprobs incomplete"
-    return taken
