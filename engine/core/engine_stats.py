@@ -8,13 +8,26 @@ returns is mapped to a metric in engine.service.metrics.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from engine.core.llm_engine import LLMEngine
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.kv_tiers.offload import HostKVBuffer
+from engine.spec_decode.speculator import Speculator
 
 
-def engine_stats(engine: LLMEngine) -> dict[str, int | float]:
+class EngineParts(Protocol):
+    """What the figures are read from (an `LLMEngine`)."""
+
+    kv: KVCacheManager
+    scheduler: Scheduler
+    host_kv: HostKVBuffer | None
+    speculator: Speculator | None
+    prompt_tokens: int
+    generation_tokens: int
+
+
+def engine_stats(engine: EngineParts) -> dict[str, int | float]:
     """Every figure the engine reports, by name (engine.service.metrics maps them to metrics)."""
     return {
         "kv_blocks_total": engine.kv.num_blocks,
@@ -32,7 +45,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float]:
     }
 
 
-def _kv_tier_stats(engine: LLMEngine) -> dict[str, int | float]:
+def _kv_tier_stats(engine: EngineParts) -> dict[str, int | float]:
     """Swap and host-tier figures (zeros when a tier is off), for metrics."""
     swap, tier, host = engine.kv.swap, engine.kv.host_tier, engine.host_kv
     return {
