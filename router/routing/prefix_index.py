@@ -10,9 +10,10 @@ Which engines: all live ones while the engines set has at most `full_scan_max_en
 reads only *candidates*, so its cost follows the prompt and its holders, not the fleet:
 the engines the inverted index names for the prompt's first block (device holders, host
 holders, unexpired pending holders: an engine without the first block matches nothing), plus
-`candidate_window` of the least loaded engines (`kvfleet:load`) -- a slice, chosen by the
-caller's seed, of those within `WINDOW_REL` / `WINDOW_ABS_S` of the least loaded when there
-are more of them, so new prefixes spread over an idle fleet. Every candidate is matched
+`candidate_window` live engines among the least loaded (`kvfleet:load`) -- a slice, chosen
+by the caller's seed, of those within `WINDOW_REL` / `WINDOW_ABS_S` of the least loaded when
+there are more of them, so new prefixes spread over an idle fleet; holders do not count
+towards the window, dead or stale members are passed over. Every candidate is matched
 exactly as in a full answer; the answer says which kind it is (`LookupAnswer.complete`).
 
 Invariants:
@@ -143,33 +144,36 @@ end
 
 local function probe(id)
   local fields = redis.call('HGETALL', engine_prefix .. id)
-  if #fields == 0 then table.insert(gone, id); return end
+  if #fields == 0 then table.insert(gone, id); return false end
   local info = {}
   for i = 1, #fields, 2 do info[fields[i]] = fields[i + 1] end
   local updated = tonumber(info['updated_at'])
-  if max_age > 0 and updated ~= nil and now - updated > max_age then return end
+  if max_age > 0 and updated ~= nil and now - updated > max_age then return false end
   local matched, cached, host_matched, pending_matched = match(id, info)
   table.insert(result, table.concat({id, matched, cached, host_matched, pending_matched,
                                      table.concat(fields, SEP)}, SEP))
+  return true
 end
 
+local function append(ids, more)
+  for _, id in ipairs(more) do table.insert(ids, id) end
+end
+
+-- The least loaded engines in the order the window takes them: those about as idle as the
+-- least loaded one from an offset chosen by the seed (so new prefixes spread over an idle
+-- fleet and every replica takes the same slice), then the rest of them, then the busier.
+-- Up to 4 windows' worth: dead or stale members are passed over, not counted.
 local function least_loaded()
-  local n = redis.call('ZCARD', KEYS[2])
-  if n <= window then return redis.call('ZRANGE', KEYS[2], 0, -1) end
+  local want = window * 4
   local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  if #first == 0 then return {} end
   local bound = tonumber(first[2]) * (1 + WINDOW_REL) + WINDOW_ABS_S
   local near = redis.call('ZCOUNT', KEYS[2], '-inf', bound)
-  if near <= window then return redis.call('ZRANGE', KEYS[2], 0, window - 1) end
-  -- Many engines about as idle: a slice of them chosen by the prompt's seed, so new
-  -- prefixes spread over the whole idle fleet and every replica picks the same slice.
-  local offset = seed % near
-  local last = math.min(offset + window - 1, near - 1)
-  local ids = redis.call('ZRANGE', KEYS[2], offset, last)
-  if last - offset + 1 < window then
-    for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, window - (last - offset + 1) - 1)) do
-      table.insert(ids, id)
-    end
-  end
+  local offset = 0
+  if near > window then offset = seed % near end
+  local ids = redis.call('ZRANGE', KEYS[2], offset, math.min(near, offset + want) - 1)
+  if offset > 0 then append(ids, redis.call('ZRANGE', KEYS[2], 0, offset - 1)) end
+  if #ids < want then append(ids, redis.call('ZRANGE', KEYS[2], near, near + want - #ids - 1)) end
   return ids
 end
 
@@ -180,15 +184,21 @@ else
   mode = 'candidates'
   local h0 = ARGV[first_hash]
   local seen = {}
-  local function consider(ids)
+  local function consider(ids, limit)
+    local added = 0
     for _, id in ipairs(ids) do
-      if not seen[id] then seen[id] = true; probe(id) end
+      if added >= limit then break end
+      if not seen[id] then
+        seen[id] = true
+        if probe(id) then added = added + 1 end
+      end
     end
   end
-  consider(redis.call('SMEMBERS', holders_prefix .. h0))
-  consider(redis.call('SMEMBERS', host_holders_prefix .. h0))
-  consider(redis.call('ZRANGEBYSCORE', pending_holders_prefix .. h0, now, '+inf'))
-  consider(least_loaded())
+  local all = math.huge
+  consider(redis.call('SMEMBERS', holders_prefix .. h0), all)
+  consider(redis.call('SMEMBERS', host_holders_prefix .. h0), all)
+  consider(redis.call('ZRANGEBYSCORE', pending_holders_prefix .. h0, now, '+inf'), all)
+  consider(least_loaded(), window)
   for _, id in ipairs(gone) do
     redis.call('SREM', holders_prefix .. h0, id)
     redis.call('SREM', host_holders_prefix .. h0, id)
