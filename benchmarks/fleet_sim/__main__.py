@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sessions-per-s", type=float, default=None,
                    help="session arrival rate (default: 0.1 per engine)")
     p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="sessions at most (0: all that arrive); prefix_repetition needs it")
     p.add_argument("--system-tokens", type=int, default=6000)
     p.add_argument("--user-tokens", type=int, default=120)
     p.add_argument("--output-tokens", type=int, default=64)
@@ -70,7 +72,7 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         shape=args.shape, tenants=args.tenants, turns=args.turns,
         system_tokens=args.system_tokens, user_tokens=args.user_tokens,
         output_tokens=args.output_tokens, sessions_per_s=rate, think_s=args.think_s,
-        duration_s=args.duration_s, seed=args.seed,
+        duration_s=args.duration_s, seed=args.seed, max_sessions=args.num_prompts,
     )
 
 
