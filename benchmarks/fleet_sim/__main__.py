@@ -20,6 +20,7 @@ from benchmarks.fleet_sim import calibration, metrics, report
 from benchmarks.fleet_sim.simulator import POLICIES, FleetSim, SimConfig
 from benchmarks.fleet_sim.workload import SHAPES, Workload, WorkloadConfig
 from kvfleet.redis_server import RedisServer
+from router.routing.prefix_index import PrefixIndexConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="a calibration JSON (default: the cached one, measured if absent)")
     cal.add_argument("--default-calibration", action="store_true",
                      help="the small built-in calibration (tests)")
+    p.add_argument("--full-scan-max-engines", type=int,
+                   default=PrefixIndexConfig.full_scan_max_engines,
+                   help="routers read every engine up to this fleet size, candidates beyond")
+    p.add_argument("--candidate-window", type=int, default=PrefixIndexConfig.candidate_window,
+                   help="least loaded engines a candidate lookup adds")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--progress-s", type=float, default=300.0,
                    help="a progress line every this many simulated seconds (0: none)")
@@ -80,7 +86,10 @@ async def run_policy(policy: str, args: argparse.Namespace, cal: calibration.Cal
                      wl: WorkloadConfig, redis_url: str) -> dict[str, float]:
     redis.Redis.from_url(redis_url).flushall()
     started = time.perf_counter()
-    config = SimConfig(policy, args.engines, args.replicas, progress_every_s=args.progress_s)
+    index = PrefixIndexConfig(full_scan_max_engines=args.full_scan_max_engines,
+                              candidate_window=args.candidate_window)
+    config = SimConfig(policy, args.engines, args.replicas, progress_every_s=args.progress_s,
+                       index=index)
     sim = FleetSim(config, cal, Workload(wl), redis_url)
     run = await sim.run()
     warmup = args.warmup_s if args.warmup_s is not None else 0.1 * wl.duration_s

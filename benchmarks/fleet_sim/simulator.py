@@ -29,6 +29,7 @@ from benchmarks.fleet_sim.routers import Oracle, PendingExpiry, RouterReplica
 from benchmarks.fleet_sim.workload import Workload
 from kvfleet.contracts.block_hash import hash_token_blocks
 from router.routing.decision import _tie_key  # the router's own tie key
+from router.routing.prefix_index import PrefixIndexConfig
 from router.routing.ranking import Policy, PrefixPolicyConfig
 
 ORACLE = "oracle"
@@ -45,6 +46,8 @@ class SimConfig:
     # Print a progress line every this many simulated seconds (0: never).
     progress_every_s: float = 0.0
     prefix: PrefixPolicyConfig = field(default_factory=PrefixPolicyConfig)
+    # The routers' Redis lookup (fleet size read whole, candidate window).
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
 
 
 @dataclass
@@ -77,7 +80,7 @@ class FleetSim:
             self.oracle = Oracle(self.engines, self.publisher, config.prefix)
         else:
             self.replicas = [RouterReplica(Policy(config.policy), redis_url, self._clock,
-                                           self.expiry, config.prefix)
+                                           self.expiry, config.prefix, config.index)
                              for _ in range(config.replicas)]
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
