@@ -57,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-blocks", type=int, default=None, help="override the calibration's")
-    p.add_argument("--default-calibration", action="store_true",
-                   help="the small built-in calibration (tests)")
+    cal = p.add_mutually_exclusive_group()
+    cal.add_argument("--calibration", type=Path, default=None,
+                     help="a calibration JSON (default: the cached one, measured if absent); "
+                          "measure it beside the real run for a fair comparison")
+    cal.add_argument("--default-calibration", action="store_true",
+                     help="the small built-in calibration (tests)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--redis-url", default=None)
     return p.parse_args(argv)
@@ -99,7 +103,12 @@ async def simulate(args: argparse.Namespace, cal: calibration.Calibration, rate:
 
 
 def compare(args: argparse.Namespace, redis_url: str) -> dict[str, Any]:
-    cal = calibration.DEFAULT if args.default_calibration else calibration.load_or_measure()
+    if args.default_calibration:
+        cal = calibration.DEFAULT
+    elif args.calibration is not None:
+        cal = calibration.load(args.calibration)
+    else:
+        cal = calibration.load_or_measure()
     if args.kv_blocks:
         cal = calibration.Calibration.from_json({**cal.to_json(), "kv_blocks": args.kv_blocks})
     print(f"calibration: {cal.source}; kv_blocks={cal.kv_blocks}", file=sys.stderr)
