@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from benchmarks.fleet_sim import calibration, metrics, report
-from benchmarks.fleet_sim.simulator import POLICIES, FleetSim, SimConfig
+from benchmarks.fleet_sim.simulator import POLICIES, FleetSim, SimConfig, patient_index
 from benchmarks.fleet_sim.workload import SHAPES, Workload, WorkloadConfig
 from kvfleet.redis_server import RedisServer
 from router.routing.prefix_index import PrefixIndexConfig
@@ -86,8 +86,8 @@ async def run_policy(policy: str, args: argparse.Namespace, cal: calibration.Cal
                      wl: WorkloadConfig, redis_url: str) -> dict[str, float]:
     redis.Redis.from_url(redis_url).flushall()
     started = time.perf_counter()
-    index = PrefixIndexConfig(full_scan_max_engines=args.full_scan_max_engines,
-                              candidate_window=args.candidate_window)
+    index = patient_index(full_scan_max_engines=args.full_scan_max_engines,
+                          candidate_window=args.candidate_window)
     config = SimConfig(policy, args.engines, args.replicas, progress_every_s=args.progress_s,
                        index=index)
     sim = FleetSim(config, cal, Workload(wl), redis_url)

@@ -37,6 +37,19 @@ POLICIES = ("prefix", "round_robin", "least_load", ORACLE)
 _STEP, _ARRIVAL = 0, 1
 
 
+# Seconds a simulated router waits for Redis. Virtual time does not care how long Redis
+# takes, and the router's own 1-s timeouts turned an oversubscribed machine (load 27 on 2
+# cores) into index outages whose fallback (asking engines over gRPC) a simulated fleet
+# cannot answer.
+PATIENT_REDIS_S = 60.0
+
+
+def patient_index(**overrides: int) -> PrefixIndexConfig:
+    """The routers' index config with timeouts no machine load reaches."""
+    return PrefixIndexConfig(connect_timeout_s=PATIENT_REDIS_S, read_timeout_s=PATIENT_REDIS_S,
+                             pool_timeout_s=PATIENT_REDIS_S, **overrides)
+
+
 @dataclass(frozen=True)
 class SimConfig:
     policy: str
@@ -47,7 +60,7 @@ class SimConfig:
     progress_every_s: float = 0.0
     prefix: PrefixPolicyConfig = field(default_factory=PrefixPolicyConfig)
     # The routers' Redis lookup (fleet size read whole, candidate window).
-    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    index: PrefixIndexConfig = field(default_factory=patient_index)
 
 
 @dataclass
