@@ -17,9 +17,10 @@ from typing import Any
 import redis
 
 from benchmarks.fleet_sim import calibration, metrics, report
-from benchmarks.fleet_sim.simulator import POLICIES, FleetSim, SimConfig
+from benchmarks.fleet_sim.simulator import POLICIES, FleetSim, SimConfig, patient_index
 from benchmarks.fleet_sim.workload import SHAPES, Workload, WorkloadConfig
 from kvfleet.redis_server import RedisServer
+from router.routing.prefix_index import PrefixIndexConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sessions-per-s", type=float, default=None,
                    help="session arrival rate (default: 0.1 per engine)")
     p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="sessions at most (0: all that arrive); prefix_repetition needs it")
     p.add_argument("--system-tokens", type=int, default=6000)
     p.add_argument("--user-tokens", type=int, default=120)
     p.add_argument("--output-tokens", type=int, default=64)
@@ -46,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="a calibration JSON (default: the cached one, measured if absent)")
     cal.add_argument("--default-calibration", action="store_true",
                      help="the small built-in calibration (tests)")
+    p.add_argument("--full-scan-max-engines", type=int,
+                   default=PrefixIndexConfig.full_scan_max_engines,
+                   help="routers read every engine up to this fleet size, candidates beyond")
+    p.add_argument("--candidate-window", type=int, default=PrefixIndexConfig.candidate_window,
+                   help="least loaded engines a candidate lookup adds")
     p.add_argument("--redis-url", default=None)
     p.add_argument("--progress-s", type=float, default=300.0,
                    help="a progress line every this many simulated seconds (0: none)")
@@ -70,7 +78,7 @@ def workload_config(args: argparse.Namespace) -> WorkloadConfig:
         shape=args.shape, tenants=args.tenants, turns=args.turns,
         system_tokens=args.system_tokens, user_tokens=args.user_tokens,
         output_tokens=args.output_tokens, sessions_per_s=rate, think_s=args.think_s,
-        duration_s=args.duration_s, seed=args.seed,
+        duration_s=args.duration_s, seed=args.seed, max_sessions=args.num_prompts,
     )
 
 
@@ -78,7 +86,10 @@ async def run_policy(policy: str, args: argparse.Namespace, cal: calibration.Cal
                      wl: WorkloadConfig, redis_url: str) -> dict[str, float]:
     redis.Redis.from_url(redis_url).flushall()
     started = time.perf_counter()
-    config = SimConfig(policy, args.engines, args.replicas, progress_every_s=args.progress_s)
+    index = patient_index(full_scan_max_engines=args.full_scan_max_engines,
+                          candidate_window=args.candidate_window)
+    config = SimConfig(policy, args.engines, args.replicas, progress_every_s=args.progress_s,
+                       index=index)
     sim = FleetSim(config, cal, Workload(wl), redis_url)
     run = await sim.run()
     warmup = args.warmup_s if args.warmup_s is not None else 0.1 * wl.duration_s

@@ -32,7 +32,12 @@ from benchmarks.fleet_sim import calibration
 from benchmarks.fleet_sim.metrics import quantile
 from benchmarks.fleet_sim.publisher import MODEL
 from engine.service.engine_state import EngineLoad
-from engine.service.redis_publisher import EngineRegistration, registry_fields
+from engine.service.redis_publisher import (
+    EngineRegistration,
+    apply_changes,
+    load_score,
+    registry_fields,
+)
 from kvfleet.contracts import redis_schema
 from kvfleet.contracts.block_hash import hash_token_blocks
 from kvfleet.redis_server import RedisServer
@@ -57,12 +62,12 @@ def populate(client: redis.Redis, engines: int, blocks: int, prompt_hashes: list
         held = held + [rng.randbytes(16) for _ in range(blocks - len(held))]
         pipe = client.pipeline(transaction=False)
         key = redis_schema.blocks_key(engine_id, epoch)
-        for start in range(0, len(held), 1000):
-            pipe.sadd(key, *held[start:start + 1000])
+        apply_changes(pipe, key, dict.fromkeys(held, True), engine_id)
         reg = EngineRegistration(engine_id, f"{engine_id}.sim:1", MODEL, 16, 8192, 256)
         pipe.hset(redis_schema.engine_key(engine_id),
                   mapping=registry_fields(reg, epoch, load, time.time()))
         pipe.sadd(redis_schema.ENGINES_SET, engine_id)
+        pipe.zadd(redis_schema.LOAD_ZSET, {engine_id: load_score(load)})
         pipe.execute()
 
 

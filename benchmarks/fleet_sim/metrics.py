@@ -5,7 +5,11 @@
 - miss_share: the share of those requests that found nothing of their prompt cached (a
   tenant's system prompt computed again, or for the first time): they set the TTFT tail.
 - ideal_hit_rate: the same if every block were computed once fleet-wide (one infinite cache
-  holding every prompt's and every answer's blocks).
+  holding every prompt's and every answer's blocks); ideal_miss_share: the share of requests
+  that would find nothing even then (their prefix's first appearance). When it is above 10%
+  no routing can bring the TTFT P90 below a miss's own prefill time.
+- hit_ttft_p90_s / miss_ttft_p50_s: the TTFT P90 of the requests that found part of their
+  prompt cached, and the median of those that found none (what a miss costs).
 - ttft_p50/p90/p99_s: first token - arrival, in virtual seconds; a request with no first
   token when the run ended counts with (end - arrival), a lower bound (`unfinished`).
 - max_over_mean_load: the busiest engine's busy time (sum of its step durations) over the
@@ -45,6 +49,10 @@ def summarize(run: RunRecord, warmup_s: float, block_size: int) -> dict[str, flo
     last = max((r.finish_s for r in finished), default=0.0) or 1.0
     busy = [e.busy_s for e in run.engines]
     received = [float(e.requests) for e in run.engines]
+    hit_ttfts = [t for r, t in zip(measured, ttfts, strict=True) if r.cached_tokens > 0]
+    miss_ttfts = [t for r, t in zip(measured, ttfts, strict=True)
+                  if r.cached_tokens == 0 and (r.first_token_s >= 0 or r.computed > 0)]
+    ideal_hit, ideal_miss = ideal_hits(run, warmup_s, block_size)
     ms = [s * 1000.0 for s in run.decision_s]
     cpu_ms = [s * 1000.0 for s in run.decision_cpu_s]
     return {
@@ -52,12 +60,15 @@ def summarize(run: RunRecord, warmup_s: float, block_size: int) -> dict[str, flo
         "unfinished": float(sum(1 for r in measured if r.first_token_s < 0)),
         "hit_rate": sum(r.cached_tokens for r in admitted) / prompt,
         "miss_share": sum(1 for r in admitted if r.cached_tokens == 0) / max(len(admitted), 1),
-        "ideal_hit_rate": ideal_hit_rate(run, warmup_s, block_size),
+        "ideal_hit_rate": ideal_hit,
+        "ideal_miss_share": ideal_miss,
         "max_over_mean_load": _max_over_mean(busy),
         "max_over_mean_requests": _max_over_mean(received),
         "ttft_p50_s": quantile(ttfts, 0.50),
         "ttft_p90_s": quantile(ttfts, 0.90),
         "ttft_p99_s": quantile(ttfts, 0.99),
+        "hit_ttft_p90_s": quantile(hit_ttfts, 0.90),
+        "miss_ttft_p50_s": quantile(miss_ttfts, 0.50),
         "throughput_rps": len(finished) / last,
         "decision_p50_ms": quantile(ms, 0.50),
         "decision_p99_ms": quantile(ms, 0.99),
@@ -66,8 +77,13 @@ def summarize(run: RunRecord, warmup_s: float, block_size: int) -> dict[str, flo
 
 
 def ideal_hit_rate(run: RunRecord, warmup_s: float, block_size: int) -> float:
+    return ideal_hits(run, warmup_s, block_size)[0]
+
+
+def ideal_hits(run: RunRecord, warmup_s: float, block_size: int) -> tuple[float, float]:
+    """(ideal hit rate, ideal miss share): see the module docstring."""
     seen: set[bytes] = set()
-    hit = total = 0
+    hit = total = requests = misses = 0
     for r in sorted(run.requests, key=lambda r: r.arrival_s):
         limit = (r.prompt_len - 1) // block_size
         n = 0
@@ -78,12 +94,14 @@ def ideal_hit_rate(run: RunRecord, warmup_s: float, block_size: int) -> float:
         if r.arrival_s >= warmup_s:
             hit += n * block_size
             total += r.prompt_len
+            requests += 1
+            misses += n == 0
         seen.update(r.hashes)
         # The engine caches the answer's full blocks too; the follow-up's prompt holds them.
         parent = r.hashes[-1] if r.hashes else None
         seen.update(hash_token_blocks([*r.prompt, *r.output], block_size, cache_salt=r.tenant,
                                       parent=parent, start_block=len(r.hashes)))
-    return hit / total if total else 0.0
+    return (hit / total if total else 0.0), (misses / requests if requests else 0.0)
 
 
 def _max_over_mean(values: Sequence[float]) -> float:

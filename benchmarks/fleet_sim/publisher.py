@@ -1,7 +1,8 @@
 """Writes what the simulated engines would publish into a real Redis.
 
 Role: the simulator's stand-in for each engine's `engine.service.redis_publisher.RedisPublisher`
-thread, using its own field and change functions (`registry_fields`, `apply_changes`) and the
+thread, using its own field and change functions (`registry_fields`, `apply_changes` with the
+inverted index, `load_score`) and the
 key layout of `kvfleet.contracts.redis_schema`, so the routers read exactly what real engines
 would have written.
 
@@ -26,7 +27,12 @@ import redis
 from benchmarks.fleet_sim.engine_model import SimEngine
 from engine.service.engine_state import EngineLoad
 from engine.service.prefill_work import StepRates
-from engine.service.redis_publisher import EngineRegistration, apply_changes, registry_fields
+from engine.service.redis_publisher import (
+    EngineRegistration,
+    apply_changes,
+    load_score,
+    registry_fields,
+)
 from kvfleet.contracts import redis_schema
 
 HEARTBEAT_S = 1.0
@@ -74,13 +80,14 @@ class SimPublisher:
     def _write(self, pipe: redis.client.Pipeline, engine_id: str) -> None:
         engine = self.engines[engine_id]
         key = redis_schema.blocks_key(engine_id, self.epoch)
-        apply_changes(pipe, key, engine.cache.take_changes())
+        apply_changes(pipe, key, engine.cache.take_changes(), engine_id)
         pipe.expire(key, redis_schema.BLOCKS_TTL_S)
-        fields = registry_fields(self._regs[engine_id], self.epoch, self.load(engine),
-                                 time.time())
+        load = self.load(engine)
+        fields = registry_fields(self._regs[engine_id], self.epoch, load, time.time())
         ekey = redis_schema.engine_key(engine_id)
         pipe.hset(ekey, mapping=fields)
         pipe.expire(ekey, redis_schema.REGISTRY_TTL_S)
+        pipe.zadd(redis_schema.LOAD_ZSET, {engine_id: load_score(load)})
 
     def load(self, engine: SimEngine) -> EngineLoad:
         cache, rates = engine.cache, self.rates[engine.engine_id]

@@ -79,8 +79,9 @@ class PendingExpiry:
 class SimPrefixIndex(PrefixIndex):
     """The real index; its pending claims are also registered for virtual-time expiry."""
 
-    def __init__(self, redis_url: str, clock: Clock, expiry: PendingExpiry) -> None:
-        super().__init__(redis_url, PrefixIndexConfig())
+    def __init__(self, redis_url: str, clock: Clock, expiry: PendingExpiry,
+                 config: PrefixIndexConfig | None = None) -> None:
+        super().__init__(redis_url, config or PrefixIndexConfig())
         self._clock = clock
         self._expiry = expiry
 
@@ -94,8 +95,8 @@ class SimPrefixIndex(PrefixIndex):
 
 class RouterReplica:
     def __init__(self, policy: Policy, redis_url: str, clock: Clock, expiry: PendingExpiry,
-                 prefix: PrefixPolicyConfig) -> None:
-        self.index = SimPrefixIndex(redis_url, clock, expiry)
+                 prefix: PrefixPolicyConfig, index: PrefixIndexConfig | None = None) -> None:
+        self.index = SimPrefixIndex(redis_url, clock, expiry, index)
         self.pool = EnginePool(clock=clock)
         self.selector = EngineSelector(RoutingConfig(policy=policy, prefix=prefix), self.index,
                                        self.pool, clock=clock)

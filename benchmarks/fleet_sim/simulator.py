@@ -29,11 +29,25 @@ from benchmarks.fleet_sim.routers import Oracle, PendingExpiry, RouterReplica
 from benchmarks.fleet_sim.workload import Workload
 from kvfleet.contracts.block_hash import hash_token_blocks
 from router.routing.decision import _tie_key  # the router's own tie key
+from router.routing.prefix_index import PrefixIndexConfig
 from router.routing.ranking import Policy, PrefixPolicyConfig
 
 ORACLE = "oracle"
 POLICIES = ("prefix", "round_robin", "least_load", ORACLE)
 _STEP, _ARRIVAL = 0, 1
+
+
+# Seconds a simulated router waits for Redis. Virtual time does not care how long Redis
+# takes, and the router's own 1-s timeouts turned an oversubscribed machine (load 27 on 2
+# cores) into index outages whose fallback (asking engines over gRPC) a simulated fleet
+# cannot answer.
+PATIENT_REDIS_S = 60.0
+
+
+def patient_index(**overrides: int) -> PrefixIndexConfig:
+    """The routers' index config with timeouts no machine load reaches."""
+    return PrefixIndexConfig(connect_timeout_s=PATIENT_REDIS_S, read_timeout_s=PATIENT_REDIS_S,
+                             pool_timeout_s=PATIENT_REDIS_S, **overrides)
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,8 @@ class SimConfig:
     # Print a progress line every this many simulated seconds (0: never).
     progress_every_s: float = 0.0
     prefix: PrefixPolicyConfig = field(default_factory=PrefixPolicyConfig)
+    # The routers' Redis lookup (fleet size read whole, candidate window).
+    index: PrefixIndexConfig = field(default_factory=patient_index)
 
 
 @dataclass
@@ -77,7 +93,7 @@ class FleetSim:
             self.oracle = Oracle(self.engines, self.publisher, config.prefix)
         else:
             self.replicas = [RouterReplica(Policy(config.policy), redis_url, self._clock,
-                                           self.expiry, config.prefix)
+                                           self.expiry, config.prefix, config.index)
                              for _ in range(config.replicas)]
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0

@@ -8,6 +8,12 @@ Shapes:
 - `skewed`: the same, tenants drawn by a Zipf law (a few hot tenants carry most traffic).
 - `no_sharing`: every request a unique prompt (no prefix is ever reused): the routing
   policies can only balance load.
+- `prefix_repetition`: the real fleet benchmark's case (benchmarks/fleet_bench.py, vLLM's
+  dataset of that name), to check the simulator against measured figures: `max_sessions`
+  single-turn prompts, `tenants` prefixes of exactly `system_tokens` tokens, each prompt one
+  of them (every prefix equally often, in a seeded shuffled order, as vLLM's sampler does)
+  plus `user_tokens` own tokens; one tenant (cache salt) for all, as the benchmark sends
+  none; arrivals Poisson at `sessions_per_s`, or all at once when it is infinite.
 
 Invariants: a pure function of (config, seed): the same session gets the same tenant, the
 same token ids and the same answers whatever the policy (so policies face identical
@@ -21,7 +27,7 @@ import random
 from array import array
 from dataclasses import dataclass
 
-SHAPES = ("llmd", "skewed", "no_sharing")
+SHAPES = ("llmd", "skewed", "no_sharing", "prefix_repetition")
 VOCAB_LO, VOCAB_HI = 100, 40000
 
 
@@ -38,10 +44,16 @@ class WorkloadConfig:
     duration_s: float = 1800.0
     zipf_a: float = 1.1
     seed: int = 0
+    # Sessions at most (0: as many as arrive within duration_s).
+    max_sessions: int = 0
 
     def __post_init__(self) -> None:
         if self.shape not in SHAPES:
             raise ValueError(f"shape must be one of {SHAPES}, got {self.shape!r}")
+        if self.sessions_per_s <= 0:
+            raise ValueError(f"sessions_per_s must be positive, got {self.sessions_per_s}")
+        if self.shape == "prefix_repetition" and self.max_sessions <= 0:
+            raise ValueError("the prefix_repetition shape needs max_sessions (--num-prompts)")
 
 
 @dataclass(frozen=True)
@@ -64,13 +76,19 @@ class Workload:
         rng = random.Random(config.seed)
         self.session_starts: list[float] = []
         t = 0.0
-        while True:
-            t += rng.expovariate(config.sessions_per_s)
+        limit = config.max_sessions or None
+        while limit is None or len(self.session_starts) < limit:
+            if config.sessions_per_s != float("inf"):
+                t += rng.expovariate(config.sessions_per_s)
             if t >= config.duration_s:
                 break
             self.session_starts.append(t)
         weights = [1.0 / (i + 1) ** config.zipf_a for i in range(config.tenants)]
-        if config.shape == "skewed":
+        if config.shape == "prefix_repetition":
+            n = len(self.session_starts)
+            self._tenant_of = [i % config.tenants for i in range(n)]
+            rng.shuffle(self._tenant_of)
+        elif config.shape == "skewed":
             self._tenant_of = rng.choices(range(config.tenants), weights,
                                           k=len(self.session_starts))
         else:
@@ -79,7 +97,8 @@ class Workload:
 
     @property
     def turns_per_session(self) -> int:
-        return 1 if self.config.shape == "no_sharing" else self.config.turns
+        single = self.config.shape in ("no_sharing", "prefix_repetition")
+        return 1 if single else self.config.turns
 
     def think_s(self, session: int, index: int) -> float:
         return random.Random(f"{self.config.seed}:think:{session}:{index}").expovariate(
@@ -93,6 +112,9 @@ class Workload:
         if c.shape == "no_sharing":
             tenant = f"t{session}"
             prompt = _tokens(rng, c.system_tokens // 4 + c.user_tokens)
+        elif c.shape == "prefix_repetition":
+            tenant = "default"
+            prompt = array("i", self._system(tenant_ix)) + _tokens(rng, c.user_tokens)
         else:
             tenant = f"t{tenant_ix}"
             history = self._history.pop(session, None)
@@ -108,6 +130,7 @@ class Workload:
         system = self._systems.get(tenant)
         if system is None:
             rng = random.Random(f"{self.config.seed}:system:{tenant}")
-            n = int(self.config.system_tokens * rng.uniform(0.9, 1.1))
+            spread = 0.0 if self.config.shape == "prefix_repetition" else 0.1
+            n = int(self.config.system_tokens * rng.uniform(1 - spread, 1 + spread))
             system = self._systems[tenant] = _tokens(rng, n)
         return system

@@ -6,15 +6,19 @@ never I/O); a background thread turns them into Redis writes:
 
 - start / (re)connect: a *resync*, one MULTI/EXEC: delete every block set of this engine id
   (old epochs and the current one), SADD the full current prefix cache, write the registry
-  hash with its TTL, SADD the id to the engines set. The cache snapshot is taken on the engine
-  thread (`call_in_engine_thread`), atomically with dropping the events it supersedes.
+  hash with its TTL, SADD the id to the engines set and its load score to the load ZSET.
+  The inverted index (`redis_schema.holders_key`) follows: the id joins the holders of every
+  cached hash and leaves those of the hashes its old sets held and the cache no longer does.
+  The cache snapshot is taken on the engine thread (`call_in_engine_thread`), atomically
+  with dropping the events it supersedes.
 - every flush (as soon as events arrive, at most every `MIN_FLUSH_INTERVAL_S`, and at least
-  every heartbeat): one MULTI/EXEC with EXISTS(registry), SADD/SREM of the net hash changes,
-  EXPIRE of the block set, HSET of every registry field (static ones too, so the hash is
-  always whole) and EXPIRE of the registry. EXISTS = 0 means Redis lost our keys (restarted,
+  every heartbeat): one MULTI/EXEC with EXISTS(registry), SADD/SREM of the net hash changes
+  (in the block set and, for each changed hash, its holders set), EXPIRE of the block set,
+  HSET of every registry field (static ones too, so the hash is always whole), EXPIRE of the
+  registry and ZADD of the load score. EXISTS = 0 means Redis lost our keys (restarted,
   flushed, or our TTL lapsed): a resync follows at once.
 - `deregister()` (graceful shutdown): stop the thread, then delete the registry hash and the
-  block set and SREM the id from the engines set.
+  block set, SREM the id from the engines set and its blocks' holders sets, ZREM its load.
 
 Invariants:
 - The engine thread never waits on Redis: `on_step` only records; writes happen elsewhere.
@@ -70,6 +74,8 @@ MIN_FLUSH_INTERVAL_S = 0.005
 LOG_EVERY_S = 30.0
 # Hashes per SADD/SREM command (bounded argument lists).
 CHUNK = 1000
+# Prompt tokens per second assumed by the load score before the engine measured its rate.
+DEFAULT_PREFILL_RATE = 1000.0
 
 
 def validate_engine_id(engine_id: str) -> str:
@@ -198,9 +204,15 @@ class RedisPublisher:
         if self._thread is not None:
             self._thread.join()
         try:
+            engine_id = self.registration.engine_id
+            device: set[Any] = self._client.smembers(self._blocks_key)
+            host: set[Any] = self._client.smembers(self._host_blocks_key)
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(self._engine_key, self._blocks_key, self._host_blocks_key)
-            pipe.srem(redis_schema.ENGINES_SET, self.registration.engine_id)
+            pipe.srem(redis_schema.ENGINES_SET, engine_id)
+            pipe.zrem(redis_schema.LOAD_ZSET, engine_id)
+            apply_holders(pipe, engine_id, dict.fromkeys(device, False))
+            apply_holders(pipe, engine_id, dict.fromkeys(host, False), host=True)
             pipe.execute()
             logger.info("deregistered engine %s from Redis", self.registration.engine_id)
             return True
@@ -259,14 +271,17 @@ class RedisPublisher:
         """One transaction with the net changes and the load; False if our registry was gone."""
         pipe = self._client.pipeline(transaction=True)
         pipe.exists(self._engine_key)
-        apply_changes(pipe, self._blocks_key, pending.device)
+        engine_id = self.registration.engine_id
+        apply_changes(pipe, self._blocks_key, pending.device, engine_id)
         pipe.expire(self._blocks_key, redis_schema.BLOCKS_TTL_S)
         self._has_host_tier = self._has_host_tier or bool(pending.host)
         if self._has_host_tier:
-            apply_changes(pipe, self._host_blocks_key, pending.host)
+            apply_changes(pipe, self._host_blocks_key, pending.host, engine_id, host=True)
             pipe.expire(self._host_blocks_key, redis_schema.BLOCKS_TTL_S)
-        pipe.hset(self._engine_key, mapping=self._registry_fields())
+        load = self._view.load
+        pipe.hset(self._engine_key, mapping=self._registry_fields(load))
         pipe.expire(self._engine_key, redis_schema.REGISTRY_TTL_S)
+        pipe.zadd(redis_schema.LOAD_ZSET, {engine_id: load_score(load)})
         results = pipe.execute()
         return bool(results[0])
 
@@ -276,23 +291,27 @@ class RedisPublisher:
         hashes, host_hashes = snapshot.result(SNAPSHOT_TIMEOUT_S)
         self._has_host_tier = self._has_host_tier or bool(host_hashes)
         engine_id = self.registration.engine_id
-        stale = [
-            key
-            for pattern in (redis_schema.blocks_key_pattern(engine_id),
-                            redis_schema.host_blocks_key_pattern(engine_id))
-            for key in self._client.scan_iter(match=pattern, count=1000)
-        ]
+        stale = [list(self._client.scan_iter(match=pattern, count=1000))
+                 for pattern in (redis_schema.blocks_key_pattern(engine_id),
+                                 redis_schema.host_blocks_key_pattern(engine_id))]
+        # What the old sets held: those hashes leave the inverted index unless still cached.
+        held = [set().union(*(self._client.smembers(k) for k in keys)) for keys in stale]
         pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self._blocks_key, self._host_blocks_key, self._engine_key, *stale)
+        pipe.delete(self._blocks_key, self._host_blocks_key, self._engine_key,
+                    *stale[0], *stale[1])
         for chunk in _chunks(hashes):
             pipe.sadd(self._blocks_key, *chunk)
         pipe.expire(self._blocks_key, redis_schema.BLOCKS_TTL_S)
         for chunk in _chunks(host_hashes):
             pipe.sadd(self._host_blocks_key, *chunk)
         pipe.expire(self._host_blocks_key, redis_schema.BLOCKS_TTL_S)
-        pipe.hset(self._engine_key, mapping=self._registry_fields())
+        apply_holders(pipe, engine_id, _replacing(held[0], hashes))
+        apply_holders(pipe, engine_id, _replacing(held[1], host_hashes), host=True)
+        load = self._view.load
+        pipe.hset(self._engine_key, mapping=self._registry_fields(load))
         pipe.expire(self._engine_key, redis_schema.REGISTRY_TTL_S)
-        pipe.sadd(redis_schema.ENGINES_SET, self.registration.engine_id)
+        pipe.sadd(redis_schema.ENGINES_SET, engine_id)
+        pipe.zadd(redis_schema.LOAD_ZSET, {engine_id: load_score(load)})
         pipe.execute()
         return len(hashes)
 
@@ -303,8 +322,8 @@ class RedisPublisher:
             self._pending_host.clear()
         return self._view.cached_block_hashes(), self._view.host_block_hashes()
 
-    def _registry_fields(self) -> dict[Any, str]:
-        return registry_fields(self.registration, self.epoch, self._view.load, time.time())
+    def _registry_fields(self, load: EngineLoad) -> dict[Any, str]:
+        return registry_fields(self.registration, self.epoch, load, time.time())
 
     def _on_registered(self, num_blocks: int) -> None:
         if self._failures:
@@ -368,14 +387,48 @@ class _Pending:
     host: dict[BlockHash, bool]
 
 
-def apply_changes(pipe: Any, key: str, changes: dict[BlockHash, bool]) -> None:
-    """SADD the hashes now cached, SREM the evicted ones (`changes`: hash -> cached)."""
+def apply_changes(
+    pipe: Any, key: str, changes: dict[BlockHash, bool], engine_id: str, *, host: bool = False
+) -> None:
+    """SADD the hashes now cached, SREM the evicted ones (`changes`: hash -> cached), in the
+    engine's set `key` and in each hash's holders set (the inverted index)."""
     added = [h for h, cached in changes.items() if cached]
     removed = [h for h, cached in changes.items() if not cached]
     for chunk in _chunks(added):
         pipe.sadd(key, *chunk)
     for chunk in _chunks(removed):
         pipe.srem(key, *chunk)
+    apply_holders(pipe, engine_id, changes, host=host)
+
+
+def apply_holders(
+    pipe: Any, engine_id: str, changes: dict[BlockHash, bool], *, host: bool = False
+) -> None:
+    """The engine joins (True) or leaves (False) each hash's holders set: one command per
+    hash, the price of a lookup that reads only the prompt's holders."""
+    key_of = redis_schema.host_holders_key if host else redis_schema.holders_key
+    for block_hash, cached in changes.items():
+        if cached:
+            pipe.sadd(key_of(block_hash), engine_id)
+        else:
+            pipe.srem(key_of(block_hash), engine_id)
+
+
+def load_score(load: EngineLoad) -> float:
+    """Seconds of work queued on the engine (`redis_schema.LOAD_ZSET`): its queued prompt
+    tokens at its measured prefill rate plus one decode step of its decoding requests, and
+    a millisecond per request so that, work being equal, the fewer requests rank first."""
+    rate = load.prefill_tokens_per_s if load.prefill_tokens_per_s > 0 else DEFAULT_PREFILL_RATE
+    step = load.decode_s_per_seq if load.decode_s_per_seq > 0 else 0.0
+    requests = load.num_running + load.num_waiting
+    return load.queued_prefill_tokens / rate + load.num_decoding * step + 0.001 * requests
+
+
+def _replacing(old: set[Any], new: Sequence[BlockHash]) -> dict[BlockHash, bool]:
+    """Changes turning the holders of `old` into those of `new`."""
+    changes: dict[BlockHash, bool] = dict.fromkeys(old, False)
+    changes.update(dict.fromkeys(new, True))
+    return changes
 
 
 def _chunks(items: Sequence[BlockHash]) -> Iterator[Sequence[Any]]:

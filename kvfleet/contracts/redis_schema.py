@@ -35,6 +35,22 @@ Redis holds only rebuildable state; everything expires unless an engine keeps it
   score is still ahead of `TIME`. Engines never read or write it; a restarted engine's new
   epoch starts with no pending entries.
 
+- `kvfleet:holders:{hash}` — SET of the engine ids holding that block hash in their device
+  prefix cache (any epoch; the raw 16-byte digest is the key's tail): the inverted index. An
+  engine SADDs/SREMs its id in the same transaction as its own block set, and on a resync
+  removes its id from every hash of its old sets it no longer holds. A member is only a
+  *candidate*: routers confirm it against the engine's live registry and current-epoch set, so
+  a crashed engine's leftover entries cost a lookup, never a wrong match (the lookup removes
+  a dead engine's id from the keys it meets). No TTL: a live engine may hold a block for hours.
+- `kvfleet:host_holders:{hash}` — the same for the host tier.
+- `kvfleet:pending_holders:{hash}` — ZSET engine id -> expiry (Redis' clock), written by
+  routers with a pending claim on the claim's first block, so an engine with only pending
+  entries of a prompt is found as a candidate too. The key expires with its longest entry.
+- `kvfleet:load` — ZSET engine id -> seconds of queued work (`load_score`: queued prefill
+  tokens at the engine's prefill rate plus one decode step of its decoding requests),
+  written on every flush. Routers of a large fleet read a window of the least loaded
+  engines from it instead of every engine's registry (router/routing/prefix_index.py).
+
 Liveness, as routers judge it: the hash exists, and `updated_at` is at most the router's
 `--engine-stale-after` bound (default `DEFAULT_STALE_AFTER_S`, a few heartbeats) older than
 Redis' own clock (`TIME`), so every router replica judges by the same clock. An engine whose
@@ -51,15 +67,15 @@ engine measures from its own steps; 0: nothing measured yet).
 
 Engines write each step's KV events (stored / removed hashes) as one pipelined SADD/SREM.
 Routers answer "how many leading blocks does each live engine hold" in one round trip
-(a Lua script reading every live engine's hash and running SMISMEMBER on its blocks set, in
-chunks of 1, 4, 16, then 64 blocks, and answering one NUL-joined string per engine; see
-router/routing/prefix_index.py).
+(a Lua script running SMISMEMBER on each engine's blocks set, in chunks of 1, 4, 16, then 64
+blocks, and answering one NUL-joined string per engine; see router/routing/prefix_index.py).
+In a fleet of at most `FULL_SCAN_MAX_ENGINES` engines the script reads every live engine;
+beyond it only the candidates: the holders of the prompt's first block (device, host,
+pending) and a window of the least loaded engines, so a decision's cost follows the prompt
+and the holders, not the fleet.
 
-Sizes and costs (benchmarks/fleet_sim/decision_cost.py, docs/fleet-simulator.md): a cached
-block costs ~65 bytes of Redis memory (a 16-byte member of a hashtable SET), an engine with
-1,456 cached blocks ~95 KB. A lookup reads every live engine, so its cost grows with the
-fleet: ~15 us of Redis CPU and ~20 us of router CPU per engine, on top of ~1 ms for a
-6,000-token prompt (hashing it, sending its 374 hashes).
+Sizes and costs: docs/fleet-simulator.md (benchmarks/fleet_sim/decision_cost.py measures
+them).
 
 This module must stay free of redis/torch imports: it only names things.
 """
@@ -84,6 +100,24 @@ ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH)
 
 # Bounds on how long a router's pending entry counts (router.routing.pending).
 PENDING_MAX_TTL_S = 30
+
+
+# Fleets up to this size are read whole by every lookup (exact, cheap); larger ones by candidates.
+FULL_SCAN_MAX_ENGINES = 16
+LOAD_ZSET = f"{PREFIX}:load"
+
+
+def holders_key(block_hash: bytes) -> bytes:
+    """The inverted index's key of one device block hash (binary: the raw digest)."""
+    return f"{PREFIX}:holders:".encode() + block_hash
+
+
+def host_holders_key(block_hash: bytes) -> bytes:
+    return f"{PREFIX}:host_holders:".encode() + block_hash
+
+
+def pending_holders_key(block_hash: bytes) -> bytes:
+    return f"{PREFIX}:pending_holders:".encode() + block_hash
 
 
 def engine_key(engine_id: str) -> str:

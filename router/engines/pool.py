@@ -151,6 +151,13 @@ class EnginePool:
             if engine_id not in self._known and self.in_flight(engine_id) == 0:
                 self._close_unused(self._dialed.pop(engine_id))
 
+    def remember_some(self, records: Iterable[EngineRecord]) -> None:
+        """Engines a large fleet's candidate lookup reported: updated, no other one dropped
+        (the next complete answer drops the gone ones)."""
+        for record in records:
+            if record.address:
+                self._known[record.engine_id] = record
+
     @property
     def known(self) -> list[EngineRecord]:
         """The last engine list learned (matched_blocks 0: it belongs to no prompt)."""

@@ -11,7 +11,12 @@ Invariants:
   with the tenant, and with the adapter when the model names a LoRA adapter this router has
   seen published (`router.routing.lora_engines`): exactly what the engine computes for the request.
 - One Redis round trip per decision; a second one only when the block size hint was wrong
-  (the hint is then corrected from the registry, so it happens once per change).
+  (the hint is then corrected from the registry, so it happens once per change), or when a
+  large fleet's candidate answer (`router.routing.prefix_index`: holders of the prompt's first
+  block plus the least loaded engines) cannot serve the request as the whole fleet could --
+  no candidate serves the model or adapter, or the fleet splits prefill and decode -- and the
+  whole fleet is read instead. A candidate answer updates the engines this replica knows
+  without forgetting the others.
 - A prefix decision made with the index carries its prompt hashes as `PendingClaims`: the
   dispatcher marks them pending on the engine it sends the request to, in the background
   (`router.routing.pending`), so the decision's own latency stays one round trip. This
@@ -160,7 +165,7 @@ class EngineSelector:
 
     async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
         lora_hint = model if model in self._adapters else ""
-        records, used_index, hashes = await self._records(prompt_ids, tenant, lora_hint)
+        records, used_index, hashes = await self._records(prompt_ids, tenant, lora_hint, model)
         lora_id = adapter_for(records, model)
         if lora_id:
             self._adapters.add(lora_id)
@@ -260,14 +265,15 @@ class EngineSelector:
         return dict(sorted(lens.items()))
 
     async def _records(
-        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = ""
+        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "", model: str = ""
     ) -> tuple[list[EngineRecord], bool, list[bytes]]:
         """The live engines, whether they came from the prefix index (module docstring), and
         the prompt's block hashes they were matched against (empty without the index)."""
         if self._index is not None and time.monotonic() >= self._redis_down_until:
             started = time.perf_counter()
             try:
-                records, hashes = await self._lookup(prompt_ids, tenant, lora_id)
+                records, complete, hashes = await self._lookup(prompt_ids, tenant, lora_id,
+                                                               model)
             except PrefixIndexBusy as e:
                 self._on_busy(e)
                 if self._pool.known:
@@ -278,7 +284,8 @@ class EngineSelector:
                 self.metrics.redis_latency.observe(time.perf_counter() - started)
                 self._on_answer()
                 if records:
-                    self._pool.remember(records)
+                    if complete:
+                        self._pool.remember(records)
                     return records, True, hashes
                 # No engine registered: typically a Redis that just restarted empty, before
                 # the engines' next heartbeat. The engines known or discoverable may serve.
@@ -307,19 +314,26 @@ class EngineSelector:
                            "--redis-max-connections or --redis-pool-timeout?)", error)
 
     async def _lookup(
-        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = ""
-    ) -> tuple[list[EngineRecord], list[bytes]]:
+        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "", model: str = ""
+    ) -> tuple[list[EngineRecord], bool, list[bytes]]:
+        """The index's engines (all, or a large fleet's candidates: `complete` False), and
+        the prompt's hashes."""
         assert self._index is not None
         hashes = self._hashes(prompt_ids, tenant, lora_id)
-        records = await self._index.lookup(self._block_size, hashes)
-        sizes = collections.Counter(r.block_size for r in records if r.block_size)
+        seed = int.from_bytes(_tie_key(prompt_ids, tenant)[:4], "little")
+        answer = await self._index.lookup_answer(self._block_size, hashes, seed=seed)
+        sizes = collections.Counter(r.block_size for r in answer.records if r.block_size)
         if sizes and self._block_size not in sizes:
             # Engines advertise their block size; adopt the most common one and ask again.
             self._block_size = sizes.most_common(1)[0][0]
             logger.info("engines use block size %d; re-hashing", self._block_size)
             hashes = self._hashes(prompt_ids, tenant, lora_id)
-            records = await self._index.lookup(self._block_size, hashes)
-        return records, hashes
+            answer = await self._index.lookup_answer(self._block_size, hashes, seed=seed)
+        if not answer.complete and _needs_whole_fleet(answer.records, model):
+            answer = await self._index.lookup_answer(self._block_size, hashes, full=True)
+        if not answer.complete:
+            self._pool.remember_some(answer.records)
+        return answer.records, answer.complete, hashes
 
     def _hashes(self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "") -> list[bytes]:
         if self.config.policy is not Policy.PREFIX:
@@ -353,6 +367,17 @@ class EngineSelector:
             for r in records
             if r.address
         ]
+
+
+def _needs_whole_fleet(candidates: Sequence[EngineRecord], model: str) -> bool:
+    """A candidate answer that cannot serve the request as every engine could: none of the
+    candidates serves the model (or the LoRA adapter it names), or the fleet splits prefill
+    and decode (both kinds must be ranked)."""
+    if not candidates:
+        return True
+    if model and not any(r.model == model for r in candidates):
+        return True
+    return any(r.fields.get("role", "both") != "both" for r in candidates)
 
 
 def _for_model(records: Sequence[EngineRecord], model: str) -> list[EngineRecord]:

@@ -5,6 +5,17 @@ engine (its registry hash exists and its heartbeat is fresh; see kvfleet/contrac
 how many leading blocks of the prompt its current epoch's block set holds, the size of that set, and
 every registry field (address, epoch, block_size, load...).
 
+Which engines: all live ones while the engines set has at most `full_scan_max_engines` members
+(or the prompt has no block, or the caller asks for a full answer). A larger fleet's lookup
+reads only *candidates*, so its cost follows the prompt and its holders, not the fleet:
+the engines the inverted index names for the prompt's first block (device holders, host
+holders, unexpired pending holders: an engine without the first block matches nothing), plus
+`candidate_window` live engines among the least loaded (`kvfleet:load`) -- a slice, chosen
+by the caller's seed, of those within `WINDOW_REL` / `WINDOW_ABS_S` of the least loaded when
+there are more of them, so new prefixes spread over an idle fleet; holders do not count
+towards the window, dead or stale members are passed over. Every candidate is matched
+exactly as in a full answer; the answer says which kind it is (`LookupAnswer.complete`).
+
 Invariants:
 - One EVALSHA per lookup (redis-py's Script falls back to EVAL once after a Redis restart).
 - Only the current epoch's block set counts: a restarted engine's stale blocks never match.
@@ -21,10 +32,13 @@ Invariants:
   matched, pending matched, then every registry field and value), so a decision's parsing
   cost stays small at 128 engines (benchmarks/fleet_sim/decision_cost.py).
 - Pending entries are written by `mark_pending` (one EVALSHA, issued after the decision, off
-  the request's critical path; see router.routing.pending) and dropped by `unmark_pending`.
-- The registry cleans itself: the script SREMs from the engines set every id whose hash has
-  expired. An engine whose `updated_at` is older than `stale_after_s` by Redis' clock is
-  left out of the answer (but stays registered: its next heartbeat brings it back).
+  the request's critical path; see router.routing.pending), with the engine as a pending
+  holder of the claim's first block, and dropped by `unmark_pending` (the holder entry then
+  only names a candidate until it expires).
+- The registry cleans itself: the script SREMs from the engines set (and the load ZSET, and
+  the first block's holder keys) every id it meets whose hash has expired. An engine whose
+  `updated_at` is older than `stale_after_s` by Redis' clock is left out of the answer (but
+  stays registered: its next heartbeat brings it back).
 - Connections are a bounded, blocking pool (`max_connections`): a burst of decisions waits
   for a connection instead of failing. A lookup that waited `pool_timeout_s` without getting
   one raises `PrefixIndexBusy` (Redis is up, this router is busy); any Redis failure
@@ -67,76 +81,148 @@ MATCH_CHUNK = 64
 RECORD_SEP = "\0"
 # Pending entries per ZADD call inside the mark script (bounded Lua stacks).
 MARK_CHUNK = 500
+# Engines whose queued work (`kvfleet:load`) is within this of the least loaded one's count
+# as about as idle when a large fleet's lookup picks its window of candidates (the same
+# tolerance as the ranking's ties, router.routing.ttft_cost).
+WINDOW_REL = 0.2
+WINDOW_ABS_S = 0.01
+HOLDERS_KEY_PREFIX = redis_schema.holders_key(b"")
+HOST_HOLDERS_KEY_PREFIX = redis_schema.host_holders_key(b"")
+PENDING_HOLDERS_KEY_PREFIX = redis_schema.pending_holders_key(b"")
 
-# KEYS[1] = engines set; ARGV = engine key prefix, blocks key prefix, block size, chunk,
-# max heartbeat age in seconds (0: no bound), host blocks key prefix, pending key prefix,
-# hashes...
+# KEYS[1] = engines set, KEYS[2] = load ZSET; ARGV = engine key prefix, blocks key prefix,
+# block size, chunk, max heartbeat age in seconds (0: no bound), host blocks key prefix,
+# pending key prefix, full-scan fleet size, candidate window, window seed, holders key
+# prefix, host holders key prefix, pending holders key prefix, hashes...
+# The answer's first element says "full" (every live engine) or "candidates".
 LOOKUP_SCRIPT = """
 local engine_prefix, blocks_prefix = ARGV[1], ARGV[2]
 local block_size, chunk = tonumber(ARGV[3]), tonumber(ARGV[4])
 local max_age = tonumber(ARGV[5])
 local host_prefix, pending_prefix = ARGV[6], ARGV[7]
-local first_hash, last_hash = 8, #ARGV
+local full_max, window, seed = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local holders_prefix, host_holders_prefix = ARGV[11], ARGV[12]
+local pending_holders_prefix = ARGV[13]
+local first_hash, last_hash = 14, #ARGV
 local SEP = '\0'
 local time = redis.call('TIME')
 local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
 local result, gone = {}, {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local fields = redis.call('HGETALL', engine_prefix .. id)
-  if #fields == 0 then
-    table.insert(gone, id)
-  else
-    local info = {}
-    for i = 1, #fields, 2 do info[fields[i]] = fields[i + 1] end
-    local updated = tonumber(info['updated_at'])
-    if max_age <= 0 or updated == nil or now - updated <= max_age then
-      local matched, host_matched, pending_matched, cached = 0, 0, 0, 0
-      if info['epoch'] then
-        local suffix = id .. ':' .. info['epoch']
-        local bkey, hkey = blocks_prefix .. suffix, host_prefix .. suffix
-        local pkey = pending_prefix .. suffix
-        cached = redis.call('SCARD', bkey)
-        local host_cached = redis.call('SCARD', hkey)
-        local pending = redis.call('ZCARD', pkey)
-        if cached + host_cached + pending > 0 and tonumber(info['block_size']) == block_size then
-          local i, done, step = first_hash, false, 1
-          while i <= last_hash and not done do
-            local j = math.min(i + step - 1, last_hash)
-            step = math.min(step * 4, chunk)
-            local hits, host_hits, expiry = {}, {}, {}
-            if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j)) end
-            if host_cached > 0 then
-              host_hits = redis.call('SMISMEMBER', hkey, unpack(ARGV, i, j))
-            end
-            if pending > 0 then expiry = redis.call('ZMSCORE', pkey, unpack(ARGV, i, j)) end
-            for k = 1, j - i + 1 do
-              if hits[k] == 1 then matched = matched + 1
-              elseif host_hits[k] == 1 then host_matched = host_matched + 1
-              elseif expiry[k] and tonumber(expiry[k]) > now then
-                pending_matched = pending_matched + 1
-              else done = true; break end
-            end
-            i = j + 1
-          end
-        end
+
+local function match(id, info)
+  local matched, host_matched, pending_matched, cached = 0, 0, 0, 0
+  if not info['epoch'] then return matched, cached, host_matched, pending_matched end
+  local suffix = id .. ':' .. info['epoch']
+  local bkey, hkey = blocks_prefix .. suffix, host_prefix .. suffix
+  local pkey = pending_prefix .. suffix
+  cached = redis.call('SCARD', bkey)
+  local host_cached = redis.call('SCARD', hkey)
+  local pending = redis.call('ZCARD', pkey)
+  if cached + host_cached + pending > 0 and tonumber(info['block_size']) == block_size then
+    local i, done, step = first_hash, false, 1
+    while i <= last_hash and not done do
+      local j = math.min(i + step - 1, last_hash)
+      step = math.min(step * 4, chunk)
+      local hits, host_hits, expiry = {}, {}, {}
+      if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j)) end
+      if host_cached > 0 then
+        host_hits = redis.call('SMISMEMBER', hkey, unpack(ARGV, i, j))
       end
-      table.insert(result, table.concat({id, matched, cached, host_matched, pending_matched,
-                                         table.concat(fields, SEP)}, SEP))
+      if pending > 0 then expiry = redis.call('ZMSCORE', pkey, unpack(ARGV, i, j)) end
+      for k = 1, j - i + 1 do
+        if hits[k] == 1 then matched = matched + 1
+        elseif host_hits[k] == 1 then host_matched = host_matched + 1
+        elseif expiry[k] and tonumber(expiry[k]) > now then
+          pending_matched = pending_matched + 1
+        else done = true; break end
+      end
+      i = j + 1
     end
   end
+  return matched, cached, host_matched, pending_matched
 end
-for _, id in ipairs(gone) do redis.call('SREM', KEYS[1], id) end
-return result
-"""
 
-# KEYS[1] = one engine's pending ZSET; ARGV = seconds the entries count, chunk, hashes...
+local function probe(id)
+  local fields = redis.call('HGETALL', engine_prefix .. id)
+  if #fields == 0 then table.insert(gone, id); return false end
+  local info = {}
+  for i = 1, #fields, 2 do info[fields[i]] = fields[i + 1] end
+  local updated = tonumber(info['updated_at'])
+  if max_age > 0 and updated ~= nil and now - updated > max_age then return false end
+  local matched, cached, host_matched, pending_matched = match(id, info)
+  table.insert(result, table.concat({id, matched, cached, host_matched, pending_matched,
+                                     table.concat(fields, SEP)}, SEP))
+  return true
+end
+
+local function append(ids, more)
+  for _, id in ipairs(more) do table.insert(ids, id) end
+end
+
+-- The least loaded engines in the order the window takes them: those about as idle as the
+-- least loaded one from an offset chosen by the seed (so new prefixes spread over an idle
+-- fleet and every replica takes the same slice), then the rest of them, then the busier.
+-- Up to 4 windows' worth: dead or stale members are passed over, not counted.
+local function least_loaded()
+  local want = window * 4
+  local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  if #first == 0 then return {} end
+  local bound = tonumber(first[2]) * (1 + WINDOW_REL) + WINDOW_ABS_S
+  local near = redis.call('ZCOUNT', KEYS[2], '-inf', bound)
+  local offset = 0
+  if near > window then offset = seed % near end
+  local ids = redis.call('ZRANGE', KEYS[2], offset, math.min(near, offset + want) - 1)
+  if offset > 0 then append(ids, redis.call('ZRANGE', KEYS[2], 0, offset - 1)) end
+  if #ids < want then append(ids, redis.call('ZRANGE', KEYS[2], near, near + want - #ids - 1)) end
+  return ids
+end
+
+local mode = 'full'
+if last_hash < first_hash or redis.call('SCARD', KEYS[1]) <= full_max then
+  for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do probe(id) end
+else
+  mode = 'candidates'
+  local h0 = ARGV[first_hash]
+  local seen = {}
+  local function consider(ids, limit)
+    local added = 0
+    for _, id in ipairs(ids) do
+      if added >= limit then break end
+      if not seen[id] then
+        seen[id] = true
+        if probe(id) then added = added + 1 end
+      end
+    end
+  end
+  local all = math.huge
+  consider(redis.call('SMEMBERS', holders_prefix .. h0), all)
+  consider(redis.call('SMEMBERS', host_holders_prefix .. h0), all)
+  consider(redis.call('ZRANGEBYSCORE', pending_holders_prefix .. h0, now, '+inf'), all)
+  consider(least_loaded(), window)
+  for _, id in ipairs(gone) do
+    redis.call('SREM', holders_prefix .. h0, id)
+    redis.call('SREM', host_holders_prefix .. h0, id)
+    redis.call('ZREM', pending_holders_prefix .. h0, id)
+  end
+end
+for _, id in ipairs(gone) do
+  redis.call('SREM', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+end
+table.insert(result, 1, mode)
+return result
+""".replace("WINDOW_REL", repr(WINDOW_REL)).replace("WINDOW_ABS_S", repr(WINDOW_ABS_S))
+
+# KEYS[1] = one engine's pending ZSET, KEYS[2] = the pending holders ZSET of the claim's first
+# block; ARGV = seconds the entries count, chunk, engine id, hashes...
 # Expiry scores come from Redis' clock so every router replica judges them alike.
 MARK_PENDING_SCRIPT = """
 local time = redis.call('TIME')
 local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
 local ttl, chunk = tonumber(ARGV[1]), tonumber(ARGV[2])
 local expires = now + ttl
-local i = 3
+local keep = math.ceil(ttl) + 1
+local i = 4
 while i <= #ARGV do
   local args = {}
   for k = i, math.min(i + chunk - 1, #ARGV) do
@@ -146,9 +232,11 @@ while i <= #ARGV do
   redis.call('ZADD', KEYS[1], 'GT', unpack(args))
   i = i + chunk
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local keep = math.ceil(ttl) + 1
-if redis.call('TTL', KEYS[1]) < keep then redis.call('EXPIRE', KEYS[1], keep) end
+for _, key in ipairs(KEYS) do
+  if key == KEYS[2] then redis.call('ZADD', key, 'GT', expires, ARGV[3]) end
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  if redis.call('TTL', key) < keep then redis.call('EXPIRE', key, keep) end
+end
 return 0
 """
 
@@ -176,6 +264,10 @@ class PrefixIndexConfig:
     pool_timeout_s: float = 2.0
     # Heartbeat age (seconds, Redis' clock) beyond which an engine is not live; 0: no bound.
     stale_after_s: float = redis_schema.DEFAULT_STALE_AFTER_S
+    # A fleet of more live-registered engines is looked up by candidates (module docstring).
+    full_scan_max_engines: int = redis_schema.FULL_SCAN_MAX_ENGINES
+    # Least loaded engines a candidate lookup adds to the holders of the prompt's first block.
+    candidate_window: int = 8
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s <= 0 or self.read_timeout_s <= 0:
@@ -188,6 +280,11 @@ class PrefixIndexConfig:
             raise ValueError(
                 f"--redis-pool-timeout must be positive, got {self.pool_timeout_s}"
             )
+        if self.full_scan_max_engines < 0:
+            raise ValueError(
+                f"full_scan_max_engines must be >= 0, got {self.full_scan_max_engines}")
+        if self.candidate_window < 1:
+            raise ValueError(f"candidate_window must be at least 1, got {self.candidate_window}")
         if self.stale_after_s < 0:
             raise ValueError(
                 f"--engine-stale-after must be >= 0 (0: off), got {self.stale_after_s}"
@@ -235,6 +332,14 @@ class EngineRecord:
             return 0.0
 
 
+@dataclass(frozen=True)
+class LookupAnswer:
+    """A lookup's engines; `complete`: every live engine, not a large fleet's candidates."""
+
+    records: list[EngineRecord]
+    complete: bool
+
+
 def _int(value: str | None) -> int | None:
     try:
         return int(float(value)) if value is not None else None
@@ -279,16 +384,31 @@ class PrefixIndex:
         self._slots = asyncio.Semaphore(self.config.max_connections)
 
     async def lookup(self, block_size: int, hashes: Sequence[bytes]) -> list[EngineRecord]:
-        """Every live engine with its leading-block match.
+        """The live engines (all, or a large fleet's candidates) with their leading-block match.
 
         PrefixIndexBusy when no connection freed up in time, PrefixIndexUnavailable when
         Redis failed.
         """
+        return (await self.lookup_answer(block_size, hashes)).records
+
+    async def lookup_answer(
+        self, block_size: int, hashes: Sequence[bytes], *, seed: int = 0, full: bool = False
+    ) -> LookupAnswer:
+        """`lookup`, saying whether it read every live engine; `full` forces that.
+
+        `seed` picks the slice of equally idle engines a candidate lookup adds (the same
+        for every replica deciding on the same prompt).
+        """
+        full_max = 2**31 if full else self.config.full_scan_max_engines
         args: list[Any] = [ENGINE_KEY_PREFIX, BLOCKS_KEY_PREFIX, block_size, MATCH_CHUNK,
-                           self.config.stale_after_s, HOST_BLOCKS_KEY_PREFIX, PENDING_KEY_PREFIX]
+                           self.config.stale_after_s, HOST_BLOCKS_KEY_PREFIX, PENDING_KEY_PREFIX,
+                           full_max, self.config.candidate_window, seed % 2**31,
+                           HOLDERS_KEY_PREFIX, HOST_HOLDERS_KEY_PREFIX,
+                           PENDING_HOLDERS_KEY_PREFIX]
         args.extend(hashes)
-        raw = await self._run(self._script, [redis_schema.ENGINES_SET], args)
-        return [_record(item) for item in raw]
+        raw = await self._run(self._script, [redis_schema.ENGINES_SET, redis_schema.LOAD_ZSET],
+                              args)
+        return LookupAnswer([_record(item) for item in raw[1:]], _text(raw[0]) == "full")
 
     async def mark_pending(
         self, engine_id: str, epoch: str, hashes: Sequence[bytes], ttl_s: float
@@ -296,8 +416,9 @@ class PrefixIndex:
         """Count `hashes` as held by the engine's epoch for `ttl_s` seconds (Redis' clock)."""
         if hashes:
             ttl_s = min(max(ttl_s, 0.001), redis_schema.PENDING_MAX_TTL_S)
-            await self._run(self._mark_script, [redis_schema.pending_key(engine_id, epoch)],
-                            [ttl_s, MARK_CHUNK, *hashes])
+            keys = [redis_schema.pending_key(engine_id, epoch),
+                    redis_schema.pending_holders_key(hashes[0])]
+            await self._run(self._mark_script, keys, [ttl_s, MARK_CHUNK, engine_id, *hashes])
 
     async def unmark_pending(self, engine_id: str, epoch: str, hashes: Sequence[bytes]) -> None:
         """Drop pending entries again (the engine refused the request they were for)."""
@@ -305,10 +426,10 @@ class PrefixIndex:
             key = redis_schema.pending_key(engine_id, epoch)
             await self._run(self._unmark, [key], list(hashes))
 
-    async def _unmark(self, keys: list[str], args: list[Any]) -> Any:
+    async def _unmark(self, keys: list[Any], args: list[Any]) -> Any:
         return await self._client.zrem(keys[0], *args)
 
-    async def _run(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+    async def _run(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
         """One call on a pooled connection; PrefixIndexBusy / PrefixIndexUnavailable."""
         try:
             async with asyncio.timeout(self.config.pool_timeout_s):

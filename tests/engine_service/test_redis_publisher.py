@@ -86,6 +86,11 @@ def members(client: redis.Redis, pub: RedisPublisher) -> set[bytes]:
     return cast(set[bytes], client.smembers(key))  # raw digests (decode_responses is off)
 
 
+def holders(client: redis.Redis, block_hash: bytes) -> set[bytes]:
+    """The engine ids the inverted index names for a hash."""
+    return client.smembers(redis_schema.holders_key(block_hash))  # type: ignore[return-value]
+
+
 def calls(client: redis.Redis, command: str) -> int:
     stats = client.info("commandstats")
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
@@ -140,6 +145,8 @@ def test_registration_heartbeat_and_deregistration(redis_server, client, publish
     assert not client.exists(engine_key)
     assert not client.exists(redis_schema.blocks_key("pub-1", pub.epoch))
     assert not client.sismember(redis_schema.ENGINES_SET, "pub-1")
+    assert not client.exists(redis_schema.holders_key(H1))
+    assert client.zscore(redis_schema.LOAD_ZSET, "pub-1") is None
 
 
 def test_a_step_is_one_transaction_of_net_changes(redis_server, client, publisher) -> None:
@@ -149,7 +156,10 @@ def test_a_step_is_one_transaction_of_net_changes(redis_server, client, publishe
     # One step cached H1..H3 and already evicted H2 again: H2 must never be added.
     pub.on_step(KVCacheEvents(stored=[H1, H2, H3], removed=[H2]))
     wait_until(lambda: members(client, pub) == {H1, H3})
-    assert calls(client, "sadd") - sadd_before == 1  # both hashes in one SADD
+    # Both hashes in one SADD to the block set, and one SADD each to its holders set.
+    assert calls(client, "sadd") - sadd_before == 3
+    assert holders(client, H1) == holders(client, H3) == {b"pub-2"}
+    assert not client.exists(redis_schema.holders_key(H2))
     assert calls(client, "multi") == calls(client, "exec")
     blocks_key = redis_schema.blocks_key("pub-2", pub.epoch)
     assert 0 < client.ttl(blocks_key) <= redis_schema.BLOCKS_TTL_S
@@ -157,6 +167,7 @@ def test_a_step_is_one_transaction_of_net_changes(redis_server, client, publishe
     pub.on_step(KVCacheEvents(stored=[H4], removed=[H1]))
     pub.on_step(KVCacheEvents(stored=[H1], removed=[H3]))  # H1 came back: last state wins
     wait_until(lambda: members(client, pub) == {H1, H4})
+    assert [holders(client, h) for h in (H1, H3, H4)] == [{b"pub-2"}, set(), {b"pub-2"}]
 
 
 def test_lost_keys_are_republished_from_the_engine_cache(
@@ -171,6 +182,21 @@ def test_lost_keys_are_republished_from_the_engine_cache(
     wait_until(lambda: client.exists(engine_key), timeout_s=3)
     wait_until(lambda: members(client, pub) == cached(harness), timeout_s=3)
     assert client.sismember(redis_schema.ENGINES_SET, "pub-3")
+
+
+def test_a_restart_leaves_the_holders_of_blocks_it_no_longer_holds(
+    redis_server, client, publisher, harness
+) -> None:
+    fill_cache(harness, seed=5)
+    gone = b"\x01" * 16  # held by this engine id's previous epoch, not by its cache now
+    client.sadd(redis_schema.blocks_key("pub-5", "old-epoch"), gone)
+    client.sadd(redis_schema.holders_key(gone), "pub-5", "other")
+    pub = publisher(redis_server.url, "pub-5")
+    wait_until(lambda: members(client, pub) == cached(harness))
+    assert holders(client, gone) == {b"other"}
+    assert not client.exists(redis_schema.blocks_key("pub-5", "old-epoch"))
+    assert all(b"pub-5" in holders(client, h) for h in cached(harness))
+    assert client.zscore(redis_schema.LOAD_ZSET, "pub-5") is not None
 
 
 def test_outage_never_blocks_the_engine_and_ends_with_a_resync(publisher, harness) -> None:

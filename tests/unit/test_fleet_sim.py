@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.fleet_sim import __main__ as cli
-from benchmarks.fleet_sim import decision_cost
+from benchmarks.fleet_sim import decision_cost, vs_real
 from benchmarks.fleet_sim.calibration import DEFAULT
 from benchmarks.fleet_sim.prefix_cache import PrefixCache
 from benchmarks.fleet_sim.workload import Workload, WorkloadConfig
@@ -107,3 +107,50 @@ def test_decision_cost_measures_every_size(redis_server: RedisServer, tmp_path: 
     for row in sizes.values():
         assert row["decision_p99_ms"] >= row["decision_p50_ms"] > 0
         assert row["redis_bytes_per_block"] > 16  # at least the 16-byte hash itself
+
+
+def test_candidate_lookups_keep_the_prefix_policys_hit_rate(
+    redis_server: RedisServer, results: dict, tmp_path: Path
+) -> None:
+    """The same run with every decision on candidates (first block's holders + 1 idle)."""
+    out = tmp_path / "candidates.json"
+    assert cli.main([*SMALL, "--policies", "prefix", "--full-scan-max-engines", "0",
+                     "--candidate-window", "1", "--redis-url", redis_server.url,
+                     "--json", str(out)]) == 0
+    prefix = json.loads(out.read_text())["policies"]["prefix"]
+    assert prefix["hit_rate"] >= 0.95 * results["policies"]["oracle"]["hit_rate"]
+    assert prefix["unfinished"] == 0
+
+
+def test_prefix_repetition_is_the_benchmarks_shape() -> None:
+    config = WorkloadConfig(shape="prefix_repetition", tenants=4, turns=1, system_tokens=64,
+                            user_tokens=8, sessions_per_s=float("inf"), max_sessions=12)
+    wl = Workload(config)
+    assert wl.session_starts == [0.0] * 12 and wl.turns_per_session == 1
+    turns = [wl.turn(i, 0) for i in range(12)]
+    assert {t.tenant for t in turns} == {"default"}
+    prefixes = [tuple(t.prompt[:64]) for t in turns]
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [3, 3, 3, 3]
+    assert all(len(t.prompt) == 72 for t in turns)
+    with pytest.raises(ValueError, match="max_sessions"):
+        WorkloadConfig(shape="prefix_repetition")
+
+
+def test_vs_real_sets_simulated_beside_measured(redis_server: RedisServer,
+                                                tmp_path: Path) -> None:
+    figures = {"hit_rate": 0.8, "ttft_mean_ms": 500.0, "ttft_median_ms": 200.0,
+               "ttft_p99_ms": 2000.0}
+    measured = tmp_path / "fleet_bench.json"
+    measured.write_text(json.dumps({"cases": {
+        "prefix_repetition@inf": {"systems": {"kvfleet-prefix": figures}}}}))
+    out = tmp_path / "vs.json"
+    assert vs_real.main(["--measured", str(measured), "--rates", "inf", "--num-prompts", "16",
+                         "--num-prefixes", "2", "--prefix-len", "64", "--suffix-len", "8",
+                         "--output-len", "4", "--default-calibration", "--redis-url",
+                         redis_server.url, "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rates"]["inf"]
+    assert row["real"] == figures
+    assert row["sim"]["completed"] == 16
+    # 2 prefixes of 4 blocks, each computed at least once: at most 14 of 16 prompts hit.
+    assert 0.0 < row["sim"]["hit_rate"] <= 14 * 64 / (16 * 72)
+    assert row["error"]["ttft_p99_ms"] == row["sim"]["ttft_p99_ms"] / 2000.0 - 1.0
