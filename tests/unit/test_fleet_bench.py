@@ -220,12 +220,13 @@ def test_a_served_process_that_dies_fails_with_its_log(tmp_path: Path) -> None:
 
 
 def test_labelled_counter_sums_per_label_value() -> None:
+    name = "kvfleet:router_routing_decisions"
     text = "\n".join([
-        '# TYPE kvfleet:router_routing_decisions counter',
-        'kvfleet:router_routing_decisions_total{policy="prefix",engine_id="e0",reason="spill"} 2.0',
-        'kvfleet:router_routing_decisions_total{policy="prefix",engine_id="e1",reason="spill"} 1.0',
-        'kvfleet:router_routing_decisions_total{engine_id="e1",policy="prefix",reason="cached"} 7.0',
-        'kvfleet:router_routing_decisions_created{policy="prefix",reason="spill"} 1.7e9',
+        f"# TYPE {name} counter",
+        f'{name}_total{{policy="prefix",engine_id="e0",reason="spill"}} 2.0',
+        f'{name}_total{{policy="prefix",engine_id="e1",reason="spill"}} 1.0',
+        f'{name}_total{{engine_id="e1",policy="prefix",reason="cached"}} 7.0',
+        f'{name}_created{{policy="prefix",reason="spill"}} 1.7e9',
         'kvfleet:router_requests_total{tenant="t",code="OK"} 10.0',
     ])
     assert fleet_metrics.labelled_counter(text, "kvfleet:router_routing_decisions", "reason") == {
