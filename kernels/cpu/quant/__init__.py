@@ -18,7 +18,13 @@ from kernels.cpu import _build_dir, _load_or_build
 
 logger = logging.getLogger("kvfleet.kernels")
 
-_SOURCES = [Path(__file__).with_name("quant_gemm.cpp")]
+# One source a line (headers: quant_blocks.h, ../simd.h, included by these).
+_SOURCES = [
+    Path(__file__).with_name("quant_gemm.cpp"),
+    Path(__file__).with_name("quant_panel.cpp"),
+]
+# Part of the build's cache key (kernels.cpu hashes only its own directory's headers).
+_HEADERS = [Path(__file__).with_name("quant_blocks.h")]
 _NAME = "kvfleet_quant_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -29,8 +35,8 @@ def load() -> bool:
     with _lock:
         if "loaded" not in _state:
             try:
-                _load_or_build(_build_dir(_SOURCES), _NAME, _SOURCES)
-                _state["loaded"] = hasattr(torch.ops.kvfleet_quant, "quant_linear")
+                _load_or_build(_build_dir([*_SOURCES, *_HEADERS]), _NAME, _SOURCES)
+                _state["loaded"] = hasattr(torch.ops.kvfleet_quant, "quant_linear_panel")
             except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
                 logger.warning("quantized GEMM kernel unavailable, dequantizing instead: %s", exc)
                 _state["loaded"] = False
