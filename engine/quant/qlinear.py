@@ -30,7 +30,6 @@ from torch import nn
 
 from engine.quant import formats
 
-
 KERNEL, PANEL, DENSE = "kernel", "panel", "dense"
 # (largest row count, path), in increasing row counts; more rows than the last entry: DENSE.
 Plan = tuple[tuple[int, str], ...]

@@ -58,10 +58,11 @@ def fit_plan(times: dict[int, dict[str, float]]) -> Plan:
     for i in range(len(rows) + 1):
         for j in range(i, len(rows) + 1):
             paths = [KERNEL] * i + [PANEL] * (j - i) + [DENSE] * (len(rows) - j)
-            loss = sum(times[r][p] / min(times[r].values()) for r, p in zip(rows, paths))
+            loss = sum(times[r][p] / min(times[r].values())
+                       for r, p in zip(rows, paths, strict=True))
             if loss < best_loss:
                 best_loss = loss
-                best_plan = tuple((r, p) for r, p in zip(rows[:j], paths[:j]))
+                best_plan = tuple((r, p) for r, p in zip(rows[:j], paths[:j], strict=True))
     return _merge(best_plan)
 
 
