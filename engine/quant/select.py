@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ def fit_plan(times: dict[int, dict[str, float]]) -> Plan:
     as ratios. One crossover each way, not each count's own winner: on a shared machine a
     single descheduled timing must not flip one class."""
     rows = sorted(times)
-    best_loss, best_plan = float("inf"), ()
+    best_loss = float("inf")
+    best_plan: Plan = ()
     for i in range(len(rows) + 1):
         for j in range(i, len(rows) + 1):
             paths = [KERNEL] * i + [PANEL] * (j - i) + [DENSE] * (len(rows) - j)
@@ -86,7 +88,7 @@ def _measure(layer: list[QuantLinear], rows: int, dtype: torch.dtype) -> dict[st
     for _ in range(REPEATS + 1):  # the first round warms up and counts like the others
         for p in paths:
             for i, (m, x) in enumerate(zip(layer, xs, strict=True)):
-                best[p][i] = min(best[p][i], _time(lambda m=m, x=x, p=p: m.run(x, p)))
+                best[p][i] = min(best[p][i], _time(partial(m.run, x, p)))
     return {p: sum(best[p]) if p in best else float("inf") for p in PATHS}
 
 
