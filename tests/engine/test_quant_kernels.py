@@ -78,6 +78,19 @@ def test_paths_match_dequantized_matmul_bfloat16(qtype, path, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("qtype", FORMATS, ids=formats.type_name)
+def test_bfloat16_panel_holds_the_weights_rounded_to_bfloat16(qtype):
+    # x = identity: each output is one weight times 1, so the result is the panel itself,
+    # which must be the float32 dequantization rounded to nearest even, bit for bit.
+    k = 64
+    w = _weight(qtype, 9, seed=5, k=k)
+    layer = QuantLinear([w])
+    got = layer.run(torch.eye(k, dtype=torch.bfloat16), PANEL)
+    assert torch.equal(got.T, w.dequantize().bfloat16())
+    assert torch.equal(w.dequantize(torch.bfloat16), w.dequantize().bfloat16())
+
+
+@needs_kernel
 def test_panel_kernel_refuses_bad_input_naming_it():
     w = _weight(formats.Q4_0, 8)
     x = torch.randn(2, K)
