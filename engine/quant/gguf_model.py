@@ -67,14 +67,14 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
     """`LlamaForCausalLM` with QuantLinear projections and a quantized embedding / LM head."""
 
     def prepack(self, requested: str = "auto", prefill_rows: int = MAX_PREFILL_ROWS) -> str:
-        """Choose the kernel's row limit (measured unless `requested` forces a path)."""
-        from engine.quant.select import choose_kernel_rows
+        """Choose each batch size's GEMM path (measured unless `requested` forces one)."""
+        from engine.quant.select import choose_plan
 
-        limit = choose_kernel_rows(self, requested)
+        plan = choose_plan(self, requested)
         for module in self.modules():
             if isinstance(module, QuantLinear):
-                module.kernel_max_rows = limit
-        return "gguf-kernel" if limit else "gguf-dequant"
+                module.plan = plan
+        return "gguf-kernel" if plan else "gguf-dequant"
 
     @property
     def quant_head(self) -> QuantLinear | None:

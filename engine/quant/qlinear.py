@@ -1,17 +1,25 @@
 """Linear and embedding layers whose weights stay GGUF block-quantized in memory.
 
 `QuantLinear` holds one or more row segments (a fused q/k/v or gate/up projection is its
-GGUF tensors stacked; segments of one format are merged into one). Its forward pass either
-runs the C++ kernel (kernels/cpu/quant/quant_gemm.cpp; kquant_gemm.cpp for Q5_0 and the
-K-quants), which dequantizes each block inside
-the GEMM, or — for batches of more than `kernel_max_rows` rows (prefill), or where the kernel
-is missing — dequantizes the weight (formats.dequantize, bit-equal to gguf-py) and calls
-F.linear, whose BLAS GEMM is faster once the weight is reused over many rows. The crossover
-is measured at start (engine.quant.select). Activations are float32 inside; a bfloat16 model
-converts at the layer's edges.
+GGUF tensors stacked; segments of one format are merged into one). A forward pass takes one
+of three paths by its number of rows, per the layer's `plan` (measured at start by
+engine.quant.select):
 
-Invariant: both paths compute x @ dequantize(W)^T in float32; only the summation order
-differs. `weight_bytes` is the quantized storage, what the layer costs in memory.
+- KERNEL (kernels/cpu/quant/quant_gemm.cpp; kquant_gemm.cpp for Q5_0 and the K-quants): each
+  block dequantized in registers, for few rows (decode at small batch: the weight is read
+  once, 4.5-8.5 bits a weight);
+- PANEL (quant_panel.cpp): a panel of weight rows dequantized into a cache-resident buffer
+  and reused over every row, for 8-64 rows (Q8_0/Q4_0/Q4_1; a K-quant segment takes KERNEL's
+  op there, the plan measured at start decides whether that pays);
+- DENSE: the whole weight dequantized (bit-equal to gguf-py) and F.linear, whose BLAS wins
+  once the weight is reused over many rows (prefill), and wherever the kernels are missing.
+
+Numerics: a float32 model computes every path in float32 (x @ dequantize(W)^T; only the
+summation order differs). A bfloat16 model keeps bfloat16 activations: PANEL (on CPUs with
+AVX512_BF16) and DENSE then multiply bfloat16 weights (the dequantized values rounded, as a
+bfloat16 dense copy holds them) with float32 accumulation, as the dense bfloat16 model
+does; KERNEL computes in float32 and rounds its output. `weight_bytes` is the quantized
+storage, what the layer costs in memory.
 """
 
 from __future__ import annotations
@@ -23,6 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.quant import formats
+
+KERNEL, PANEL, DENSE = "kernel", "panel", "dense"
+# (largest row count, path), in increasing row counts; more rows than the last entry: DENSE.
+Plan = tuple[tuple[int, str], ...]
+DEFAULT_PLAN: Plan = ((8, KERNEL), (64, PANEL))
 
 
 @dataclass
@@ -37,16 +50,19 @@ class QuantTensor:
     def rows(self) -> int:
         return int(self.raw.shape[0])
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [N, K], by the C++ op where it applies (fast), else formats.dequantize."""
-        if self.qtype in formats.QUANTIZED_KERNEL_TYPES and _kernel_ready():
-            out = torch.empty(self.rows, self.k)
-            ops = torch.ops.kvfleet_quant
-            kquant = self.qtype in formats.KQUANT_TYPES
-            op = ops.kquant_dequantize if kquant else ops.quant_dequantize
-            op(out, self.raw, self.qtype)
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[N, K] in float32 (or bfloat16: those values rounded), by the C++ op where it
+        applies (fast), else formats.dequantize."""
+        ops = torch.ops.kvfleet_quant
+        if self.qtype in formats.KQUANT_TYPES and _kernel_ready():
+            out = torch.empty(self.rows, self.k)  # the K-quant op writes float32 only
+            ops.kquant_dequantize(out, self.raw, self.qtype)
+            return out.to(dtype)
+        if self.qtype in formats.KERNEL_TYPES and _kernel_ready() and dtype in _OP_DTYPES:
+            out = torch.empty(self.rows, self.k, dtype=dtype)
+            ops.quant_dequantize(out, self.raw, self.qtype)
             return out
-        return formats.dequantize(self.raw, self.qtype, self.k)
+        return formats.dequantize(self.raw, self.qtype, self.k).to(dtype)
 
 
 def merge_segments(parts: list[QuantTensor]) -> list[QuantTensor]:
@@ -61,6 +77,7 @@ def merge_segments(parts: list[QuantTensor]) -> list[QuantTensor]:
     return merged
 
 
+_OP_DTYPES = (torch.float32, torch.bfloat16)
 _ready: dict[str, bool] = {}
 
 
@@ -71,15 +88,21 @@ def _kernel_ready() -> bool:
         from kernels.cpu.quant import load
 
         ready = _ready["ok"] = load()
+        _ready["bf16"] = ready and bool(torch.ops.kvfleet_quant.quant_has_bf16_dot())
     return ready
+
+
+def _bf16_dot() -> bool:
+    """Whether PANEL takes bfloat16 activations as they are (AVX512_BF16 compiled in)."""
+    return _kernel_ready() and _ready["bf16"]
 
 
 class QuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W kept block-quantized."""
 
-    # Batches up to this many rows run the kernel; larger ones dequantize and call F.linear.
-    # 0: never the kernel. Set for every layer at start (engine.quant.select).
-    kernel_max_rows: int = 64
+    # Which path a batch of how many rows takes; set for every layer at start
+    # (engine.quant.select). (): always DENSE.
+    plan: Plan = DEFAULT_PLAN
 
     def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -93,33 +116,59 @@ class QuantLinear(nn.Module):
     def weight_bytes(self) -> int:
         return sum(s.raw.numel() for s in self.segments)
 
-    def dequantized_weight(self) -> torch.Tensor:
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if len(self.segments) == 1:  # the usual case: no 10 MB copy through torch.cat
-            return self.segments[0].dequantize()
-        return torch.cat([s.dequantize() for s in self.segments])
+            return self.segments[0].dequantize(dtype)
+        return torch.cat([s.dequantize(dtype) for s in self.segments])
+
+    def path_for(self, rows: int) -> str:
+        if not self.use_kernel or not _kernel_ready():
+            return DENSE
+        for limit, path in self.plan:
+            if rows <= limit:
+                return path
+        return DENSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x if dtype == torch.float32 else x.float()
-        if self.use_kernel and 0 < x.shape[0] <= self.kernel_max_rows and _kernel_ready():
-            outs = [self._kernel(xf, s) for s in self.segments]
-            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-            if self.bias is not None:
-                out = out + self.bias.float()
-        else:
-            bias = None if self.bias is None else self.bias.float()
-            out = F.linear(xf, self.dequantized_weight(), bias)
-        return out if dtype == torch.float32 else out.to(dtype)
+        return self.run(x, self.path_for(x.shape[0]))
 
-    @staticmethod
-    def _kernel(x: torch.Tensor, segment: QuantTensor) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = x.new_empty(x.shape[0], segment.rows)
-        ops = torch.ops.kvfleet_quant
-        op = ops.kquant_linear if segment.qtype in formats.KQUANT_TYPES else ops.quant_linear
-        op(out, x, segment.raw, segment.qtype)
-        return out
+    def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        """The layer by `path` (select.py times each path through this)."""
+        dtype = x.dtype
+        if path == DENSE or not _kernel_ready():
+            wdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+            bias = None if self.bias is None else self.bias.to(wdtype)
+            out = F.linear(x.to(wdtype), self.dequantized_weight(wdtype), bias)
+            return out.to(dtype)
+        keep_bf16 = path == PANEL and dtype == torch.bfloat16 and _bf16_dot()
+        act = x if keep_bf16 or dtype == torch.float32 else x.float()
+        if act.stride(-1) != 1:
+            act = act.contiguous()
+        out = act.new_empty(act.shape[0], self.out_features)
+        start = 0
+        for s in self.segments:  # each writes its columns of `out` in place: no torch.cat
+            _segment_gemm(out[:, start:start + s.rows], act, s, path)
+            start += s.rows
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(dtype)
+
+
+def _segment_gemm(out: torch.Tensor, act: torch.Tensor, segment: QuantTensor, path: str) -> None:
+    """out = act @ dequantize(segment)^T by the op of `path` and the segment's format."""
+    ops = torch.ops.kvfleet_quant
+    if segment.qtype in formats.KQUANT_TYPES:
+        # The K-quant op computes in float32 into a contiguous output only.
+        act = act.float()
+        if out.dtype == torch.float32 and out.is_contiguous():
+            ops.kquant_linear(out, act, segment.raw, segment.qtype)
+        else:
+            tmp = act.new_empty(act.shape[0], segment.rows)
+            ops.kquant_linear(tmp, act, segment.raw, segment.qtype)
+            out.copy_(tmp)
+        return
+    op = ops.quant_linear_panel if path == PANEL else ops.quant_linear
+    op(out, act, segment.raw, segment.qtype)
 
 
 class QuantEmbedding(nn.Module):

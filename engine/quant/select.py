@@ -1,69 +1,113 @@
-"""Chooses, at start, up to how many rows a quantized projection runs the C++ kernel
-(dequantizing inside the GEMM) before dequantize-then-BLAS wins.
+"""Chooses, at start, which path a quantized projection takes for each batch size: the
+register kernel, the panel kernel, or dequantize + F.linear (engine.quant.qlinear).
 
-Measured on the model's own first layer: for each candidate row count, the layer's
-projections by the kernel and by dequantize + F.linear, best of `REPEATS`; the limit is the
-largest candidate where the kernel was faster, and every larger batch takes the dense path.
-Decode batches are memory-bound (the kernel reads 4-8 bits a weight instead of 32) and
-prefill batches compute-bound (BLAS's blocking wins), so one crossover suffices.
+Measured on the model's own first layer, in the model's dtype: for each row count of `ROWS`,
+the layer's four projections by every path, best of `REPEATS` interleaved rounds. Few rows
+are memory-bound (the register kernel reads 4-8 bits a weight and nothing else), 8-64 rows
+compute-bound with the weight reused (the panel kernel dequantizes it once per call into
+cache), prefill is BLAS's: so the plan has that shape, KERNEL up to one row count, PANEL up
+to a second, DENSE above, with the two crossovers that lose least time against the fastest
+path at every measured count (fit_plan).
 
-`requested`: "auto" measures; "dense" (or no kernel on this machine) gives 0, never the
-kernel; any other backend name keeps the default limit without measuring (tests).
+`requested`: "auto" measures; "dense" (or no kernel on this machine) gives (), never a
+kernel; any other backend name keeps DEFAULT_PLAN without measuring (tests).
 
-Invariant: the choice depends on measured speed only.
+Invariant: the choice depends on measured speed only; every path computes the same product.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.quant.qlinear import QuantLinear
+from engine.quant.qlinear import DEFAULT_PLAN, DENSE, KERNEL, PANEL, Plan, QuantLinear
 
 logger = logging.getLogger("kvfleet.engine")
 
-ROWS = (1, 8, 32, 64, 128, 256)
-REPEATS = 3
+ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
+PATHS = (KERNEL, PANEL, DENSE)
+REPEATS = 4
+# The register kernel re-dequantizes the weight every 8 rows: never timed above this.
+KERNEL_MAX_ROWS = 64
 
 
-def _best(call: object, repeats: int = REPEATS) -> float:
-    assert callable(call)
-    call()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _time(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
-def choose_kernel_rows(model: nn.Module, requested: str = "auto") -> int:
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def fit_plan(times: dict[int, dict[str, float]]) -> Plan:
+    """The plan KERNEL up to t1 rows, PANEL up to t2, DENSE above (t1 <= t2 among the measured
+    row counts, or none) that loses least against the fastest path at each row count, summed
+    as ratios. One crossover each way, not each count's own winner: on a shared machine a
+    single descheduled timing must not flip one class."""
+    rows = sorted(times)
+    best_loss = float("inf")
+    best_plan: Plan = ()
+    for i in range(len(rows) + 1):
+        for j in range(i, len(rows) + 1):
+            paths = [KERNEL] * i + [PANEL] * (j - i) + [DENSE] * (len(rows) - j)
+            loss = sum(times[r][p] / min(times[r].values())
+                       for r, p in zip(rows, paths, strict=True))
+            if loss < best_loss:
+                best_loss = loss
+                best_plan = tuple((r, p) for r, p in zip(rows[:j], paths[:j], strict=True))
+    return _merge(best_plan)
+
+
+def _merge(entries: tuple[tuple[int, str], ...]) -> Plan:
+    plan: list[tuple[int, str]] = []
+    for rows, path in entries:
+        if plan and plan[-1][1] == path:
+            plan[-1] = (rows, path)
+        else:
+            plan.append((rows, path))
+    return tuple(plan)
+
+
+def _measure(layer: list[QuantLinear], rows: int, dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of the layer's projections per path at `rows` rows, each the best of REPEATS
+    rounds that interleave the paths (a slow phase of the machine hits all of them)."""
+    gen = torch.Generator().manual_seed(rows)
+    xs = [torch.randn(rows, m.in_features, generator=gen).to(dtype) for m in layer]
+    paths = [p for p in PATHS if p != KERNEL or rows <= KERNEL_MAX_ROWS]
+    best = {p: [float("inf")] * len(layer) for p in paths}
+    for _ in range(REPEATS + 1):  # the first round warms up and counts like the others
+        for p in paths:
+            for i, (m, x) in enumerate(zip(layer, xs, strict=True)):
+                best[p][i] = min(best[p][i], _time(partial(m.run, x, p)))
+    return {p: sum(best[p]) if p in best else float("inf") for p in PATHS}
+
+
+def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
     from kernels.cpu.quant import load
 
     linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.use_kernel]
     if requested == "dense" or not linears or not load():
-        return 0
+        return ()
     if requested != "auto":
-        return QuantLinear.kernel_max_rows
+        return DEFAULT_PLAN
     first = linears[:4]  # one layer's projections: qkv, o, gate_up, down
-    gen = torch.Generator().manual_seed(0)
-    limit = 0
-    timings = []
+    dtype = _model_dtype(model)
     with torch.inference_mode():
-        for rows in ROWS:
-            xs = [torch.randn(rows, m.in_features, generator=gen) for m in first]
-            kernel = sum(_best(lambda m=m, x=x: [m._kernel(x, s) for s in m.segments])
-                         for m, x in zip(first, xs, strict=True))
-            dense = sum(_best(lambda m=m, x=x: F.linear(x, m.dequantized_weight()))
-                        for m, x in zip(first, xs, strict=True))
-            timings.append(f"{rows}: {kernel * 1e3:.2f} / {dense * 1e3:.2f}")
-            if kernel >= dense:
-                break
-            limit = rows
-    logger.info("quantized GEMM: kernel up to %d rows, dequantize + F.linear above "
-                "(ms per layer, kernel / dequantize: %s)", limit, ", ".join(timings))
-    return limit
+        times = {rows: _measure(first, rows, dtype) for rows in ROWS}
+    plan = fit_plan(times)
+    logger.info("quantized GEMM plan (%s): %s, dense above (ms per layer, %s: %s)", dtype,
+                ", ".join(f"<={rows} {path}" for rows, path in plan) or "dense always",
+                " / ".join(PATHS), ", ".join(
+                    f"{r}: " + " / ".join(f"{t[p] * 1e3:.2f}" for p in PATHS)
+                    for r, t in times.items()))
+    return plan

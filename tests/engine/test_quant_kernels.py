@@ -1,6 +1,8 @@
-"""The quantized GEMM (kernels/cpu/quant/quant_gemm.cpp) against a dequantize-then-matmul
-reference, per GGUF format, on tiny random weights quantized by gguf-py's reference quantizer;
-the dequantization against gguf-py's own; the Q/K row un-permutation against transformers'."""
+"""The quantized GEMMs (kernels/cpu/quant: the register kernel and the panel kernel) against a
+dequantize-then-matmul reference, per GGUF format and path, on tiny random weights quantized
+by gguf-py's reference quantizer, in float32 and bfloat16; the dequantization against
+gguf-py's own; the plan's dispatch by row count; the Q/K row un-permutation against
+transformers'."""
 
 from __future__ import annotations
 
@@ -12,16 +14,17 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from engine.quant import formats
 from engine.quant.gguf_model import _unpermute
-from engine.quant.qlinear import QuantLinear, QuantTensor
+from engine.quant.qlinear import DENSE, KERNEL, PANEL, QuantLinear, QuantTensor
+from engine.quant.select import fit_plan
 from kernels.cpu.quant import load
 
 FORMATS = [formats.Q8_0, formats.Q4_0, formats.Q4_1]
 K = 256
 
 
-def _weight(qtype: int, n: int, seed: int = 0) -> QuantTensor:
+def _weight(qtype: int, n: int, seed: int = 0, k: int = K) -> QuantTensor:
     gen = torch.Generator().manual_seed(seed)
-    return QuantTensor(formats.quantize(torch.randn(n, K, generator=gen), qtype), qtype, K)
+    return QuantTensor(formats.quantize(torch.randn(n, k, generator=gen), qtype), qtype, k)
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=formats.type_name)
@@ -32,22 +35,95 @@ def test_dequantize_equals_gguf_py(qtype):
     assert torch.equal(t.dequantize(), ref)  # the C++ op where it loads
 
 
-@pytest.mark.skipif(not load(), reason="quantized GEMM kernel not built")
+needs_kernel = pytest.mark.skipif(not load(), reason="quantized GEMM kernel not built")
+
+
+@needs_kernel
 @pytest.mark.parametrize("qtype", FORMATS, ids=formats.type_name)
-@pytest.mark.parametrize("rows", [1, 5, 8, 19])
-def test_kernel_matches_dequantized_matmul(qtype, rows):
-    parts = [_weight(qtype, 48, seed=1), _weight(qtype, 24, seed=2)]  # a fused projection
+@pytest.mark.parametrize("path", [KERNEL, PANEL, DENSE])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 32, 64])
+def test_paths_match_dequantized_matmul_float32(qtype, path, rows):
+    # A fused projection of odd-sized segments (37 + 30 rows: a panel of 32 plus a remainder,
+    # tiles of 4 plus a remainder) and an odd number of blocks along K (9).
+    k = 288
+    parts = [_weight(qtype, 37, seed=1, k=k), _weight(qtype, 30, seed=2, k=k)]
     layer = QuantLinear(parts)
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     dense = torch.cat([p.dequantize() for p in parts])
     ref = x.double() @ dense.double().T
-    got = layer.forward(x)
-    assert got.shape == (rows, 72)
+    got = layer.run(x, path)
+    assert got.shape == (rows, 67) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
-    layer.kernel_max_rows = 0  # the dequantize + F.linear path
-    torch.testing.assert_close(layer.forward(x).double(), ref, rtol=1e-5, atol=1e-4)
-    bf16 = layer.forward(x.bfloat16())
-    assert bf16.dtype == torch.bfloat16
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", FORMATS, ids=formats.type_name)
+@pytest.mark.parametrize("path", [KERNEL, PANEL, DENSE])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_paths_match_dequantized_matmul_bfloat16(qtype, path, rows):
+    # A bfloat16 model: PANEL and DENSE multiply the weights rounded to bfloat16 (as the
+    # bfloat16 dense copy holds them); the reference is that product in float64, and each
+    # output may differ from it by the rounding of the bfloat16 result (plus summation order).
+    k = 96
+    parts = [_weight(qtype, 5, seed=3, k=k), _weight(qtype, 36, seed=4, k=k)]
+    layer = QuantLinear(parts)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    weight = torch.cat([p.dequantize() for p in parts])
+    if path != KERNEL:
+        weight = weight.bfloat16()
+    ref = x.double() @ weight.double().T
+    got = layer.run(x, path)
+    assert got.shape == (rows, 41) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", FORMATS, ids=formats.type_name)
+def test_bfloat16_panel_holds_the_weights_rounded_to_bfloat16(qtype):
+    # x = identity: each output is one weight times 1, so the result is the panel itself,
+    # which must be the float32 dequantization rounded to nearest even, bit for bit.
+    k = 64
+    w = _weight(qtype, 9, seed=5, k=k)
+    layer = QuantLinear([w])
+    got = layer.run(torch.eye(k, dtype=torch.bfloat16), PANEL)
+    assert torch.equal(got.T, w.dequantize().bfloat16())
+    assert torch.equal(w.dequantize(torch.bfloat16), w.dequantize().bfloat16())
+
+
+@needs_kernel
+def test_panel_kernel_refuses_bad_input_naming_it():
+    w = _weight(formats.Q4_0, 8)
+    x = torch.randn(2, K)
+    with pytest.raises(RuntimeError, match="out shape"):
+        torch.ops.kvfleet_quant.quant_linear_panel(torch.empty(2, 9), x, w.raw, w.qtype)
+    with pytest.raises(RuntimeError, match="row bytes do not match K"):
+        torch.ops.kvfleet_quant.quant_linear_panel(torch.empty(2, 8), x[:, :224].contiguous(),
+                                                   w.raw, w.qtype)
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        torch.ops.kvfleet_quant.quant_linear_panel(torch.empty(2, 8), x, w.raw, 12)
+
+
+@needs_kernel
+def test_plan_picks_the_path_by_rows():
+    layer = QuantLinear([_weight(formats.Q8_0, 8)])
+    layer.plan = ((2, KERNEL), (16, PANEL))
+    assert [layer.path_for(r) for r in (1, 2, 3, 16, 17)] == [KERNEL, KERNEL, PANEL, PANEL, DENSE]
+    layer.plan = ()
+    assert layer.path_for(1) == DENSE
+
+
+def test_fit_plan_finds_the_crossovers_despite_one_noisy_timing():
+    def t(kernel: float, panel: float, dense: float) -> dict[str, float]:
+        return {KERNEL: kernel, PANEL: panel, DENSE: dense}
+
+    times = {1: t(1, 2, 3), 4: t(2, 3, 9), 8: t(4, 3, 9),
+             16: t(9, 5, 30),  # panel wins: one noisy dense-free slow kernel timing below
+             32: t(20, 8, 7.9),  # a near tie the neighbours decide
+             64: t(40, 30, 12), 128: t(float("inf"), 60, 20)}
+    assert fit_plan(times) == ((4, KERNEL), (16, PANEL))
+    times[8] = t(4, 300, 9)  # one descheduled panel run does not split the plan
+    assert fit_plan(times) == ((8, KERNEL), (16, PANEL))
+    assert fit_plan({1: t(5, 5, 1), 8: t(9, 9, 2)}) == ()
 
 
 def test_unpermute_matches_transformers():

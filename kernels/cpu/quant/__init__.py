@@ -19,7 +19,14 @@ from kernels.cpu import _build_dir, _load_or_build
 
 logger = logging.getLogger("kvfleet.kernels")
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("quant_gemm.cpp", "kquant_gemm.cpp")]
+# One source a line (headers: quant_blocks.h, ../simd.h, included by these).
+_SOURCES = [
+    Path(__file__).with_name("quant_gemm.cpp"),
+    Path(__file__).with_name("quant_panel.cpp"),
+    Path(__file__).with_name("kquant_gemm.cpp"),
+]
+# Part of the build's cache key (kernels.cpu hashes only its own directory's headers).
+_HEADERS = [Path(__file__).with_name("quant_blocks.h")]
 _NAME = "kvfleet_quant_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -30,9 +37,9 @@ def load() -> bool:
     with _lock:
         if "loaded" not in _state:
             try:
-                _load_or_build(_build_dir(_SOURCES), _NAME, _SOURCES)
-                _state["loaded"] = all(hasattr(torch.ops.kvfleet_quant, op)
-                                       for op in ("quant_linear", "kquant_linear"))
+                _load_or_build(_build_dir([*_SOURCES, *_HEADERS]), _NAME, _SOURCES)
+                _state["loaded"] = all(hasattr(torch.ops.kvfleet_quant, op) for op in (
+                    "quant_linear", "quant_linear_panel", "kquant_linear"))
             except Exception as exc:  # noqa: BLE001 - any build failure means "use the fallback"
                 logger.warning("quantized GEMM kernel unavailable, dequantizing instead: %s", exc)
                 _state["loaded"] = False

@@ -1,0 +1,253 @@
+// Quantized GEMM for 8-64 rows (engine/quant/qlinear.py): out = x @ dequant(W)^T, W a GGUF
+// Q8_0 / Q4_0 / Q4_1 tensor [N, K] (quant_blocks.h).
+//
+// Why a second kernel: quant_gemm.cpp dequantizes each block in registers and re-dequantizes
+// it for every 8 rows of x, so at 32 rows the dequantization costs as much as the FMAs; the
+// old alternative, dequantizing the whole weight to float32 before BLAS, writes and re-reads
+// 4 bytes a weight every step. Here each task dequantizes a panel of kPanel weight rows x the
+// full K into a buffer that stays in L1/L2 (32 x 1536 x 4 bytes = 192 KiB at most for the
+// default model), then a register-blocked micro-kernel runs every row of x against it:
+// 4 rows of x x 4 weight rows = 16 vector accumulators along K, reduced at the end by one
+// transpose-and-add network (simd.h's reduce16). Tasks are panels, split over OpenMP threads.
+//
+// Numerics: float32 x -> float32 panel and FMAs (only the summation order differs from
+// dequantize-then-matmul, so the float32 exactness tests hold); bfloat16 x (a bfloat16 model)
+// -> the panel rounded to bfloat16 (as the bfloat16 dense copy holds the weights) and
+// AVX512_BF16 dot products with float32 accumulation, the output rounded to bfloat16 as
+// F.linear's is. The bfloat16 path exists only where the compiler targets AVX512_BF16
+// (quant_has_bf16_dot); elsewhere the caller converts x to float32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
+
+#include "quant_blocks.h"
+
+namespace {
+
+using kvfleet::load16;
+using kvfleet::reduce16;
+using kvfleet::store16;
+using kvfleet::v16;
+using namespace kvfleet::quant;
+
+constexpr int64_t kPanel = 32;  // weight rows dequantized per task
+constexpr int kTile = 4;        // rows of x, and weight rows, per micro-kernel call
+
+#ifdef __AVX512BF16__
+// A Q4 block straight to bfloat16: the block's 16 possible values (d * q + m, computed as
+// dequant() computes them) rounded once into a 16-entry table, then each nibble picks its
+// entry (vpermw): 4 vector instructions on 512 bits where widening every weight to float and
+// rounding back takes 7.
+template <int64_t QT>
+inline void q4_block_bf16(const uint8_t* blk, uint16_t* o) {
+  const v16 iota = kvfleet::kIota;
+  v16 table;
+  const uint8_t* q;
+  if constexpr (QT == kQ4_0) {
+    table = (iota - 8.f) * half_at(blk);
+    q = blk + 2;
+  } else {
+    table = iota * half_at(blk) + half_at(blk + 2);
+    q = blk + 4;
+  }
+  const __m256i t16 = (__m256i)_mm512_cvtneps_pbh(__m512(table));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(15));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(15));
+  // Element i < 16 is the low nibble of byte i, element 16 + i its high nibble (ggml's order).
+  const __m512i idx =
+      _mm512_cvtepu8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+  _mm512_storeu_si512(o, _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(t16)));
+}
+#endif
+
+// Rows [0, rows) of w dequantized into buf [round_up(rows, 4), k]; the padding rows are zero
+// so the micro-kernel always reads 4 weight rows. E: float, or uint16_t bfloat16 bits.
+template <int64_t QT, typename E>
+void dequant_panel(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t rows, E* buf) {
+  constexpr int64_t bb = block_bytes(QT);
+  const int64_t k = nb * kBlock;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* wr = w + r * row_bytes;
+    E* o = buf + r * k;
+    for (int64_t b = 0; b < nb; ++b) {
+#ifdef __AVX512BF16__
+      if constexpr (!std::is_same_v<E, float> && QT != kQ8_0) {
+        q4_block_bf16<QT>(wr + b * bb, o + b * kBlock);
+        continue;
+      }
+#endif
+      v16 lo, hi;
+      dequant<QT>(wr + b * bb, lo, hi);
+      if constexpr (std::is_same_v<E, float>) {
+        store16(o + b * kBlock, lo);
+        store16(o + b * kBlock + 16, hi);
+      } else {
+#ifdef __AVX512BF16__
+        const __m512bh h = _mm512_cvtne2ps_pbh(__m512(hi), __m512(lo));  // lo in lanes 0-15
+        std::memcpy(o + b * kBlock, &h, sizeof h);
+#endif
+      }
+    }
+  }
+  const int64_t padded = (rows + kTile - 1) / kTile * kTile;
+  std::memset(buf + rows * k, 0, (padded - rows) * k * sizeof(E));
+}
+
+// GCC otherwise folds the x load into each of the 4 FMAs that use it (4 loads instead of 1),
+// which makes the loop load-bound: 20 vector loads per 16 FMAs instead of 8.
+template <typename V>
+__attribute__((always_inline)) inline void keep_in_register(V& v) {
+  asm("" : "+v"(v));
+}
+
+// Lane m * 4 + n: dot(x row m, w row n) over k, for m < MR (lanes of rows >= MR are zero).
+template <int MR>
+inline v16 micro(const float* x, int64_t ldx, const float* w, int64_t k) {
+  v16 acc[16] = {};
+  for (int64_t kk = 0; kk < k; kk += 16) {
+    v16 wv[kTile];
+#pragma GCC unroll 4
+    for (int n = 0; n < kTile; ++n) wv[n] = load16(w + n * k + kk);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      v16 xv = load16(x + m * ldx + kk);
+      keep_in_register(xv);
+#pragma GCC unroll 4
+      for (int n = 0; n < kTile; ++n) acc[m * kTile + n] += xv * wv[n];
+    }
+  }
+  return reduce16(acc);
+}
+
+#ifdef __AVX512BF16__
+template <int MR>
+inline v16 micro(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k) {
+  __m512 acc[16];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 32) {
+    __m512bh wv[kTile];
+#pragma GCC unroll 4
+    for (int n = 0; n < kTile; ++n) wv[n] = (__m512bh)_mm512_loadu_si512(w + n * k + kk);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + kk);
+      keep_in_register(xv);
+#pragma GCC unroll 4
+      for (int n = 0; n < kTile; ++n)
+        acc[m * kTile + n] = _mm512_dpbf16_ps(acc[m * kTile + n], xv, wv[n]);
+    }
+  }
+  v16 rows[16];
+  std::memcpy(rows, acc, sizeof rows);
+  return reduce16(rows);
+}
+#endif
+
+template <typename O>
+inline void store_tile(v16 s, int mr, int64_t nr, O* out, int64_t ldo) {
+  for (int m = 0; m < mr; ++m)
+    for (int64_t n = 0; n < nr; ++n) out[m * ldo + n] = O(s[m * kTile + n]);
+}
+
+// Every row of x against weight rows [n0, n1), one panel at a time.
+template <int64_t QT, typename E, typename O>
+void panels(const E* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t row_bytes,
+            int64_t nb, int64_t n0, int64_t n1, O* out, int64_t ldo) {
+  const int64_t k = nb * kBlock;
+  thread_local std::vector<E> buf;
+  if (static_cast<int64_t>(buf.size()) < kPanel * k) buf.resize(kPanel * k);
+  for (int64_t p = n0; p < n1; p += kPanel) {
+    const int64_t rows = std::min(kPanel, n1 - p);
+    dequant_panel<QT>(w + p * row_bytes, row_bytes, nb, rows, buf.data());
+    for (int64_t m = 0; m < m_rows; m += kTile) {
+      const int mr = static_cast<int>(std::min<int64_t>(kTile, m_rows - m));
+      const E* xm = x + m * ldx;
+      for (int64_t t = 0; t < rows; t += kTile) {
+        const E* wt = buf.data() + t * k;
+        const v16 s = mr == 4   ? micro<4>(xm, ldx, wt, k)
+                      : mr == 3 ? micro<3>(xm, ldx, wt, k)
+                      : mr == 2 ? micro<2>(xm, ldx, wt, k)
+                                : micro<1>(xm, ldx, wt, k);
+        store_tile(s, mr, std::min<int64_t>(kTile, rows - t), out + m * ldo + p + t, ldo);
+      }
+    }
+  }
+}
+
+template <typename E, typename O>
+void run(const E* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t row_bytes,
+         int64_t nb, int64_t n, O* out, int64_t ldo, int64_t qtype) {
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
+    const int64_t n0 = p0 * kPanel, n1 = std::min(n, p1 * kPanel);
+    dispatch(qtype, [&](auto qt) {
+      panels<decltype(qt)::value>(x, ldx, m_rows, w, row_bytes, nb, n0, n1, out, ldo);
+    });
+  });
+}
+
+bool quant_has_bf16_dot() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// out [M, N] = x [M, K] @ dequant(w [N, row bytes] uint8)^T. x float32 -> out float32;
+// x bfloat16 (only where quant_has_bf16_dot) -> out bfloat16. out may be a column slice of a
+// wider output (unit column stride), as for quant_linear.
+void quant_linear_panel(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                        int64_t qtype) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.stride(1) == 1,
+              "quant_linear_panel: x must be float32 or bfloat16 [M, K], unit column stride");
+  TORCH_CHECK(!bf16 || quant_has_bf16_dot(),
+              "quant_linear_panel: bfloat16 x needs AVX512_BF16 (convert x to float32)");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "quant_linear_panel: w must be contiguous uint8 [N, row bytes]");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == x.scalar_type() && out.stride(1) == 1,
+              "quant_linear_panel: out must be [M, N] of x's dtype, unit column stride");
+  const int64_t m_rows = x.size(0), k = x.size(1), n = w.size(0), row_bytes = w.size(1);
+  TORCH_CHECK(k % kBlock == 0, "quant_linear_panel: K must be a multiple of 32");
+  const int64_t nb = k / kBlock, bb = block_bytes(qtype);
+  TORCH_CHECK(bb > 0, "quant_linear_panel: unsupported GGML type ", qtype);
+  TORCH_CHECK(row_bytes == nb * bb, "quant_linear_panel: row bytes do not match K");
+  TORCH_CHECK(out.size(0) == m_rows && out.size(1) == n, "quant_linear_panel: out shape");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+#ifdef __AVX512BF16__
+  if (bf16) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+    run(xp, ldx, m_rows, wp, row_bytes, nb, n, out.data_ptr<c10::BFloat16>(), ldo, qtype);
+    return;
+  }
+#endif
+  run(x.data_ptr<float>(), ldx, m_rows, wp, row_bytes, nb, n, out.data_ptr<float>(), ldo,
+      qtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvfleet_quant, m) {
+  m.def("quant_linear_panel(Tensor(a!) out, Tensor x, Tensor w, int qtype) -> ()");
+  m.def("quant_has_bf16_dot() -> bool");
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_quant, CPU, m) {
+  m.impl("quant_linear_panel", &quant_linear_panel);
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_quant, CompositeExplicitAutograd, m) {
+  m.impl("quant_has_bf16_dot", &quant_has_bf16_dot);
+}
