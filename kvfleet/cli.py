@@ -251,7 +251,7 @@ def run_up(args: argparse.Namespace, demo: bool) -> int:
     model_dir = args.model
     if model_dir is None:
         # The dense model converted from the default GGUF: the Q4_1 file served directly is
-        # faster at batch 1 but half as fast at batch 32 (docs/quantization.md), and a fleet
+        # faster at batch 1 but about 0.8x at batch 32 (docs/quantization.md), and a fleet
         # serves many streams at once.
         from engine.models.default_model import prepare_default_model
 
