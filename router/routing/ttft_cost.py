@@ -30,8 +30,12 @@ The estimate for engine e, in seconds:
   the requests behind it, which a per-request time to first token does not see. Without this
   term, a second request of a prefix whose first is still queued would go to an idle engine
   for a one-suffix gain, and each prefix would end up computed everywhere: exactly the
-  round-robin hit rate the policy exists to beat. `duplicate_weight` 0.5 charges half the
+  round-robin hit rate the policy exists to beat. `duplicate_weight` 1.0 charges the
   compute again; 0 ranks by time alone (spill whenever the estimate elsewhere is shorter).
+  At 0.5, a follow-up whose holder was computing two new prefixes while the other engine was
+  idle spilled (1,120 tokens of wait against 544 + 256), and on the 2-engine benchmark at
+  2 req/s two prefixes were computed twice (hit rate 97.7% of the ceiling); at 1.0 the holder
+  keeps it until about three prefixes' work is queued ahead (with the 20% tie tolerance).
 
 Ties: estimates within `tie_rel` (20%) of the best plus `tie_abs_s` (10 ms) are equal; the
 ranking then prefers, among them, the engine holding most of the prompt, then the rendezvous
@@ -83,7 +87,7 @@ class PrefixPolicyConfig:
     tie_abs_s: float = 0.01
     # Extra share of the compute charged for prompt tokens another engine already holds or
     # is computing (the capacity a duplicate takes from later requests); 0: time alone.
-    duplicate_weight: float = 0.5
+    duplicate_weight: float = 1.0
     # Rates within a factor 1 + rate_alike of the decision's mean count as the mean.
     rate_alike: float = 0.25
 

@@ -28,7 +28,7 @@ from router.routing.ttft_cost import estimate_all
 KEY = b"tie-key"
 SHAPE = RequestShape(prompt_tokens=544, block_size=16)
 PREFIX_BLOCKS = 32
-DEFAULT = PrefixPolicyConfig()  # duplicate_weight 0.5, ties within 20% + 10 ms
+DEFAULT = PrefixPolicyConfig()  # duplicate_weight 1.0, ties within 20% + 10 ms
 EXACT = PrefixPolicyConfig(tie_rel=0.0, tie_abs_s=0.0)  # the duplicate charge, no tolerance
 TIME_ONLY = PrefixPolicyConfig(duplicate_weight=0.0, tie_rel=0.0, tie_abs_s=0.0)
 
@@ -72,8 +72,8 @@ def test_the_second_request_follows_the_first_through_its_pending_entries() -> N
     following = [engine(HASH_FIRST, matched_pending_blocks=PREFIX_BLOCKS, **first),
                  engine(HASH_SECOND)]
     # Waiting for the first (544) + its own suffix (32) beats recomputing the prefix on the
-    # idle engine: 544 + 0.5 x 512 for the duplicate.
-    assert ttft(following) == {HASH_FIRST: 0.576, HASH_SECOND: 0.8}
+    # idle engine: 544 + 1.0 x 512 for the duplicate.
+    assert ttft(following) == {HASH_FIRST: 0.576, HASH_SECOND: 1.056}
     assert ranked(following) == [HASH_FIRST, HASH_SECOND]
     assert reason(following) == "pending"
     # Without the pending entry (the old behaviour) the prefix looks cold everywhere and the
@@ -87,25 +87,25 @@ def test_the_second_request_follows_the_first_through_its_pending_entries() -> N
 
 @pytest.mark.parametrize(
     ("queued", "expected"),
-    [(0, "h"), (758, "h"), (780, "o")],
+    [(0, "h"), (1014, "h"), (1034, "o")],
 )
 def test_a_hot_prefix_spills_exactly_when_waiting_costs_more_than_recomputing(
     queued: int, expected: str
 ) -> None:
-    # h holds the prefix: queued + 32 own tokens. o recomputes: 544 + 0.5 x 512 = 800.
+    # h holds the prefix: queued + 32 own tokens. o recomputes: 544 + 1.0 x 512 = 1056.
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, queued_prefill_tokens=queued),
                engine("o")]
-    assert ttft(engines, EXACT) == {"h": (queued + 32) / 1000, "o": 0.8}
+    assert ttft(engines, EXACT) == {"h": (queued + 32) / 1000, "o": 1.056}
     assert ranked(engines, EXACT)[0] == expected
     assert reason(engines, EXACT) == ("cached" if expected == "h" else "spill")
 
 
 @pytest.mark.parametrize(
     ("queued", "expected"),
-    [(758, "h"), (930, "h"), (950, "o")],
+    [(1014, "h"), (1240, "h"), (1260, "o")],
 )
 def test_by_default_the_holder_keeps_near_ties(queued: int, expected: str) -> None:
-    # Within 20% + 10 ms of o's 0.8 s (0.97 s) the holder wins the tie on its cache.
+    # Within 20% + 10 ms of o's 1.056 s (1.2772 s) the holder wins the tie on its cache.
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, queued_prefill_tokens=queued),
                engine("o")]
     assert ranked(engines)[0] == expected
@@ -165,21 +165,21 @@ def test_by_time_alone_the_spill_point_is_the_recompute_time() -> None:
 
 
 def test_decoding_requests_and_measured_rates_count() -> None:
-    # 30 decodes x 10 ms = 0.3 s on h; o computes at half the speed: 1.6 s.
+    # 30 decodes x 10 ms = 0.3 s on h; o computes at half the speed: 2.112 s.
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, num_decoding=30),
                engine("o", rate=500.0)]
-    assert ttft(engines) == {"h": 0.332, "o": 1.6}
+    assert ttft(engines) == {"h": 0.332, "o": 2.112}
     assert ranked(engines) == ["h", "o"]
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, num_decoding=30, step=0.1),
                engine("o")]
-    assert ranked(engines) == ["o", "h"]  # 3.032 s of decode steps against 0.8
+    assert ranked(engines) == ["o", "h"]  # 3.032 s of decode steps against 1.056
 
 
 def test_this_routers_unpublished_requests_count() -> None:
-    # The registry says h is idle; this router just sent it 900 uncached tokens.
+    # The registry says h is idle; this router just sent it 1,100 uncached tokens.
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, own_prefilling=2,
-                      own_prefill_tokens=900, in_flight=2), engine("o")]
-    assert ttft(engines) == {"h": 0.932, "o": 0.8}
+                      own_prefill_tokens=1100, in_flight=2), engine("o")]
+    assert ttft(engines) == {"h": 1.132, "o": 1.056}
     assert ranked(engines, EXACT) == ["o", "h"]
     # Streams past their first token are decodes: 6 in flight, 2 of them prefilling.
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, in_flight=6, own_prefilling=2)]
@@ -205,11 +205,11 @@ def test_engines_without_rates_are_ranked_with_defaults_or_the_fleets_rates() ->
     # Nobody publishes: 1000 tokens/s, 10 ms per decode; queued = num_waiting prompts.
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, num_running=3, **old),
                engine("o", **old)]
-    assert ttft(engines) == {"h": 0.062, "o": 0.8}  # 32 tokens + 3 running
+    assert ttft(engines) == {"h": 0.062, "o": 1.056}  # 32 tokens + 3 running
     assert ranked(engines) == ["h", "o"]
     engines = [engine("h", matched_blocks=PREFIX_BLOCKS, num_waiting=1, **old),
                engine("o", **old)]
-    assert ttft(engines) == {"h": 0.576, "o": 0.8}
+    assert ttft(engines) == {"h": 0.576, "o": 1.056}
     # A new engine among measured ones takes their mean rate, not the default: equal
     # estimates, so the hash decides, as between two measured engines.
     engines = [engine(HASH_FIRST, rate=0.0, step=0.0), engine(HASH_SECOND, rate=4000.0)]
