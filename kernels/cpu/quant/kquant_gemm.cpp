@@ -32,6 +32,7 @@
 #endif
 
 #include "../simd.h"
+#include "quant_blocks.h"
 
 namespace {
 
@@ -40,28 +41,13 @@ using kvfleet::v16;
 using kvfleet::v16i;
 using kvfleet::v16u;
 
-typedef uint8_t v16b __attribute__((vector_size(16)));
+// The fp16 and byte loads every GGUF block format shares (quant_blocks.h).
+using kvfleet::quant::bytes16;
+using kvfleet::quant::half_at;
+using kvfleet::quant::v16b;
 
 // ggml's type ids (GGMLQuantizationType).
 constexpr int64_t kQ5_0 = 6, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;
-
-inline float half_at(const uint8_t* p) {
-#ifdef __F16C__
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return _cvtsh_ss(bits);
-#else
-  c10::Half h;
-  std::memcpy(&h, p, sizeof h);
-  return static_cast<float>(h);
-#endif
-}
-
-inline v16b bytes16(const uint8_t* p) {
-  v16b b;
-  std::memcpy(&b, p, sizeof b);
-  return b;
-}
 
 inline v16i widen(v16b b) { return __builtin_convertvector(b, v16i); }
 
