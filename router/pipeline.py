@@ -11,7 +11,7 @@ Stages, each one method, called in this order by `GenerationPipeline.generate`:
              after tokenizing because it counts the prompt's tokens.
 3. route     `_route`: engines ranked for the prompt (`router.routing.decision`), the prompt
              checked against the context window (`router.engines.context_window`), one engine
-             request per sample.
+             request per sample (`router.engine_requests`).
 4. stream    `_stream`: the best engine, others retried before the first token
              (`router.engines.dispatch`); n > 1 fanned out to that engine; each engine stream
              relayed (`router.engines.stream_relay`) and merged (`router.engines.merge`).
@@ -52,23 +52,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
 
-from kvfleet.contracts.parallel_sampling import child_request_id, child_seed
 from kvfleet.contracts.sampling_params import SamplingParams
-from kvfleet.contracts.sampling_proto import to_sampling_params
-from kvfleet.contracts.structured_grammar import check_compiles
 from kvfleet.runtime.logs import set_request_id
 from kvfleet.runtime.tracing import tracer
 from kvfleet.text.stop_strings import StopStringMatcher
-from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, tokenizer_pb2
+from kvfleet.v1 import engine_pb2_grpc, router_pb2, tokenizer_pb2
+from router.engine_requests import (
+    EngineFields,
+    Sample,
+    engine_samples,
+    prompt_param,
+    request_ids,
+    traced_prompt,
+    validate_request,
+)
 from router.engines.context_window import ContextWindows, check_fits
 from router.engines.disagg import DisaggConfig, open_request_stream
 from router.engines.dispatch import EngineStream, StreamDeadlines, open_engine_stream
@@ -87,8 +91,6 @@ from router.tokenizer_client import TokenizerClient
 
 logger = logging.getLogger(__name__)
 
-# Engines accept 256 characters; the router appends up to 18 (suffix and sample index).
-MAX_REQUEST_ID_LEN = 200
 # Engines tried per request (the first choice plus retries before the first token).
 DEFAULT_MAX_ATTEMPTS = 3
 
@@ -106,22 +108,6 @@ class _Admitted:
 
 
 @dataclass(frozen=True)
-class _EngineFields:
-    """What the tenant's policy and routing set in every engine request of one client request."""
-
-    priority: int
-    max_tokens: int | None
-    weight: float
-    lora_id: str  # the LoRA adapter the model named (router.routing.lora_engines), or ""
-
-
-@dataclass(frozen=True)
-class _Sample:
-    index: int
-    engine_request: engine_pb2.GenerateRequest
-
-
-@dataclass(frozen=True)
 class _Plan:
     """A routed request: the engines ranked for it and the engine request of each sample."""
 
@@ -129,7 +115,7 @@ class _Plan:
     prompt_ids: list[int]
     params: SamplingParams
     decision: Decision
-    samples: list[_Sample]
+    samples: list[Sample]
 
 
 @dataclass
@@ -207,10 +193,10 @@ class GenerationPipeline:
         span = trace.get_current_span()
         span.set_attribute("kvfleet.tenant", tenant)
         if self._trace_prompts:
-            span.set_attribute("gen_ai.prompt", _traced_prompt(request))
+            span.set_attribute("gen_ai.prompt", traced_prompt(request))
         with tracer().start_as_current_span("tokenize"):
             prompt_ids = await self._prompt_ids(request)
-        self._limits.check_prompt_tokens(len(prompt_ids), _prompt_param(request))
+        self._limits.check_prompt_tokens(len(prompt_ids), prompt_param(request))
         return prompt_ids
 
     async def _prompt_ids(self, request: router_pb2.RouterGenerateRequest) -> list[int]:
@@ -236,21 +222,22 @@ class GenerationPipeline:
         prompt_ids: list[int],
     ) -> _Plan:
         """The engines ranked for the prompt, which must fit their context window."""
-        request_id, engine_request_id = _request_ids(request)
+        request_id, engine_request_id = request_ids(request)
         set_request_id(request_id)
         trace.get_current_span().set_attribute("gen_ai.request.id", request_id)
         params, rules = admitted.params, admitted.rules
-        prompt_param = _prompt_param(request)
+        field = prompt_param(request)
         largest = self._windows.largest_known()  # before hashing a prompt that cannot fit
         if largest is not None:
-            check_fits(len(prompt_ids), params.max_tokens, largest, prompt_param)
+            check_fits(len(prompt_ids), params.max_tokens, largest, field)
         decision = await self._decide(prompt_ids, tenant.name, rules.model, request_id)
         max_model_len = await self._windows.max_model_len(decision.ranking[0])
         if max_model_len is not None:
-            check_fits(len(prompt_ids), params.max_tokens, max_model_len, prompt_param)
+            check_fits(len(prompt_ids), params.max_tokens, max_model_len, field)
         max_tokens = rules.max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
-        fields = _EngineFields(rules.priority, max_tokens, tenant.limits.weight, decision.lora_id)
-        samples = _samples(request, prompt_ids, params, engine_request_id, tenant.name, fields)
+        fields = EngineFields(rules.priority, max_tokens, tenant.limits.weight, decision.lora_id)
+        samples = engine_samples(request, prompt_ids, params, engine_request_id, tenant.name,
+                                 fields)
         return _Plan(request_id, prompt_ids, params, decision, samples)
 
     async def _decide(
@@ -405,80 +392,8 @@ def _spawn(work: Coroutine[Any, Any, None]) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-def validate_request(request: router_pb2.RouterGenerateRequest) -> SamplingParams:
-    """The request's sampling parameters; ValueError naming the field for a bad request."""
-    if request.WhichOneof("input") is None:
-        raise ValueError("input must be set: one of prompt, messages or prompt_token_ids")
-    if len(request.request_id) > MAX_REQUEST_ID_LEN:
-        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_LEN} characters")
-    params = to_sampling_params(request.sampling_params)
-    if params.structured_outputs is not None:
-        # Before any engine work: a grammar that does not compile is the client's error.
-        check_compiles(params.structured_outputs)
-    return params
-
-
-def _traced_prompt(request: router_pb2.RouterGenerateRequest) -> str:
-    """The prompt as a span attribute: text, the messages as JSON, or the token ids."""
-    kind = request.WhichOneof("input")
-    if kind == "prompt":
-        return request.prompt
-    if kind == "messages":
-        return json.dumps([{"role": m.role, "content": m.content}
-                           for m in request.messages.messages], ensure_ascii=False)
-    return json.dumps(list(request.prompt_token_ids.ids))
-
-
-def _prompt_param(request: router_pb2.RouterGenerateRequest) -> str:
-    """The field a prompt-size error names."""
-    return "messages" if request.WhichOneof("input") == "messages" else "prompt"
-
-
-def _request_ids(request: router_pb2.RouterGenerateRequest) -> tuple[str, str]:
-    """The client's request id (made up when it sent none) and the engines' base id."""
-    request_id = request.request_id or uuid.uuid4().hex
-    # Client ids need only be unique per client; engines need them unique per engine.
-    if request.request_id:
-        return request_id, f"{request_id}-{uuid.uuid4().hex[:12]}"
-    return request_id, request_id
-
-
-def _samples(
-    request: router_pb2.RouterGenerateRequest,
-    prompt_ids: Sequence[int],
-    params: SamplingParams,
-    engine_request_id: str,
-    tenant: str,
-    fields: _EngineFields,
-) -> list[_Sample]:
-    samples = []
-    for index in range(params.n):
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(request.sampling_params)
-        sampling.ClearField("n")
-        if fields.max_tokens is not None:
-            sampling.max_tokens = fields.max_tokens
-        request_id = engine_request_id
-        if params.n > 1:
-            request_id = child_request_id(engine_request_id, index)
-            seed = child_seed(params.seed, index)
-            if seed is not None:
-                sampling.seed = seed
-        samples.append(_Sample(index, engine_pb2.GenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            sampling_params=sampling,
-            priority=fields.priority,
-            cache_salt=tenant,
-            tenant=tenant,
-            fair_share_weight=fields.weight,
-            lora_id=fields.lora_id,
-        )))
-    return samples
-
-
 async def _open_siblings(
-    engine: EngineView, pool: EnginePool, samples: Sequence[_Sample], deadlines: StreamDeadlines
+    engine: EngineView, pool: EnginePool, samples: Sequence[Sample], deadlines: StreamDeadlines
 ) -> list[EngineStream]:
     """Start samples 1..n-1 on the first sample's engine (no retries elsewhere)."""
     if not samples:

@@ -18,8 +18,8 @@ from kvfleet.contracts.structured_outputs import StructuredOutputsParams
 from kvfleet.contracts.structured_proto import from_proto, to_proto
 from kvfleet.router_client import build_request
 from kvfleet.v1 import common_pb2
+from router.engine_requests import validate_request
 from router.openai.requests import ChatCompletionRequest, CompletionRequest, parse_body
-from router.pipeline import validate_request
 from router.request_limits import RequestLimits
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}
