@@ -13,13 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 
 from engine import LLM, SamplingParams
 from engine.quant import formats
 from engine.quant.gguf_model import QuantGemmaForCausalLM
 from engine.quant.qlinear import QuantLinear
+from tests.fixtures.greedy import transformers_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -56,17 +55,7 @@ def prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(gguf: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # ignore_eos, as the engine's requests
-    out = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        generated = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        out.append(generated[0, len(ids):].tolist())
-    return out
+    return transformers_greedy(gguf.parent, prompts, NEW_TOKENS, gguf_file=gguf.name)
 
 
 def _run(llm: LLM, prompts: list[list[int]]) -> list:

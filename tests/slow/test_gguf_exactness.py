@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
 
 from engine import LLM, SamplingParams
 from engine.models.default_model import gguf_path
 from engine.quant.gguf_model import QuantLlamaForCausalLM
+from tests.fixtures.greedy import transformers_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -46,18 +45,7 @@ def prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(gguf: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # ignore_eos: without this min_new_tokens would mask EOS's logit (not ignore it).
-    model.generation_config.eos_token_id = None
-    out = []
-    for ids in prompts:
-        input_ids = torch.tensor([ids])
-        generated = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-        out.append(generated[0, len(ids):].tolist())
-    return out
+    return transformers_greedy(gguf.parent, prompts, NEW_TOKENS, gguf_file=gguf.name)
 
 
 def _run(llm: LLM, prompts: list[list[int]]) -> list:
