@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry
 
 from kvfleet.runtime import event_loop
+from kvfleet.runtime.arg_types import seconds
 from kvfleet.runtime.grpc_server import GrpcServer, write_port_file
 from kvfleet.runtime.metrics import start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
@@ -305,13 +306,6 @@ async def serve(
         await app.close()
 
 
-def _seconds(value: str) -> float:
-    number = float(value)
-    if not 0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
-    return number
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvfleet serve router",
@@ -331,7 +325,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
              "key file works too (docs/tenants.md; none: auth off, tenant 'anonymous')",
     )
     parser.add_argument(
-        "--policy-reload-interval", type=_seconds, default=DEFAULT_RELOAD_INTERVAL_S,
+        "--policy-reload-interval", type=seconds, default=DEFAULT_RELOAD_INTERVAL_S,
         help="seconds between checks of the policy file for changes; a bad new version is "
              "logged and the previous one kept (0: no reload; default: %(default)s)",
     )
@@ -371,12 +365,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS,
                         help="engines tried per request before the first token")
     stalls = StreamDeadlines()
-    parser.add_argument("--first-token-timeout", type=_seconds, default=stalls.first_token_s,
+    parser.add_argument("--first-token-timeout", type=seconds, default=stalls.first_token_s,
                         help="seconds an engine may send nothing (neither a token nor a "
                              "keep-alive, which it sends while it progresses) before the first "
                              "token; then the next engine is tried (0: no limit; default: "
                              "%(default)s)")
-    parser.add_argument("--stream-stall-timeout", type=_seconds, default=stalls.stall_s,
+    parser.add_argument("--stream-stall-timeout", type=seconds, default=stalls.stall_s,
                         help="the same after the first token; then the stream ends with "
                              "UNAVAILABLE and the engine request is cancelled (0: no limit; "
                              "default: %(default)s)")
@@ -386,7 +380,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "of at least this many tokens are computed on a prefill engine "
                              "and continued on a decode engine; shorter ones go straight to a "
                              "decode engine (docs/disaggregation.md; default: %(default)s)")
-    parser.add_argument("--disagg-transfer-timeout", type=_seconds,
+    parser.add_argument("--disagg-transfer-timeout", type=seconds,
                         default=disagg.transfer_timeout_s,
                         help="seconds a prefill engine's KV push may take before the decode "
                              "engine recomputes instead (default: %(default)s)")

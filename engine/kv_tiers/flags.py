@@ -9,19 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+from kvfleet.runtime.arg_types import non_negative_float, non_negative_int
 
 
 def add_kv_tier_arguments(group: argparse._ArgumentGroup) -> None:
@@ -30,13 +18,13 @@ def add_kv_tier_arguments(group: argparse._ArgumentGroup) -> None:
                        help="what happens to a preempted request's KV: recompute it, swap it "
                             "to host memory, or auto (swap victims holding at least "
                             "--swap-min-computed-tokens) (default: %(default)s)")
-    group.add_argument("--swap-space", type=_non_negative_float, default=4.0,
+    group.add_argument("--swap-space", type=non_negative_float, default=4.0,
                        help="host swap space in GiB, allocated only when --preemption-mode "
                             "can swap (default: %(default)s)")
-    group.add_argument("--swap-min-computed-tokens", type=_non_negative_int, default=256,
+    group.add_argument("--swap-min-computed-tokens", type=non_negative_int, default=256,
                        help="auto mode swaps victims with at least this many computed tokens "
                             "(default: %(default)s)")
-    group.add_argument("--kv-offloading-size", type=_non_negative_float, default=None,
+    group.add_argument("--kv-offloading-size", type=non_negative_float, default=None,
                        help="host tier of the prefix cache in GiB: evicted cached blocks are "
                             "kept there and reloaded on a hit (default: off)")
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",

@@ -62,6 +62,7 @@ from engine.spec_decode.spec_config import speculative_config_arg
 from kvfleet.contracts.adapter_paths import AdapterRoots
 from kvfleet.contracts.redis_schema import ROLE_BOTH, ROLES
 from kvfleet.runtime import event_loop
+from kvfleet.runtime.arg_types import positive_int, seconds
 from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
@@ -292,20 +293,6 @@ class EngineServer:
         await asyncio.to_thread(self.publisher.deregister)
 
 
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
-    return number
-
-
-def _seconds(value: str) -> float:
-    number = float(value)
-    if not 0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {value}")
-    return number
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvfleet serve engine",
@@ -327,17 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine (vLLM names)")
     engine.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"])
-    engine.add_argument("--max-model-len", type=_positive_int, default=None,
+    engine.add_argument("--max-model-len", type=positive_int, default=None,
                         help="default: the model's context length")
-    engine.add_argument("--block-size", type=_positive_int, default=16,
+    engine.add_argument("--block-size", type=positive_int, default=16,
                         help="tokens per KV block; routers must agree (default: %(default)s)")
-    engine.add_argument("--num-kv-blocks", type=_positive_int, default=None,
+    engine.add_argument("--num-kv-blocks", type=positive_int, default=None,
                         help="KV cache size in blocks (overrides --kv-cache-memory-bytes)")
-    engine.add_argument("--kv-cache-memory-bytes", type=_positive_int, default=None,
+    engine.add_argument("--kv-cache-memory-bytes", type=positive_int, default=None,
                         help="KV cache budget in bytes (default: 1 GiB)")
-    engine.add_argument("--max-num-seqs", type=_positive_int, default=256,
+    engine.add_argument("--max-num-seqs", type=positive_int, default=256,
                         help="default: %(default)s")
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                         help="token budget per step (default: %(default)s)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
@@ -369,11 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CUDA: run decode steps eagerly instead of through CUDA graphs")
     add_kv_tier_arguments(engine)
     add_lora_arguments(parser.add_argument_group("LoRA adapters (vLLM names)"))
-    parser.add_argument("--max-concurrent-requests", type=_positive_int,
+    parser.add_argument("--max-concurrent-requests", type=positive_int,
                         default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                         help="requests in flight beyond which new ones are refused with "
                              "RESOURCE_EXHAUSTED (default: %(default)s)")
-    parser.add_argument("--watchdog-timeout", type=_seconds, default=DEFAULT_WATCHDOG_TIMEOUT_S,
+    parser.add_argument("--watchdog-timeout", type=seconds, default=DEFAULT_WATCHDOG_TIMEOUT_S,
                         help="seconds the step loop may go without a new iteration while it "
                              "has requests before health turns NOT_SERVING and new requests "
                              "are refused; must exceed the longest step (0: off; "

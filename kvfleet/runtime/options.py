@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvfleet.runtime import logs
+from kvfleet.runtime.arg_types import non_negative_float, port
 from kvfleet.runtime.event_loop import EVENT_LOOPS, loop_factory
 from kvfleet.runtime.grpc_server import DEFAULT_GRACE_S
 from kvfleet.runtime.tls import TlsFiles, add_tls_arguments
@@ -76,29 +77,15 @@ def _event_loop(kind: str) -> str:
     return kind
 
 
-def _port(value: str) -> int:
-    port = int(value)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {port}")
-    return port
-
-
-def _non_negative(value: str) -> float:
-    seconds = float(value)
-    if seconds < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {seconds}")
-    return seconds
-
-
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int = 0) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="0.0.0.0", help="address to bind (default: %(default)s)")
     group.add_argument(
-        "--port", type=_port, default=default_port, help="port to bind; 0 picks a free one"
+        "--port", type=port, default=default_port, help="port to bind; 0 picks a free one"
     )
     group.add_argument(
         "--grace-period",
-        type=_non_negative,
+        type=non_negative_float,
         default=DEFAULT_GRACE_S,
         help="seconds in-flight RPCs get to finish on SIGTERM (default: %(default)s)",
     )
@@ -120,7 +107,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int = 0)
     )
     group.add_argument(
         "--metrics-port",
-        type=_port,
+        type=port,
         default=None,
         help=f"serve Prometheus /metrics on this port (0 picks a free one; default: "
         f"{DEFAULT_METRICS_PORT}, or a free one if that is taken)",
