@@ -28,6 +28,10 @@ MATCH_CHUNK = 64
 # per engine parses in C (str.split); ~45 RESP elements per engine cost ~4 ms of pure-Python
 # parsing per decision at 64 engines. No registry field holds a NUL (JSON escapes it).
 RECORD_SEP = "\0"
+# Separates the answer's mode and its engines' strings: the whole answer is one bulk string, as
+# each further RESP element is a few Python-level reads in redis-py. No registry field holds
+# it either (a control character; JSON escapes it).
+ANSWER_SEP = "\x1e"
 # Pending entries per ZADD call inside the mark script (bounded Lua stacks).
 MARK_CHUNK = 500
 # Engines whose queued work (`kvfleet:load`) is within this of the least loaded one's count
@@ -44,7 +48,8 @@ PENDING_HOLDERS_KEY_PREFIX = redis_schema.pending_holders_key(b"")
 # pending key prefix, full-scan fleet size, candidate window, window seed, holders key
 # prefix, host holders key prefix, pending holders key prefix, hash width, the hashes
 # concatenated (the script slices those it matches).
-# The answer's first element says "full" (every live engine) or "candidates".
+# The answer: one string, `ANSWER_SEP`-joined: "full" (every live engine) or "candidates",
+# then one string per engine.
 LOOKUP_SCRIPT = """
 local engine_prefix, blocks_prefix = ARGV[1], ARGV[2]
 local block_size, chunk = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -90,11 +95,10 @@ local function match(id, info)
       local j = math.min(i + step - 1, last_hash)
       step = math.min(step * 4, chunk)
       local hits, host_hits, expiry = {}, {}, {}
-      if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(hashes(i, j))) end
-      if host_cached > 0 then
-        host_hits = redis.call('SMISMEMBER', hkey, unpack(hashes(i, j)))
-      end
-      if pending > 0 then expiry = redis.call('ZMSCORE', pkey, unpack(hashes(i, j))) end
+      local span = hashes(i, j)
+      if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(span)) end
+      if host_cached > 0 then host_hits = redis.call('SMISMEMBER', hkey, unpack(span)) end
+      if pending > 0 then expiry = redis.call('ZMSCORE', pkey, unpack(span)) end
       for k = 1, j - i + 1 do
         if hits[k] == 1 then matched = matched + 1
         elseif host_hits[k] == 1 then host_matched = host_matched + 1
@@ -176,8 +180,10 @@ for _, id in ipairs(gone) do
   redis.call('ZREM', KEYS[2], id)
 end
 table.insert(result, 1, mode)
-return result
+return table.concat(result, ANSWER_SEP)
 """.replace("WINDOW_REL", repr(WINDOW_REL)).replace("WINDOW_ABS_S", repr(WINDOW_ABS_S))
+# A Lua decimal escape: the script's text stays printable.
+LOOKUP_SCRIPT = LOOKUP_SCRIPT.replace("ANSWER_SEP", f"'\\{ord(ANSWER_SEP)}'")
 
 # KEYS[1] = one engine's pending ZSET, KEYS[2] = the pending holders ZSET of the claim's first
 # block; ARGV = seconds the entries count, chunk, engine id, hash width, the hashes

@@ -29,9 +29,10 @@ Invariants:
   published it yet); matching stops at the first block in none, in chunks growing from one
   block to `MATCH_CHUNK`, so an engine lacking the first block costs one lookup, a long
   prompt that misses early costs little and no Lua `unpack` limit is hit.
-- The answer is one string per live engine (`RECORD_SEP`-joined: id, matched, cached, host
-  matched, pending matched, then every registry field and value), so a decision's parsing
-  cost stays small at 128 engines (benchmarks/fleet_sim/decision_cost.py).
+- The answer is one string (`ANSWER_SEP`-joined: the kind, then one string per live engine,
+  `RECORD_SEP`-joined: id, matched, cached, host matched, pending matched, then every
+  registry field and value), so a decision's parsing cost stays small at 128 engines
+  (benchmarks/fleet_sim/decision_cost.py).
 - Pending entries are written by `mark_pending` (one EVALSHA, issued after the decision, off
   the request's critical path; see router.routing.pending), with the engine as a pending
   holder of the claim's first block, and dropped by `unmark_pending` (the holder entry then
@@ -66,6 +67,7 @@ from kvfleet.contracts import redis_schema
 from kvfleet.contracts.block_hash import DIGEST_SIZE
 from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess
 from router.routing.index_scripts import (
+    ANSWER_SEP,
     BLOCKS_KEY_PREFIX,
     ENGINE_KEY_PREFIX,
     HOLDERS_KEY_PREFIX,
@@ -264,7 +266,8 @@ class PrefixIndex:
                            PENDING_HOLDERS_KEY_PREFIX, DIGEST_SIZE, _joined(hashes)]
         raw = await self._run(self._script, [redis_schema.ENGINES_SET, redis_schema.LOAD_ZSET],
                               args)
-        return LookupAnswer([_record(item) for item in raw[1:]], _text(raw[0]) == "full")
+        kind, *engines = _text(raw).split(ANSWER_SEP)
+        return LookupAnswer([_record(item) for item in engines], kind == "full")
 
     async def mark_pending(
         self, engine_id: str, epoch: str, hashes: Sequence[bytes], ttl_s: float
@@ -288,14 +291,17 @@ class PrefixIndex:
 
     async def _run(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
         """One call on a pooled connection; PrefixIndexBusy / PrefixIndexUnavailable."""
-        try:
-            async with asyncio.timeout(self.config.pool_timeout_s):
-                await self._slots.acquire()
-        except TimeoutError as e:
-            raise PrefixIndexBusy(
-                f"all {self.config.max_connections} Redis connections stayed busy for "
-                f"{self.config.pool_timeout_s}s"
-            ) from e
+        if self._slots.locked():  # a free slot is taken at once: no timer to arm and cancel
+            try:
+                async with asyncio.timeout(self.config.pool_timeout_s):
+                    await self._slots.acquire()
+            except TimeoutError as e:
+                raise PrefixIndexBusy(
+                    f"all {self.config.max_connections} Redis connections stayed busy for "
+                    f"{self.config.pool_timeout_s}s"
+                ) from e
+        else:
+            await self._slots.acquire()
         try:
             return await script(keys=keys, args=args)
         except (redis.exceptions.RedisError, OSError) as e:
@@ -307,9 +313,9 @@ class PrefixIndex:
         await self._client.aclose()
 
 
-def _record(item: bytes | str) -> EngineRecord:
+def _record(item: str) -> EngineRecord:
     """One engine of the script's answer: NUL-separated id, counts, then field, value, ..."""
-    parts = _text(item).split(RECORD_SEP)
+    parts = item.split(RECORD_SEP)
     engine_id, matched, cached, host_matched, pending_matched = parts[:5]
     flat = parts[5:]
     fields = dict(zip(flat[0::2], flat[1::2], strict=False))

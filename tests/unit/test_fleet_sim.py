@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pstats
 from pathlib import Path
 
 import pytest
@@ -126,15 +127,21 @@ def test_a_calibration_from_before_the_fleets_kv_is_resized(smollm2_dir: Path,
 
 
 def test_decision_cost_measures_every_size(redis_server: RedisServer, tmp_path: Path) -> None:
-    out = tmp_path / "cost.json"
+    out, profile = tmp_path / "cost.json", tmp_path / "cost.pstats"
     assert decision_cost.main(["--sizes", "2,4", "--decisions", "5", "--blocks-per-engine",
                                "50", "--prompt-tokens", "200", "--redis-url",
-                               redis_server.url, "--json", str(out)]) == 0
+                               redis_server.url, "--json", str(out),
+                               "--profile", str(profile)]) == 0
     sizes = json.loads(out.read_text())["sizes"]
     assert set(sizes) == {"2", "4"}
     for row in sizes.values():
         assert row["decision_p99_ms"] >= row["decision_p50_ms"] > 0
         assert row["redis_bytes_per_block"] > 16  # at least the 16-byte hash itself
+    calls = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
+    decides = [v for (file, _, name), v in calls.items()
+               if name == "decide" and file.endswith("decision.py")]
+    # Every timed decision (2 sizes x 5) entered it at least once; the warm-up ones are not in.
+    assert decides and 2 * 5 <= decides[0][1] < 2 * 25
 
 
 def test_candidate_lookups_keep_the_prefix_policys_hit_rate(
