@@ -141,6 +141,15 @@ fleet-sim: model
 		--sessions-per-s 3.2 --json bench_results/fleet_sim.json $(FLEET_SIM_ARGS)
 	$(PY) -m benchmarks.fleet_sim.decision_cost --json bench_results/fleet_sim_decision_cost.json
 
+# The simulator's engine model against the real 2-engine fleet: simulates `make bench-fleet`'s
+# prefix_repetition case and sets its hit rate and TTFTs beside the measured ones (needs
+# bench_results/fleet_bench.json from `make bench-fleet`; docs/fleet-simulator.md).
+FLEET_SIM_MEASURED ?= bench_results/fleet_bench.json
+.PHONY: fleet-sim-vs-real
+fleet-sim-vs-real: model
+	$(PY) -m benchmarks.fleet_sim.vs_real --measured $(FLEET_SIM_MEASURED) --rates 2,4,8,inf \
+		--json bench_results/fleet_sim_vs_real.json $(FLEET_SIM_VS_REAL_ARGS)
+
 # On a CUDA machine, with a Python that has a CUDA build of torch (not the CPU venv): the
 # GPU tests compiled for the GPU, and the offline bench; report in bench_results/gpu/.
 GPU_PYTHON ?= python3

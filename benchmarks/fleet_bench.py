@@ -48,6 +48,9 @@ from kvfleet.text.tokenizer import Tokenizer
 
 Row = dict[str, Any]
 DEFAULT_RATES = "2,4,8,inf"
+# Each engine's KV cache (GiB), as VLLM_CPU_KVCACHE_SPACE for the vLLM peers; the fleet
+# simulator's engines have it too (benchmarks/fleet_sim/calibration.py).
+DEFAULT_KVCACHE_GIB = 2
 _SETTLE_S = 10.0
 
 
@@ -215,7 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="defaults mode: alternated rounds")
     p.add_argument("--num-warmups", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kvcache-gib", type=int, default=2, help="KV cache of each engine")
+    p.add_argument("--kvcache-gib", type=int, default=DEFAULT_KVCACHE_GIB,
+                   help="KV cache of each engine")
     p.add_argument("--vllm-eager", action="store_true", help="vllm serve --enforce-eager")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per bench serve run")

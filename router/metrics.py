@@ -59,6 +59,8 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._engine_gauges: dict[str, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
+        # The loads last set per engine (observe_loads sets only changes).
+        self._last_loads: dict[str, tuple[int, int, float, int]] = {}
         r = self.registry
         self.requests = Counter(
             f"{PREFIX}_requests", "Generate requests by tenant and final status code",
@@ -150,7 +152,14 @@ class RouterMetrics:
         )
 
     def observe_loads(self, views: Sequence[EngineView]) -> None:
+        last = self._last_loads
         for view in views:
+            # Only what changed: each set takes the gauge's lock, four per engine per decision,
+            # and an engine's load is mostly the same from one decision to the next.
+            loads = (view.num_running, view.num_waiting, view.kv_cache_usage, view.in_flight)
+            if last.get(view.engine_id) == loads:
+                continue
+            last[view.engine_id] = loads
             running, waiting, kv_usage, in_flight = self._load_gauges(view.engine_id)
             running.set(view.num_running)
             waiting.set(view.num_waiting)

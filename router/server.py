@@ -134,6 +134,7 @@ class RouterConfig:
                 max_connections=args.redis_max_connections,
                 pool_timeout_s=args.redis_pool_timeout,
                 stale_after_s=args.engine_stale_after,
+                candidate_window=args.routing_candidate_window,
             ),
             discovery=DiscoveryConfig.from_flags(
                 args.engines, args.engine_dns, args.engine_dns_refresh
@@ -422,6 +423,11 @@ def add_engine_source_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--engine-stale-after", type=float, default=index.stale_after_s,
                        help="seconds since an engine's last heartbeat after which it gets no "
                             "requests (0: no bound; default: %(default)s)")
+    group.add_argument("--routing-candidate-window", type=int, default=index.candidate_window,
+                       help=f"a fleet of more than {index.full_scan_max_engines} engines is "
+                            "looked up by candidates: the holders of the prompt's first block "
+                            "plus this many of the least loaded engines (default: "
+                            "%(default)s)")
     group.add_argument("--engines", default=None, metavar="HOST:PORT[,HOST:PORT...]",
                        help="engines to route to while Redis is down or not configured")
     group.add_argument("--engine-dns", default=None, metavar="NAME:PORT",

@@ -10,7 +10,9 @@ by tens of percent between runs, and by far more when the machine is oversubscri
 CPU time (the router process' and the Redis server's, per decision: what a decision costs
 when it has the cores to itself). Also Redis' used_memory per engine and per cached block.
 
-Output: a table, and JSON `{"sizes": {N: {...}}}` with `--json`.
+Output: a table, and JSON `{"sizes": {N: {...}}}` with `--json`; with `--profile PATH`, the
+router's cProfile statistics over the decisions of every size (pstats format; read with
+`python -m pstats PATH`) -- profiling slows the decisions, so its sizes' times are not figures.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import cProfile
 import json
 import os
 import random
@@ -85,9 +88,11 @@ def redis_cpu_s(client: redis.Redis) -> float:
 
 
 async def time_decisions(
-    redis_url: str, prompt: list[int], n: int, engines: int
+    redis_url: str, prompt: list[int], n: int, engines: int,
+    profile: cProfile.Profile | None = None,
 ) -> tuple[list[float], float, float]:
-    """Wall seconds per decision; router and Redis CPU seconds per decision (means)."""
+    """Wall seconds per decision; router and Redis CPU seconds per decision (means);
+    `profile`: enabled around each timed decision."""
     index = PrefixIndex(redis_url)
     selector = EngineSelector(RoutingConfig(), index, EnginePool())
     client = redis.Redis.from_url(redis_url)
@@ -100,8 +105,12 @@ async def time_decisions(
                 heartbeat(client, engines)
                 beat = time.monotonic()
             before = redis_cpu_s(client) if i >= 20 else 0.0
+            if profile is not None and i >= 20:
+                profile.enable()
             cpu_started, started = time.process_time(), time.perf_counter()
             await selector.decide(prompt, TENANT)
+            if profile is not None:
+                profile.disable()
             if i >= 20:
                 took.append(time.perf_counter() - started)
                 cpu += time.process_time() - cpu_started
@@ -114,14 +123,15 @@ async def time_decisions(
 
 
 def measure_size(redis_url: str, engines: int, blocks: int, prompt: list[int],
-                 decisions: int) -> dict[str, float]:
+                 decisions: int, profile: cProfile.Profile | None = None) -> dict[str, float]:
     client = redis.Redis.from_url(redis_url)
     client.flushall()
     base = int(client.info("memory")["used_memory"])
     hashes = hash_token_blocks(prompt[:-1], 16, cache_salt=TENANT)
     populate(client, engines, blocks, hashes, random.Random(engines))
     used = int(client.info("memory")["used_memory"]) - base
-    took, cpu, redis_cpu = asyncio.run(time_decisions(redis_url, prompt, decisions, engines))
+    took, cpu, redis_cpu = asyncio.run(time_decisions(redis_url, prompt, decisions, engines,
+                                                      profile))
     ms = [s * 1000.0 for s in took]
     client.close()
     return {"engines": engines, "blocks_per_engine": blocks,
@@ -140,14 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decisions", type=int, default=500)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--redis-url", default=None)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="write the decisions' cProfile statistics here (pstats)")
     args = p.parse_args(argv)
+    profile = cProfile.Profile() if args.profile is not None else None
     blocks = args.blocks_per_engine or calibration.load_or_measure().kv_blocks
     prompt = [random.Random(1).randrange(100, 40000) for _ in range(args.prompt_tokens)]
     rows: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         url = args.redis_url or stack.enter_context(RedisServer()).url
         for n in (int(s) for s in args.sizes.split(",")):
-            rows[str(n)] = measure_size(url, n, blocks, prompt, args.decisions)
+            rows[str(n)] = measure_size(url, n, blocks, prompt, args.decisions, profile)
             print(json.dumps(rows[str(n)]), file=sys.stderr)
     print(f"{'engines':>8}{'p50_ms':>10}{'p99_ms':>10}{'router_cpu':>12}{'redis_cpu':>11}"
           f"{'B/engine':>12}{'B/block':>10}")
@@ -155,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['engines']:>8}{row['decision_p50_ms']:>10.2f}{row['decision_p99_ms']:>10.2f}"
               f"{row['router_cpu_ms']:>12.2f}{row['redis_cpu_ms']:>11.2f}"
               f"{row['redis_bytes_per_engine']:>12.0f}{row['redis_bytes_per_block']:>10.1f}")
+    if profile is not None:
+        profile.dump_stats(args.profile)
     if args.json is not None:
         doc = {"sizes": rows, "prompt_tokens": args.prompt_tokens,
                "notes": f"wall-clock on a shared {os.cpu_count()}-core machine: noisy"}

@@ -165,7 +165,9 @@ class EngineSelector:
 
     async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
         lora_hint = model if model in self._adapters else ""
-        records, used_index, hashes = await self._records(prompt_ids, tenant, lora_hint, model)
+        tie_key = _tie_key(prompt_ids, tenant)
+        records, used_index, hashes = await self._records(prompt_ids, tenant, lora_hint, model,
+                                                          tie_key)
         lora_id = adapter_for(records, model)
         if lora_id:
             self._adapters.add(lora_id)
@@ -189,7 +191,7 @@ class EngineSelector:
         ranking = rank(
             policy,
             views,
-            tie_key=_tie_key(prompt_ids, tenant),
+            tie_key=tie_key,
             counter=next(self._counter),
             config=self.config.prefix,
             shape=shape,
@@ -265,7 +267,8 @@ class EngineSelector:
         return dict(sorted(lens.items()))
 
     async def _records(
-        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "", model: str = ""
+        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "", model: str = "",
+        tie_key: bytes = b"",
     ) -> tuple[list[EngineRecord], bool, list[bytes]]:
         """The live engines, whether they came from the prefix index (module docstring), and
         the prompt's block hashes they were matched against (empty without the index)."""
@@ -273,7 +276,7 @@ class EngineSelector:
             started = time.perf_counter()
             try:
                 records, complete, hashes = await self._lookup(prompt_ids, tenant, lora_id,
-                                                               model)
+                                                               model, tie_key)
             except PrefixIndexBusy as e:
                 self._on_busy(e)
                 if self._pool.known:
@@ -314,13 +317,14 @@ class EngineSelector:
                            "--redis-max-connections or --redis-pool-timeout?)", error)
 
     async def _lookup(
-        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "", model: str = ""
+        self, prompt_ids: Sequence[int], tenant: str, lora_id: str = "", model: str = "",
+        tie_key: bytes = b"",
     ) -> tuple[list[EngineRecord], bool, list[bytes]]:
         """The index's engines (all, or a large fleet's candidates: `complete` False), and
-        the prompt's hashes."""
+        the prompt's hashes. `tie_key`: the prompt's (`_tie_key`), when the caller has it."""
         assert self._index is not None
         hashes = self._hashes(prompt_ids, tenant, lora_id)
-        seed = int.from_bytes(_tie_key(prompt_ids, tenant)[:4], "little")
+        seed = int.from_bytes((tie_key or _tie_key(prompt_ids, tenant))[:4], "little")
         answer = await self._index.lookup_answer(self._block_size, hashes, seed=seed)
         sizes = collections.Counter(r.block_size for r in answer.records if r.block_size)
         if sizes and self._block_size not in sizes:

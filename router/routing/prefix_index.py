@@ -1,4 +1,5 @@
-"""The routing question, answered by Redis in one round trip (a Lua script).
+"""The routing question, answered by Redis in one round trip (a Lua script,
+`router.routing.index_scripts`).
 
 Input: the router's block size hint and the prompt's chained block hashes. Output, for every *live*
 engine (its registry hash exists and its heartbeat is fresh; see kvfleet/contracts/redis_schema.py):
@@ -28,9 +29,10 @@ Invariants:
   published it yet); matching stops at the first block in none, in chunks growing from one
   block to `MATCH_CHUNK`, so an engine lacking the first block costs one lookup, a long
   prompt that misses early costs little and no Lua `unpack` limit is hit.
-- The answer is one string per live engine (`RECORD_SEP`-joined: id, matched, cached, host
-  matched, pending matched, then every registry field and value), so a decision's parsing
-  cost stays small at 128 engines (benchmarks/fleet_sim/decision_cost.py).
+- The answer is one string (`ANSWER_SEP`-joined: the kind, then one string per live engine,
+  `RECORD_SEP`-joined: id, matched, cached, host matched, pending matched, then every
+  registry field and value), so a decision's parsing cost stays small at 128 engines
+  (benchmarks/fleet_sim/decision_cost.py).
 - Pending entries are written by `mark_pending` (one EVALSHA, issued after the decision, off
   the request's critical path; see router.routing.pending), with the engine as a pending
   holder of the claim's first block, and dropped by `unmark_pending` (the holder entry then
@@ -62,183 +64,38 @@ from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 
 from kvfleet.contracts import redis_schema
+from kvfleet.contracts.block_hash import DIGEST_SIZE
 from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess
+from router.routing.index_scripts import (
+    ANSWER_SEP,
+    BLOCKS_KEY_PREFIX,
+    ENGINE_KEY_PREFIX,
+    HOLDERS_KEY_PREFIX,
+    HOST_BLOCKS_KEY_PREFIX,
+    HOST_HOLDERS_KEY_PREFIX,
+    LOOKUP_SCRIPT,
+    MARK_CHUNK,
+    MARK_PENDING_SCRIPT,
+    MATCH_CHUNK,
+    PENDING_HOLDERS_KEY_PREFIX,
+    PENDING_KEY_PREFIX,
+    RECORD_SEP,
+)
+
+__all__ = [
+    "BLOCKS_KEY_PREFIX",
+    "ENGINE_KEY_PREFIX",
+    "HOST_BLOCKS_KEY_PREFIX",
+    "MATCH_CHUNK",
+    "EngineRecord",
+    "LookupAnswer",
+    "PrefixIndex",
+    "PrefixIndexBusy",
+    "PrefixIndexConfig",
+    "PrefixIndexUnavailable",
+]
 
 logger = logging.getLogger(__name__)
-
-ENGINE_KEY_PREFIX = redis_schema.engine_key("")
-# blocks_key(id, epoch) == BLOCKS_KEY_PREFIX + id + ":" + epoch (checked by the tests).
-BLOCKS_KEY_PREFIX = redis_schema.blocks_key("", "").removesuffix(":")
-HOST_BLOCKS_KEY_PREFIX = redis_schema.host_blocks_key("", "").removesuffix(":")
-PENDING_KEY_PREFIX = redis_schema.pending_key("", "").removesuffix(":")
-# Blocks checked per SMISMEMBER call inside the script, at most: the first call checks one
-# block, each next one 4x more (1, 4, 16, 64, 64...), so an engine that lacks the prompt's
-# first block (most of a large fleet: the chain is salted per tenant) costs one lookup, not 64.
-MATCH_CHUNK = 64
-# Separates an engine's id, counts, field names and values in the script's answer: one string
-# per engine parses in C (str.split); ~45 RESP elements per engine cost ~4 ms of pure-Python
-# parsing per decision at 64 engines. No registry field holds a NUL (JSON escapes it).
-RECORD_SEP = "\0"
-# Pending entries per ZADD call inside the mark script (bounded Lua stacks).
-MARK_CHUNK = 500
-# Engines whose queued work (`kvfleet:load`) is within this of the least loaded one's count
-# as about as idle when a large fleet's lookup picks its window of candidates (the same
-# tolerance as the ranking's ties, router.routing.ttft_cost).
-WINDOW_REL = 0.2
-WINDOW_ABS_S = 0.01
-HOLDERS_KEY_PREFIX = redis_schema.holders_key(b"")
-HOST_HOLDERS_KEY_PREFIX = redis_schema.host_holders_key(b"")
-PENDING_HOLDERS_KEY_PREFIX = redis_schema.pending_holders_key(b"")
-
-# KEYS[1] = engines set, KEYS[2] = load ZSET; ARGV = engine key prefix, blocks key prefix,
-# block size, chunk, max heartbeat age in seconds (0: no bound), host blocks key prefix,
-# pending key prefix, full-scan fleet size, candidate window, window seed, holders key
-# prefix, host holders key prefix, pending holders key prefix, hashes...
-# The answer's first element says "full" (every live engine) or "candidates".
-LOOKUP_SCRIPT = """
-local engine_prefix, blocks_prefix = ARGV[1], ARGV[2]
-local block_size, chunk = tonumber(ARGV[3]), tonumber(ARGV[4])
-local max_age = tonumber(ARGV[5])
-local host_prefix, pending_prefix = ARGV[6], ARGV[7]
-local full_max, window, seed = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
-local holders_prefix, host_holders_prefix = ARGV[11], ARGV[12]
-local pending_holders_prefix = ARGV[13]
-local first_hash, last_hash = 14, #ARGV
-local SEP = '\0'
-local time = redis.call('TIME')
-local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
-local result, gone = {}, {}
-
-local function match(id, info)
-  local matched, host_matched, pending_matched, cached = 0, 0, 0, 0
-  if not info['epoch'] then return matched, cached, host_matched, pending_matched end
-  local suffix = id .. ':' .. info['epoch']
-  local bkey, hkey = blocks_prefix .. suffix, host_prefix .. suffix
-  local pkey = pending_prefix .. suffix
-  cached = redis.call('SCARD', bkey)
-  local host_cached = redis.call('SCARD', hkey)
-  local pending = redis.call('ZCARD', pkey)
-  if cached + host_cached + pending > 0 and tonumber(info['block_size']) == block_size then
-    local i, done, step = first_hash, false, 1
-    while i <= last_hash and not done do
-      local j = math.min(i + step - 1, last_hash)
-      step = math.min(step * 4, chunk)
-      local hits, host_hits, expiry = {}, {}, {}
-      if cached > 0 then hits = redis.call('SMISMEMBER', bkey, unpack(ARGV, i, j)) end
-      if host_cached > 0 then
-        host_hits = redis.call('SMISMEMBER', hkey, unpack(ARGV, i, j))
-      end
-      if pending > 0 then expiry = redis.call('ZMSCORE', pkey, unpack(ARGV, i, j)) end
-      for k = 1, j - i + 1 do
-        if hits[k] == 1 then matched = matched + 1
-        elseif host_hits[k] == 1 then host_matched = host_matched + 1
-        elseif expiry[k] and tonumber(expiry[k]) > now then
-          pending_matched = pending_matched + 1
-        else done = true; break end
-      end
-      i = j + 1
-    end
-  end
-  return matched, cached, host_matched, pending_matched
-end
-
-local function probe(id)
-  local fields = redis.call('HGETALL', engine_prefix .. id)
-  if #fields == 0 then table.insert(gone, id); return false end
-  local info = {}
-  for i = 1, #fields, 2 do info[fields[i]] = fields[i + 1] end
-  local updated = tonumber(info['updated_at'])
-  if max_age > 0 and updated ~= nil and now - updated > max_age then return false end
-  local matched, cached, host_matched, pending_matched = match(id, info)
-  table.insert(result, table.concat({id, matched, cached, host_matched, pending_matched,
-                                     table.concat(fields, SEP)}, SEP))
-  return true
-end
-
-local function append(ids, more)
-  for _, id in ipairs(more) do table.insert(ids, id) end
-end
-
--- The least loaded engines in the order the window takes them: those about as idle as the
--- least loaded one from an offset chosen by the seed (so new prefixes spread over an idle
--- fleet and every replica takes the same slice), then the rest of them, then the busier.
--- Up to 4 windows' worth: dead or stale members are passed over, not counted.
-local function least_loaded()
-  local want = window * 4
-  local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  if #first == 0 then return {} end
-  local bound = tonumber(first[2]) * (1 + WINDOW_REL) + WINDOW_ABS_S
-  local near = redis.call('ZCOUNT', KEYS[2], '-inf', bound)
-  local offset = 0
-  if near > window then offset = seed % near end
-  local ids = redis.call('ZRANGE', KEYS[2], offset, math.min(near, offset + want) - 1)
-  if offset > 0 then append(ids, redis.call('ZRANGE', KEYS[2], 0, offset - 1)) end
-  if #ids < want then append(ids, redis.call('ZRANGE', KEYS[2], near, near + want - #ids - 1)) end
-  return ids
-end
-
-local mode = 'full'
-if last_hash < first_hash or redis.call('SCARD', KEYS[1]) <= full_max then
-  for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do probe(id) end
-else
-  mode = 'candidates'
-  local h0 = ARGV[first_hash]
-  local seen = {}
-  local function consider(ids, limit)
-    local added = 0
-    for _, id in ipairs(ids) do
-      if added >= limit then break end
-      if not seen[id] then
-        seen[id] = true
-        if probe(id) then added = added + 1 end
-      end
-    end
-  end
-  local all = math.huge
-  consider(redis.call('SMEMBERS', holders_prefix .. h0), all)
-  consider(redis.call('SMEMBERS', host_holders_prefix .. h0), all)
-  consider(redis.call('ZRANGEBYSCORE', pending_holders_prefix .. h0, now, '+inf'), all)
-  consider(least_loaded(), window)
-  for _, id in ipairs(gone) do
-    redis.call('SREM', holders_prefix .. h0, id)
-    redis.call('SREM', host_holders_prefix .. h0, id)
-    redis.call('ZREM', pending_holders_prefix .. h0, id)
-  end
-end
-for _, id in ipairs(gone) do
-  redis.call('SREM', KEYS[1], id)
-  redis.call('ZREM', KEYS[2], id)
-end
-table.insert(result, 1, mode)
-return result
-""".replace("WINDOW_REL", repr(WINDOW_REL)).replace("WINDOW_ABS_S", repr(WINDOW_ABS_S))
-
-# KEYS[1] = one engine's pending ZSET, KEYS[2] = the pending holders ZSET of the claim's first
-# block; ARGV = seconds the entries count, chunk, engine id, hashes...
-# Expiry scores come from Redis' clock so every router replica judges them alike.
-MARK_PENDING_SCRIPT = """
-local time = redis.call('TIME')
-local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
-local ttl, chunk = tonumber(ARGV[1]), tonumber(ARGV[2])
-local expires = now + ttl
-local keep = math.ceil(ttl) + 1
-local i = 4
-while i <= #ARGV do
-  local args = {}
-  for k = i, math.min(i + chunk - 1, #ARGV) do
-    table.insert(args, expires)
-    table.insert(args, ARGV[k])
-  end
-  redis.call('ZADD', KEYS[1], 'GT', unpack(args))
-  i = i + chunk
-end
-for _, key in ipairs(KEYS) do
-  if key == KEYS[2] then redis.call('ZADD', key, 'GT', expires, ARGV[3]) end
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  if redis.call('TTL', key) < keep then redis.call('EXPIRE', key, keep) end
-end
-return 0
-"""
 
 
 class PrefixIndexUnavailable(Exception):
@@ -266,7 +123,8 @@ class PrefixIndexConfig:
     stale_after_s: float = redis_schema.DEFAULT_STALE_AFTER_S
     # A fleet of more live-registered engines is looked up by candidates (module docstring).
     full_scan_max_engines: int = redis_schema.FULL_SCAN_MAX_ENGINES
-    # Least loaded engines a candidate lookup adds to the holders of the prompt's first block.
+    # Least loaded engines a candidate lookup adds to the holders of the prompt's first block
+    # (--routing-candidate-window).
     candidate_window: int = 8
 
     def __post_init__(self) -> None:
@@ -284,7 +142,8 @@ class PrefixIndexConfig:
             raise ValueError(
                 f"full_scan_max_engines must be >= 0, got {self.full_scan_max_engines}")
         if self.candidate_window < 1:
-            raise ValueError(f"candidate_window must be at least 1, got {self.candidate_window}")
+            raise ValueError(f"--routing-candidate-window must be at least 1, got "
+                             f"{self.candidate_window}")
         if self.stale_after_s < 0:
             raise ValueError(
                 f"--engine-stale-after must be >= 0 (0: off), got {self.stale_after_s}"
@@ -404,11 +263,11 @@ class PrefixIndex:
                            self.config.stale_after_s, HOST_BLOCKS_KEY_PREFIX, PENDING_KEY_PREFIX,
                            full_max, self.config.candidate_window, seed % 2**31,
                            HOLDERS_KEY_PREFIX, HOST_HOLDERS_KEY_PREFIX,
-                           PENDING_HOLDERS_KEY_PREFIX]
-        args.extend(hashes)
+                           PENDING_HOLDERS_KEY_PREFIX, DIGEST_SIZE, _joined(hashes)]
         raw = await self._run(self._script, [redis_schema.ENGINES_SET, redis_schema.LOAD_ZSET],
                               args)
-        return LookupAnswer([_record(item) for item in raw[1:]], _text(raw[0]) == "full")
+        kind, *engines = _text(raw).split(ANSWER_SEP)
+        return LookupAnswer([_record(item) for item in engines], kind == "full")
 
     async def mark_pending(
         self, engine_id: str, epoch: str, hashes: Sequence[bytes], ttl_s: float
@@ -418,7 +277,8 @@ class PrefixIndex:
             ttl_s = min(max(ttl_s, 0.001), redis_schema.PENDING_MAX_TTL_S)
             keys = [redis_schema.pending_key(engine_id, epoch),
                     redis_schema.pending_holders_key(hashes[0])]
-            await self._run(self._mark_script, keys, [ttl_s, MARK_CHUNK, engine_id, *hashes])
+            await self._run(self._mark_script, keys,
+                            [ttl_s, MARK_CHUNK, engine_id, DIGEST_SIZE, _joined(hashes)])
 
     async def unmark_pending(self, engine_id: str, epoch: str, hashes: Sequence[bytes]) -> None:
         """Drop pending entries again (the engine refused the request they were for)."""
@@ -431,14 +291,17 @@ class PrefixIndex:
 
     async def _run(self, script: Any, keys: list[Any], args: list[Any]) -> Any:
         """One call on a pooled connection; PrefixIndexBusy / PrefixIndexUnavailable."""
-        try:
-            async with asyncio.timeout(self.config.pool_timeout_s):
-                await self._slots.acquire()
-        except TimeoutError as e:
-            raise PrefixIndexBusy(
-                f"all {self.config.max_connections} Redis connections stayed busy for "
-                f"{self.config.pool_timeout_s}s"
-            ) from e
+        if self._slots.locked():  # a free slot is taken at once: no timer to arm and cancel
+            try:
+                async with asyncio.timeout(self.config.pool_timeout_s):
+                    await self._slots.acquire()
+            except TimeoutError as e:
+                raise PrefixIndexBusy(
+                    f"all {self.config.max_connections} Redis connections stayed busy for "
+                    f"{self.config.pool_timeout_s}s"
+                ) from e
+        else:
+            await self._slots.acquire()
         try:
             return await script(keys=keys, args=args)
         except (redis.exceptions.RedisError, OSError) as e:
@@ -450,14 +313,23 @@ class PrefixIndex:
         await self._client.aclose()
 
 
-def _record(item: bytes | str) -> EngineRecord:
+def _record(item: str) -> EngineRecord:
     """One engine of the script's answer: NUL-separated id, counts, then field, value, ..."""
-    parts = _text(item).split(RECORD_SEP)
+    parts = item.split(RECORD_SEP)
     engine_id, matched, cached, host_matched, pending_matched = parts[:5]
     flat = parts[5:]
     fields = dict(zip(flat[0::2], flat[1::2], strict=False))
     return EngineRecord(engine_id, int(matched), int(cached), fields, int(host_matched),
                         int(pending_matched))
+
+
+def _joined(hashes: Sequence[bytes]) -> bytes:
+    """The hashes as one argument of fixed-width entries (the scripts slice it)."""
+    blob = b"".join(hashes)
+    if len(blob) != DIGEST_SIZE * len(hashes):
+        raise ValueError(f"hashes: every block hash must be {DIGEST_SIZE} bytes "
+                         "(kvfleet.contracts.block_hash)")
+    return blob
 
 
 def _text(value: bytes | str) -> str:

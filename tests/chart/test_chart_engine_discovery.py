@@ -41,9 +41,10 @@ def test_engine_dns_can_be_turned_off() -> None:
 
 def test_registry_settings_reach_the_router() -> None:
     defaults = _router_config({}).index
-    assert (defaults.stale_after_s, defaults.max_connections, defaults.pool_timeout_s) == (
-        3.0, 64, 2.0)
+    assert (defaults.stale_after_s, defaults.max_connections, defaults.pool_timeout_s,
+            defaults.candidate_window) == (3.0, 64, 2.0, 8)
     values = {"router": {"engineStaleAfterSeconds": 1.5, "redisMaxConnections": 16,
-                         "redisPoolTimeoutSeconds": 0.5}}
+                         "redisPoolTimeoutSeconds": 0.5, "routingCandidateWindow": 4}}
     index = _router_config(values).index
-    assert (index.stale_after_s, index.max_connections, index.pool_timeout_s) == (1.5, 16, 0.5)
+    assert (index.stale_after_s, index.max_connections, index.pool_timeout_s,
+            index.candidate_window) == (1.5, 16, 0.5, 4)

@@ -107,6 +107,7 @@ def test_default_values_match_the_schema() -> None:
          "/metrics/enabled"),
         ({"router": {"policy": "random"}}, "/router/policy"),
         ({"router": {"grpcPort": 70000}}, "/router/grpcPort"),
+        ({"router": {"routingCandidateWindow": 0}}, "/router/routingCandidateWindow"),
         ({"logLevel": "TRACE"}, "/logLevel"),
         ({"engnie": {"replicas": 2}}, "engnie"),
     ],

@@ -143,3 +143,20 @@ def test_redis_down_raises_quickly() -> None:
             await index.close()
 
     asyncio.run(run())
+
+
+def test_a_hash_of_another_width_is_refused_by_name() -> None:
+    """The hashes travel as one argument of 16-byte entries: a wrong one must not shift the
+    rest (refused before any Redis call, so no server is needed)."""
+
+    async def run() -> None:
+        index = PrefixIndex("redis://127.0.0.1:1")
+        try:
+            with pytest.raises(ValueError, match="hashes: every block hash must be 16 bytes"):
+                await index.lookup(16, [b"x" * 16, b"short"])
+            with pytest.raises(ValueError, match="hashes"):
+                await index.mark_pending("e1", "0", [b"y" * 17], 1.0)
+        finally:
+            await index.close()
+
+    asyncio.run(run())

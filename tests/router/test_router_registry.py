@@ -177,6 +177,7 @@ def test_a_busy_pool_routes_on_the_last_answer_and_keeps_using_redis(
         (["--redis-max-connections", "0"], "--redis-max-connections must be at least 1"),
         (["--redis-pool-timeout", "0"], "--redis-pool-timeout must be positive"),
         (["--engine-stale-after", "-1"], "--engine-stale-after must be >= 0"),
+        (["--routing-candidate-window", "0"], "--routing-candidate-window must be at least 1"),
     ],
 )
 def test_bad_registry_flags_are_refused_by_name(flags: list[str], message: str) -> None:
@@ -188,12 +189,15 @@ def test_bad_registry_flags_are_refused_by_name(flags: list[str], message: str) 
 def test_registry_flags_reach_the_config() -> None:
     args = parse_args(["--tokenizer", "127.0.0.1:1", "--engines", "10.0.0.1:1, [::1]:2",
                        "--engine-dns", "kv-engine:50052", "--redis-max-connections", "8",
-                       "--redis-pool-timeout", "0.5", "--engine-stale-after", "2"])
+                       "--redis-pool-timeout", "0.5", "--engine-stale-after", "2",
+                       "--routing-candidate-window", "3"])
     config = RouterConfig.from_args(args)
     assert config.discovery.static_addresses == ("10.0.0.1:1", "[::1]:2")
     assert config.discovery.dns == "kv-engine:50052"
     assert (config.index.max_connections, config.index.pool_timeout_s,
-            config.index.stale_after_s) == (8, 0.5, 2.0)
+            config.index.stale_after_s, config.index.candidate_window) == (8, 0.5, 2.0, 3)
+    default = RouterConfig.from_args(parse_args(["--tokenizer", "127.0.0.1:1"]))
+    assert default.index.candidate_window == 8
 
 
 def test_discovery_addresses_are_normalised_and_survive_a_dns_failure(

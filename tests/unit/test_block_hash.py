@@ -2,6 +2,7 @@
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -189,3 +190,38 @@ def test_engine_core_imports_do_not_pull_in_torch():
         [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr
+
+
+def _chained(tokens, block_size, cache_salt, lora_id, parent, start_block):
+    """The definition: `hash_block` applied block by block."""
+    hashes = []
+    for i in range(start_block, len(tokens) // block_size):
+        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size],
+                            cache_salt=cache_salt, lora_id=lora_id)
+        hashes.append(parent)
+    return hashes
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_whole_prompt_hashing_equals_the_per_block_definition(seed):
+    # hash_token_blocks encodes the prompt once; engines and routers must still agree with
+    # hash_block bit for bit, for every combination of salt, adapter and resumed chain.
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16, 32])
+    tokens = [rng.choice([0, 1, 2**16, 2**32 - 1, rng.randrange(2**32)])
+              for _ in range(rng.randrange(0, 12 * block_size))]
+    salt = rng.choice([None, "", "tenant-ä", "t" * 300])
+    lora = rng.choice([None, "", "adapter-1", "ü" * 70])
+    start_block = rng.randrange(0, 4)
+    parent = rng.choice([None, rng.randbytes(16)])
+    expected = _chained(tokens, block_size, salt, lora, parent, start_block)
+    assert hash_token_blocks(tokens, block_size, cache_salt=salt, lora_id=lora,
+                             parent=parent, start_block=start_block) == expected
+    assert hash_token_blocks(tuple(tokens), block_size, cache_salt=salt, lora_id=lora,
+                             parent=parent, start_block=start_block) == expected
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "7"])
+def test_a_token_outside_uint32_is_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match="token_ids"):
+        hash_token_blocks([1, 2, 3, bad], BLOCK_SIZE)

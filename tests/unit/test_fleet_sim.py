@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pstats
 from pathlib import Path
 
 import pytest
 
+from benchmarks import fleet_bench
 from benchmarks.fleet_sim import __main__ as cli
-from benchmarks.fleet_sim import decision_cost, vs_real
+from benchmarks.fleet_sim import calibration, decision_cost, vs_real
 from benchmarks.fleet_sim.calibration import DEFAULT
 from benchmarks.fleet_sim.prefix_cache import PrefixCache
 from benchmarks.fleet_sim.workload import Workload, WorkloadConfig
@@ -97,16 +99,49 @@ def test_default_calibration_is_sane() -> None:
     assert DEFAULT.step_s(512, 256, 8, 4000) > DEFAULT.step_s(0, 0, 8, 4000) > 0
 
 
+def test_the_simulated_engines_have_the_real_fleets_kv(smollm2_dir: Path) -> None:
+    """The engines modelled are the fleet benchmark's (`vs_real` compares with them): its KV
+    budget over the engine's own bytes per block, not the engine's default budget."""
+    budget = fleet_bench.parse_args([]).kvcache_gib * 2**30
+    assert calibration.fleet_kv_cache_bytes() == budget == DEFAULT.kv_cache_bytes
+    per_block = calibration._bytes_per_block(str(smollm2_dir), 16)
+    assert per_block == DEFAULT.kv_bytes_per_block == 720 * 1024
+    assert DEFAULT.kv_blocks == budget // per_block == 2912
+
+
+def test_a_calibration_from_before_the_fleets_kv_is_resized(smollm2_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """A cached calibration measured on the engine's default 1 GiB (no budget recorded) keeps
+    its step times and gets the fleet's capacity; one already sized is left alone."""
+    old = {k: v for k, v in DEFAULT.to_json().items()
+           if k not in ("kv_cache_bytes", "kv_bytes_per_block")}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**old, "kv_blocks": 1456}))
+    cal = calibration.load(path)
+    assert (cal.kv_blocks, cal.kv_cache_bytes, cal.prefill_s_per_token) == (
+        2912, 2 * 2**30, DEFAULT.prefill_s_per_token)
+    assert "was 1456" in cal.source
+    assert calibration.for_fleet(DEFAULT) is DEFAULT
+    cached = calibration.load_or_measure(path)
+    assert cached.kv_blocks == 2912 and cached.source.startswith(f"cached {path}")
+
+
 def test_decision_cost_measures_every_size(redis_server: RedisServer, tmp_path: Path) -> None:
-    out = tmp_path / "cost.json"
+    out, profile = tmp_path / "cost.json", tmp_path / "cost.pstats"
     assert decision_cost.main(["--sizes", "2,4", "--decisions", "5", "--blocks-per-engine",
                                "50", "--prompt-tokens", "200", "--redis-url",
-                               redis_server.url, "--json", str(out)]) == 0
+                               redis_server.url, "--json", str(out),
+                               "--profile", str(profile)]) == 0
     sizes = json.loads(out.read_text())["sizes"]
     assert set(sizes) == {"2", "4"}
     for row in sizes.values():
         assert row["decision_p99_ms"] >= row["decision_p50_ms"] > 0
         assert row["redis_bytes_per_block"] > 16  # at least the 16-byte hash itself
+    calls = pstats.Stats(str(profile)).stats  # type: ignore[attr-defined]
+    decides = [v for (file, _, name), v in calls.items()
+               if name == "decide" and file.endswith("decision.py")]
+    # Every timed decision (2 sizes x 5) entered it at least once; the warm-up ones are not in.
+    assert decides and 2 * 5 <= decides[0][1] < 2 * 25
 
 
 def test_candidate_lookups_keep_the_prefix_policys_hit_rate(
