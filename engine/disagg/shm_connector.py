@@ -27,9 +27,9 @@ start).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -133,7 +133,9 @@ class SegmentExports:
     """Exports gathered straight into the connector's warm segments (kv_payload's
     ExportMemory; `take` on the engine thread). Where no segment can be made (/dev/shm full
     or missing) the export goes to private memory, and a same-host transfer of it copies it
-    into a segment then (or goes over gRPC)."""
+    into a segment then (or goes over gRPC). An export dropped without being released (its
+    Prefill call cancelled before the push) has its segment unlinked when it is collected:
+    a segment file is tens of MB of /dev/shm."""
 
     def __init__(self, segments: shm.SegmentPool) -> None:
         self._segments = segments
@@ -146,11 +148,23 @@ class SegmentExports:
             logger.warning("no shared-memory segment for a KV export (%s): private memory",
                            exc)
             return self._private.take(num_bytes)
-        return ExportBuffer(segment.tensor(segment.capacity),
-                            functools.partial(self._release, segment), segment)
+        lease = _Lease(self._segments, segment)
+        return ExportBuffer(segment.tensor(segment.capacity), lease.release, segment)
 
-    def _release(self, segment: shm.Segment, reusable: bool) -> None:
+
+class _Lease:
+    """One export's hold on a segment: back to the pool (or unlinked) on release, unlinked
+    if the export is collected unreleased."""
+
+    def __init__(self, segments: shm.SegmentPool, segment: shm.Segment) -> None:
+        self._segments = segments
+        self._segment = segment
+        self._unreleased = weakref.finalize(self, shm.SegmentPool.discard, segment)
+
+    def release(self, reusable: bool) -> None:
+        if self._unreleased.detach() is None:
+            return  # released already
         if reusable:
-            self._segments.keep(segment)
+            self._segments.keep(self._segment)
         else:  # a receiver may still be reading it
-            self._segments.discard(segment)
+            self._segments.discard(self._segment)

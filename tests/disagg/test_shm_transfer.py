@@ -338,3 +338,18 @@ def test_export_gathered_into_a_segment_is_sent_as_it_is(decode):
     assert seen[1] == []
     assert torch.equal(_held(decode, "in-place"), source.blocks)
     wait_all_blocks_free(_stub(decode))
+
+
+def test_an_export_dropped_unreleased_has_its_segment_unlinked(tmp_path):
+    """A Prefill call cancelled between the export and the push never releases it: the
+    segment file must not stay in /dev/shm."""
+    import gc
+
+    connector = SameHostKVConnector(GrpcKVConnector(), "shm", shm_dir=tmp_path)
+    buffer = connector.export_memory().take(4096)
+    assert buffer.segment is not None
+    assert [p.name for p in tmp_path.iterdir()] == [buffer.segment.name]
+    del buffer
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+    asyncio.run(connector.close())
