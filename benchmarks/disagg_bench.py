@@ -36,7 +36,11 @@ from kvfleet.v1 import common_pb2, router_pb2_grpc
 @dataclass
 class Gaps:
     seconds: list[float] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)  # when each gap ended (monotonic)
     streams: int = 0  # chats with a first token (each has one token more than gaps)
+    # Per long prompt, its token times: sent, first token (prefill done), second token (KV
+    # handed off and its first decode step), last token.
+    long_prompts: list[list[float]] = field(default_factory=list)
 
     def percentile(self, q: float) -> float:
         if not self.seconds:
@@ -44,20 +48,46 @@ class Gaps:
         ordered = sorted(self.seconds)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
+    def worst_by_phase(self, share: float = 0.01) -> dict[str, int]:
+        """Where the worst `share` of the gaps fell, against the long prompts' phases: the
+        handoff (first to second token: transfer, import, admission, first decode step)
+        first, then the long prompt's later decode steps, then its prefill."""
+        count = max(1, int(share * len(self.seconds)))
+        worst = sorted(range(len(self.seconds)), key=lambda i: -self.seconds[i])[:count]
+        phases = {"handoff": 0, "imported decode": 0, "prefill": 0, "neither": 0}
+        for i in worst:
+            end = self.ends[i]
+            start = end - self.seconds[i]
+            phases[self._phase(start, end)] += 1
+        return phases
+
+    def _phase(self, start: float, end: float) -> str:
+        # (first, last) token-time indexes of each phase, in the order they are blamed.
+        for name, first, last in (("handoff", 1, 2), ("imported decode", 2, -1),
+                                  ("prefill", 0, 1)):
+            for times in self.long_prompts:
+                if len(times) >= 3 and times[first] < end and start < times[last]:
+                    return name
+        return "neither"
+
 
 async def _stream(stub: router_pb2_grpc.RouterStub, prompt: list[int], max_tokens: int,
-                  gaps: Gaps | None) -> None:
+                  gaps: Gaps | None) -> list[float]:
+    """Stream one request; the times it was sent and each of its token messages came."""
     params = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    last = None
+    times = [time.monotonic()]
     async for response in stub.Generate(build_request(prompt_token_ids=prompt, params=params),
                                         metadata=auth_metadata(None)):
         now = time.monotonic()
         if response.token_ids and gaps is not None:
-            if last is not None:
-                gaps.seconds.append(now - last)
+            if len(times) > 1:
+                gaps.seconds.append(now - times[-1])
+                gaps.ends.append(now)
             else:
                 gaps.streams += 1
-            last = now
+        if response.token_ids:
+            times.append(now)
+    return times
 
 
 async def _load(address: str, args: argparse.Namespace) -> Gaps:
@@ -73,7 +103,7 @@ async def _load(address: str, args: argparse.Namespace) -> Gaps:
     async def long_prompts(stub: router_pb2_grpc.RouterStub) -> None:
         while time.monotonic() < deadline:
             prompt = [rng.randrange(3, 500) for _ in range(args.long_tokens)]
-            await _stream(stub, prompt, 4, None)
+            gaps.long_prompts.append(await _stream(stub, prompt, 4, None))
 
     async with channel(address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
@@ -98,7 +128,9 @@ def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
                 f"{len(gaps.seconds) + gaps.streams} chat tokens)")
         if config.prefill_engines:
             line += "; " + _transfer_cost(fleet.engines[0].metrics_port)
-        print(line, flush=True)
+        phases = ", ".join(f"{name} {n}" for name, n in gaps.worst_by_phase().items())
+        print(f"{line}\n{'':>18}worst 1% of gaps during the long prompts' {phases}",
+              flush=True)
 
 
 def _transfer_cost(port: int | None) -> str:

@@ -3,8 +3,9 @@
 Role: pushes a `--long-tokens` prompt's worth of blocks (random contents, the engine's block
 format) from this process to one idle engine of a running fleet, through the engines' own
 connector (engine.disagg.shm_connector) forced to one transport, `repeats` times, and
-reports the end-to-end time per block: segment or bytes written, ReceiveKV, the engine's
-reservation, its copy into the cache and its completion (two waits for a step boundary).
+reports the end-to-end time per block: bytes written (gRPC; shm: none, the export lies in
+the connector's segment as an engine gathers it), ReceiveKV, the engine's reservation, its
+copy into the cache and its completion (two waits for a step boundary).
 Each import is then claimed by a GenerateImported of one token so its blocks come free.
 
 Invariant: the blocks are claimed under a fresh random prompt each time, with no block
@@ -61,8 +62,13 @@ async def measure(address: str, secret_file: Path, fmt: BlockFormat, transport: 
     connector = SameHostKVConnector(GrpcKVConnector(credential), transport)
     num_blocks = -(-num_tokens // BLOCK_SIZE)
     layers, kv, block_size, heads, head_dim = fmt.shape  # layer-major, as gather_blocks
-    blocks = torch.randn((layers, kv, num_blocks, block_size, heads, head_dim)).to(fmt.torch_dtype)
-    export = KVExport(blocks, fmt, num_tokens, BLOCK_SIZE, (), 0)
+    shape = (layers, kv, num_blocks, block_size, heads, head_dim)
+    # Where an engine gathers its exports (for shm: one of the connector's segments, which
+    # the transfer then names as it is); the gather itself is the prefill engine's step's.
+    buffer = connector.export_memory().take(num_blocks * fmt.num_bytes)
+    blocks = buffer.tensor[:num_blocks * fmt.num_bytes].view(fmt.torch_dtype).view(shape)
+    blocks.copy_(torch.randn(shape).to(fmt.torch_dtype))
+    export = KVExport(blocks, fmt, num_tokens, BLOCK_SIZE, (), 0, buffer.release, buffer.segment)
     rng = random.Random(transport)
     times = []
     try:
@@ -78,6 +84,7 @@ async def measure(address: str, secret_file: Path, fmt: BlockFormat, transport: 
             times.append(time.perf_counter() - start)
             await _claim(address, credential, request)
     finally:
+        buffer.release(True)
         await connector.close()
     times.sort()
     return TransferCost(transport, num_blocks, fmt.num_bytes, times[len(times) // 2] / num_blocks)

@@ -2,10 +2,11 @@
 
 Role: `KVHandoff` gets from `LLMEngine` the parts it needs (the KV manager, the per-layer
 caches, the host-tier buffer) and does the block work of a handoff: copy out the KV of
-prefill-only requests that just handed off (`export`), reserve and fill blocks for a
-transfer (`begin_import`, then `copy_in` off the engine thread and `finish_import`, or
-`write_import` on it; `imports` keeps the books), and hand a complete import's blocks to the
-request that continues it (`adopt`).
+prefill-only requests that just handed off (`export`, into the memory the server chose:
+its connector's shared-memory segments, so a same-host push copies nothing more), reserve
+and fill blocks for a transfer (`begin_import`, then `copy_in` off the engine thread, paced
+against the steps by `pacer`, and `finish_import`, or `write_import` on it; `imports` keeps
+the books), and hand a complete import's blocks to the request that continues it (`adopt`).
 
 Invariants (engine thread only, between steps, except `copy_in`):
 - `copy_in` runs on the handoff's own copier thread while steps go on: it writes only
@@ -24,7 +25,6 @@ Invariants (engine thread only, between steps, except `copy_in`):
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,13 +34,16 @@ import torch
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import RequestUpdate
+from engine.disagg.copy_pacer import CopyPacer
 from engine.disagg.kv_imports import KVImports, owner_key
 from engine.disagg.kv_payload import (
     BlockFormat,
     ExportBuffers,
+    ExportMemory,
     KVExport,
     gather_blocks,
     scatter_blocks,
+    scatter_layer_major,
 )
 from engine.kv_tiers.offload import HostKVBuffer
 
@@ -56,8 +59,16 @@ class KVHandoff:
         self.imports = KVImports(kv, time.monotonic)
         # One thread: imports' copies run one after another, beside the steps.
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-import")
-        # Warm memory for exports, back once their transfer ended (engine.disagg.prefill).
-        self._export_buffers = ExportBuffers()
+        # The engine's steps, entered around each forward pass: the copier's batches wait
+        # their turn there.
+        self.pacer = CopyPacer()
+        # Warm memory for exports, back once their transfer ended (engine.disagg.prefill);
+        # shared-memory segments once the server names its connector's (use_export_memory).
+        self._export_memory: ExportMemory = ExportBuffers()
+
+    def use_export_memory(self, memory: ExportMemory) -> None:
+        """Gather later exports into `memory` (before the engine serves: engine thread)."""
+        self._export_memory = memory
 
     def export(self, updates: Sequence[RequestUpdate]) -> None:
         """Copy out the KV of the prefill-only requests among `updates` that handed off."""
@@ -68,12 +79,12 @@ class KVHandoff:
                 continue
             num_full = request.num_prompt_tokens // block_size
             fmt = BlockFormat.of(self._caches)
-            buffer = self._export_buffers.take(len(request.handoff_block_ids) * fmt.num_bytes)
+            buffer = self._export_memory.take(len(request.handoff_block_ids) * fmt.num_bytes)
             request.exported_kv = KVExport(
-                gather_blocks(self._caches, request.handoff_block_ids, buffer),
+                gather_blocks(self._caches, request.handoff_block_ids, buffer.tensor),
                 fmt, request.num_prompt_tokens, block_size,
                 tuple(request.block_hashes[:num_full]), request.num_cached_tokens or 0,
-                functools.partial(self._export_buffers.give_back, buffer),
+                buffer.release, buffer.segment,
             )
 
     def begin_import(
@@ -95,11 +106,20 @@ class KVHandoff:
         scatter_blocks(self._caches, targets, blocks)
 
     def copy_in(
-        self, block_ids: list[int], blocks: Callable[[], torch.Tensor]
+        self, block_ids: list[int], blocks: Callable[[], torch.Tensor], layer_major: bool = False,
+        paced: bool = False,
     ) -> Future[None]:
-        """Write the blocks `blocks()` makes into reserved blocks `block_ids`, both on the
-        copier thread (any thread may call; see the module's invariants)."""
-        return self._copier.submit(lambda: scatter_blocks(self._caches, block_ids, blocks()))
+        """Write the blocks `blocks()` makes ([n, layers, 2, ...], or [layers, 2, n, ...] if
+        `layer_major`) into reserved blocks `block_ids`, both on the copier thread (any
+        thread may call; see the module's invariants); `paced`: after waiting for a step
+        that no other paced copy runs beside (engine.disagg.copy_pacer)."""
+        scatter = scatter_layer_major if layer_major else scatter_blocks
+
+        def copy() -> None:
+            if paced:
+                self.pacer.turn()
+            scatter(self._caches, block_ids, blocks())
+        return self._copier.submit(copy)
 
     def finish_import(self, transfer_id: str, indexes: list[int]) -> None:
         """Record the blocks `copy_in` wrote and mark the import complete."""

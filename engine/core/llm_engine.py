@@ -431,7 +431,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished_requests() and not out.preempted:
                 raise RuntimeError("scheduler made no progress with requests pending")
             return []
-        with self.urgent.pausable(out):
+        with self.urgent.pausable(out), self.handoff.pacer.stepping():
             sampled = self.execute_scheduled(out)
         return self.apply_step_output(out, sampled)
 

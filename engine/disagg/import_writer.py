@@ -30,16 +30,21 @@ class ImportWriter:
         self._in_flight: Future[None] | None = None
         self.written: list[int] = []
 
-    async def write(self, indexes: Sequence[int], blocks: Callable[[], torch.Tensor]) -> None:
-        """Copy what `blocks` makes ([n, layers, 2, ...], CPU; called on the copier thread,
-        so turning bytes into a tensor holds no step up either) into blocks `indexes`."""
+    async def write(
+        self, indexes: Sequence[int], blocks: Callable[[], torch.Tensor], layer_major: bool = False,
+        paced: bool = False,
+    ) -> None:
+        """Copy what `blocks` makes ([n, layers, 2, ...], or [layers, 2, n, ...] if
+        `layer_major`; CPU; called on the copier thread, so turning bytes into a tensor holds
+        no step up either) into blocks `indexes`; `paced`: one such batch per engine step
+        (KVHandoff.copy_in)."""
         targets = []
         for index in indexes:
             if not self._first_block <= index < len(self._block_ids):
                 raise ValueError(f"block_index {index} is outside "
                                  f"[{self._first_block}, {len(self._block_ids)})")
             targets.append(self._block_ids[index])
-        self._in_flight = self._handoff.copy_in(targets, blocks)
+        self._in_flight = self._handoff.copy_in(targets, blocks, layer_major, paced)
         await asyncio.wrap_future(self._in_flight)
         self.written.extend(indexes)
 

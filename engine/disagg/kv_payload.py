@@ -2,16 +2,21 @@
 
 Role: the torch side of a KV handoff. `gather_blocks` copies blocks out of the per-layer
 caches (prefill engine, right after the step that computed them) layer-major, one copy into
-one tensor (a block-major gather needs two more of tens of MB, on the engine thread);
-`block_bytes` and `blocks_of` turn them block-major on the way out; `scatter_blocks` writes
-received blocks into fresh ones (decode engine). `BlockFormat` names the wire layout.
+one buffer (a block-major gather needs two more of tens of MB, on the engine thread); the
+buffer comes from an `ExportMemory`: warm private memory (`ExportBuffers`), or a warm
+shared-memory segment that a same-host transfer names as it is (no second copy).
+`block_bytes` turns a block block-major for the wire; `scatter_blocks`
+(block-major) and `scatter_layer_major` (the export's own order) write received blocks into
+reserved ones (decode engine). `BlockFormat` names the wire layout.
 
 Invariants:
-- Both run on the engine thread between steps (the caches belong to the step loop), like
-  the host tier's copies (engine.kv_tiers.offload).
+- `gather_blocks` runs on the engine thread between steps (the caches belong to the step
+  loop), like the host tier's copies (engine.kv_tiers.offload); the scatters write only
+  blocks reserved for an import, which no step touches (engine.core.kv_handoff).
 - One block on the wire is every layer's K and V, shaped [num_layers, 2, block_size,
   num_kv_heads, head_dim], C-contiguous, in the cache's own dtype: the bytes are the cache's
-  bytes, so a round trip is exact.
+  bytes, so a round trip is exact (layer-major: the same bytes, [num_layers, 2, num_blocks,
+  ...]).
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy
 import torch
+
+if TYPE_CHECKING:
+    from engine.disagg.shm import Segment
 
 _DTYPES = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -53,18 +62,43 @@ class BlockFormat:
         return count * torch.empty((), dtype=self.torch_dtype).element_size()
 
 
+@dataclass(frozen=True)
+class ExportBuffer:
+    """Memory an export is gathered into: a flat uint8 `tensor`, the shared-memory
+    `segment` it views (None: private memory), and `release`, called once nothing reads
+    the export any more with whether the memory may serve another export (False: a
+    receiver may still be reading the segment, so it must go)."""
+
+    tensor: torch.Tensor
+    release: Callable[[bool], None]
+    segment: Segment | None = None
+
+
+class ExportMemory(Protocol):
+    """Where exports are gathered (engine thread): private buffers (`ExportBuffers`), or
+    shared-memory segments a same-host transfer sends as they are
+    (engine.disagg.shm_connector)."""
+
+    def take(self, num_bytes: int) -> ExportBuffer: ...
+
+
 class ExportBuffers:
-    """Warm CPU memory for exports (a fresh tens-of-MB tensor costs more in page faults
-    than the gather itself): `take` on the engine thread, `give_back` from any thread once
-    nothing reads the export any more; at most `max_idle` kept. A buffer never given back
-    is simply freed by Python."""
+    """Warm private memory for exports (a fresh tens-of-MB tensor costs more in page faults
+    than the gather itself): `take` on the engine thread, release from any thread once
+    nothing reads the export any more; at most `max_idle` kept. A buffer never released is
+    simply freed by Python."""
 
     def __init__(self, max_idle: int = 2) -> None:
         self._max_idle = max_idle
         self._idle: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
-    def take(self, num_bytes: int) -> torch.Tensor:
+    def take(self, num_bytes: int) -> ExportBuffer:
+        tensor = self._take(num_bytes)
+        # Private memory nobody else maps: reusable whatever became of the transfer.
+        return ExportBuffer(tensor, lambda _reusable: self._give_back(tensor))
+
+    def _take(self, num_bytes: int) -> torch.Tensor:
         with self._lock:
             fitting = [b for b in self._idle if b.numel() >= num_bytes]
             if fitting:
@@ -73,7 +107,7 @@ class ExportBuffers:
                 return buffer
         return torch.empty(num_bytes, dtype=torch.uint8)
 
-    def give_back(self, buffer: torch.Tensor) -> None:
+    def _give_back(self, buffer: torch.Tensor) -> None:
         with self._lock:
             self._idle.append(buffer)
             self._idle.sort(key=lambda b: b.numel())
@@ -104,12 +138,6 @@ def gather_blocks(
     return out
 
 
-def blocks_of(gathered: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Blocks `start`.. of a `gather_blocks` result, block-major (the wire's order) as a
-    view: [n, layers, 2, block_size, heads, head_dim]."""
-    return gathered[:, :, start:].permute(2, 0, 1, 3, 4, 5)
-
-
 @dataclass(frozen=True)
 class KVExport:
     """A prefill-only request's KV on the CPU, as `gather_blocks` returns it (layer-major:
@@ -121,8 +149,12 @@ class KVExport:
     block_size: int
     block_hashes: tuple[bytes, ...]  # its full blocks'
     num_cached_tokens: int
-    # Returns `blocks`' memory for reuse (ExportBuffers); call once nothing reads them.
-    release: Callable[[], None] | None = None
+    # Hands `blocks`' memory back (ExportBuffer.release): call once nothing reads them, with
+    # whether the transfer succeeded (a receiver may still read a failed one's segment).
+    release: Callable[[bool], None] | None = None
+    # The shared-memory segment `blocks` lie at the start of (engine.disagg.shm), if any:
+    # a same-host transfer names it instead of copying the blocks into one.
+    segment: Segment | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -164,3 +196,16 @@ def scatter_blocks(
     for layer, cache in enumerate(caches):
         # [n, 2, bs, h, d] -> [2, n, bs, h, d]: the cache's block axis is dim 1.
         cache.index_copy_(1, index, blocks[:, layer].transpose(0, 1).to(device))
+
+
+@torch.inference_mode()
+def scatter_layer_major(
+    caches: Sequence[torch.Tensor], block_ids: Sequence[int], blocks: torch.Tensor
+) -> None:
+    """Write layer-major blocks ([layers, 2, n, ...], as `gather_blocks` returns them) into
+    the caches' blocks `block_ids` (in order): each layer's source is already in the
+    cache's own layout, so every copy reads whole blocks in a row."""
+    device = caches[0].device
+    index = torch.tensor(list(block_ids), dtype=torch.int64, device=device)
+    for layer, cache in enumerate(caches):
+        cache.index_copy_(1, index, blocks[layer].to(device))

@@ -9,7 +9,9 @@ Invariants:
 - The first message never flushes held-back text: the decode engine's stream continues the
   same incremental detokenization after the first token.
 - By the time the first token is out the engine has freed the request (its full blocks stay
-  in its prefix cache); only the CPU copy of its KV lives on until the push ends.
+  in its prefix cache); only the CPU copy of its KV lives on until the push ends. That
+  memory serves a later export only if the push succeeded (a shared-memory segment of a
+  failed one may still be read: it is dropped).
 - A failed push raises (UNAVAILABLE to the router) after the first token went out; the
   router then falls back to a decode engine that recomputes.
 """
@@ -54,13 +56,16 @@ async def prefill_responses(
         yield engine_pb2.PrefillResponse(output=respond(final, text.delta(final)))
         return
     assert isinstance(export, KVExport)
+    sent = False
     try:
         async for response in _hand_off(request, final, export, text, respond, connector,
                                         metrics):
+            sent = sent or response.HasField("transfer")  # the receiver has every block
             yield response
-    finally:  # nothing reads the export after its push (or the call) ended
+    finally:  # nothing reads the export after its push (or the call) ended; after a failed
+        # push a receiver may still read its segment, which must not serve another export
         if export.release is not None:
-            export.release()
+            export.release(sent)
 
 
 async def _hand_off(

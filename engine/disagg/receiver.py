@@ -9,7 +9,8 @@ segment that is not here) frees the reserved blocks, once no copy touches them, 
 error goes back.
 
 Invariants: every KV manager change runs on the engine thread (`call_in_engine_thread`);
-steps never wait for an import's copy; bytes are turned into tensors on the event loop;
+steps never wait for an import's copy, and a segment's batches run one per step; bytes are
+turned into tensors on the copier thread;
 a one-shot segment is unlinked as soon as it is mapped (a reused one is the sender's
 to remove); a header naming another host's segment is
 refused with NOT_FOUND before anything is reserved (the sender then sends bytes). An
@@ -38,7 +39,8 @@ from kvfleet.v1 import engine_pb2
 T = TypeVar("T")
 # gRPC blocks per copy: fewer thread hops, bounded memory.
 WRITE_BATCH = 8
-# Segment blocks per copy: a cancelled transfer stops within one batch.
+# Segment blocks per copy: a cancelled transfer stops within one batch, and a layer-major
+# segment's batches are paced one per engine step (engine.disagg.copy_pacer).
 SHM_COPY_BATCH = 32
 
 
@@ -107,7 +109,8 @@ def _open_segment(
     if spec.host_id != access.host_id:
         raise NotFoundError(f"shm.host_id: the segment is on host {spec.host_id!r}, this "
                             f"engine on {access.host_id!r}")
-    expected = (header.num_blocks - header.first_block) * fmt.num_bytes
+    sent = header.num_blocks if spec.layer_major else header.num_blocks - header.first_block
+    expected = sent * fmt.num_bytes
     if spec.num_bytes != expected:
         raise ValueError(f"shm.num_bytes: {spec.num_bytes}, the blocks take {expected}")
     try:
@@ -120,11 +123,21 @@ async def _write_segment(
     writer: ImportWriter, segment: shm.Segment, header: engine_pb2.KVTransferHeader,
     fmt: BlockFormat,
 ) -> None:
-    first = header.first_block
-    count = header.num_blocks - first
+    first, total = header.first_block, header.num_blocks
+    if header.shm.layer_major:  # the export as gathered: each layer's blocks in a row
+        layers, kv, *block = fmt.shape
+        blocks = (segment.tensor(total * fmt.num_bytes).view(fmt.torch_dtype)
+                  .view(layers, kv, total, *block))
+        for start in range(first, total, SHM_COPY_BATCH):
+            stop = min(start + SHM_COPY_BATCH, total)
+            await writer.write(range(start, stop),
+                               functools.partial(_same, blocks[:, :, start:stop]),
+                               layer_major=True, paced=True)
+        return
+    count = total - first
     blocks = segment.tensor(count * fmt.num_bytes).view(fmt.torch_dtype).view(count, *fmt.shape)
-    for start in range(first, header.num_blocks, SHM_COPY_BATCH):
-        stop = min(start + SHM_COPY_BATCH, header.num_blocks)
+    for start in range(first, total, SHM_COPY_BATCH):
+        stop = min(start + SHM_COPY_BATCH, total)
         batch = blocks[start - first:stop - first]
         await writer.write(range(start, stop), functools.partial(_same, batch))
 

@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 import socket
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,19 +67,23 @@ class Segment:
 
     path: Path
     capacity: int
-    _map: mmap.mmap
+    _map: mmap.mmap | None
 
     @property
     def name(self) -> str:
         return self.path.name
 
     def tensor(self, num_bytes: int) -> torch.Tensor:
+        if self._map is None:
+            raise ValueError(f"segment {self.name} is closed")
         return torch.frombuffer(self._map, dtype=torch.uint8, count=num_bytes)
 
     def close(self) -> None:
-        """Unmap (a tensor still viewing it keeps the mapping alive until dropped)."""
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        """Let the mapping go: it is unmapped once no tensor views it any more. Never
+        unmapped here: a torch.frombuffer tensor keeps the mmap object alive but holds no
+        buffer export on it, so mmap.close() would succeed under a live tensor (an export
+        still referenced, say) and leave it reading unmapped memory."""
+        self._map = None
 
     def unlink(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -165,26 +170,36 @@ class MappedSegments:
 
 class SegmentPool:
     """A sender's segments: `take` one that fits (a kept one if any), then `keep` it after a
-    successful transfer or `discard` it after a failed one. At most `max_idle` are kept."""
+    successful transfer or `discard` it after a failed one. At most `max_idle` are kept.
+    Any thread (the engine thread takes segments for exports, the event loop returns them)."""
 
     def __init__(self, directory: Path, max_idle: int = DEFAULT_MAX_IDLE) -> None:
         self._dir = directory
         self._max_idle = max_idle
         self._idle: list[Segment] = []
+        self._lock = threading.Lock()
+        self._closed = False
 
     def take(self, num_bytes: int) -> Segment:
-        fitting = [s for s in self._idle if s.capacity >= num_bytes]
-        if fitting:
-            segment = min(fitting, key=lambda s: s.capacity)
-            self._idle.remove(segment)
-            return segment
+        with self._lock:
+            fitting = [s for s in self._idle if s.capacity >= num_bytes]
+            if fitting:
+                segment = min(fitting, key=lambda s: s.capacity)
+                self._idle.remove(segment)
+                return segment
         return create(self._dir, num_bytes)
 
     def keep(self, segment: Segment) -> None:
-        self._idle.append(segment)
-        while len(self._idle) > self._max_idle:  # the smallest go first
-            self.discard(self._idle.pop(self._idle.index(min(self._idle,
-                                                             key=lambda s: s.capacity))))
+        with self._lock:
+            if self._closed:  # an export's transfer that ended after close
+                dropped = [segment]
+            else:
+                self._idle.append(segment)
+                self._idle.sort(key=lambda s: s.capacity)
+                dropped = self._idle[: max(0, len(self._idle) - self._max_idle)]
+                del self._idle[: len(dropped)]  # the smallest go first
+        for old in dropped:
+            self.discard(old)
 
     @staticmethod
     def discard(segment: Segment) -> None:
@@ -192,9 +207,10 @@ class SegmentPool:
         segment.unlink()
 
     def close(self) -> None:
-        for segment in self._idle:
+        with self._lock:
+            idle, self._idle, self._closed = self._idle, [], True
+        for segment in idle:
             self.discard(segment)
-        self._idle.clear()
 
 
 def _alive(pid: int) -> bool:

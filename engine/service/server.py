@@ -200,6 +200,9 @@ class EngineServer:
             GrpcKVConnector(credential_metadata(secret), _peer_tls(options)),
             options.kv_transfer,
         )
+        # Exports gathered straight into the connector's shared-memory segments.
+        await asyncio.wrap_future(async_engine.call_in_engine_thread(functools.partial(
+            llm_engine.handoff.use_export_memory, self._connector.export_memory())))
         servicer = EngineServicer(
             self._async_engine, identity, self._watchdog.problem, options.lora_roots,
             self._connector,

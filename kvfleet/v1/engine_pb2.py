@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvfleet.v1 import common_pb2 as kvfleet_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/engine.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\x9c\x01\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvfleet.v1.GenerateRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x1a\n\x12transfer_timeout_s\x18\x04 \x01(\x02\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\"o\n\x0fPrefillResponse\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1c.kvfleet.v1.GenerateResponse\x12.\n\x08transfer\x18\x02 \x01(\x0b\x32\x1c.kvfleet.v1.KVTransferResult\"\x8d\x01\n\x10KVTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\"\xae\x02\n\x10KVTransferHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0f\n\x07lora_id\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0b\x62lock_shape\x18\n \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x0b \x03(\x0c\x12\x13\n\x0b\x66irst_block\x18\x0c \x01(\r\x12\'\n\x03shm\x18\r \x01(\x0b\x32\x1a.kvfleet.v1.KVSharedMemory\"R\n\x0eKVSharedMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06reused\x18\x04 \x01(\x08\"1\n\x0cKVBlockChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"t\n\x0fKVTransferChunk\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.kvfleet.v1.KVTransferHeaderH\x00\x12)\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x18.kvfleet.v1.KVBlockChunkH\x00\x42\x06\n\x04part\":\n\x11ReceiveKVResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"t\n\x17ImportedGenerateRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvfleet.v1.GenerateRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\",\n\x13LoRAAdapterResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0f\n\x07lora_id\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x19\n\x11\x66\x61ir_share_weight\x18\x08 \x01(\x02\"\xff\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1a\n\rfinish_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12+\n\x0bstop_reason\x18\x03 \x01(\x0b\x32\x16.kvfleet.v1.StopReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvfleet.v1.Usage\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.kvfleet.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.kvfleet.v1.TokenLogprobs\x12\x12\n\ntext_delta\x18\t \x01(\t\x12\x1f\n\x17\x66irst_prompt_token_text\x18\n \x01(\t\x12\x17\n\x0ftoken_text_ends\x18\x0b \x03(\rB\x10\n\x0e_finish_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf5\x01\n\x08LoadInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x15\n\rlora_adapters\x18\x0b \x03(\t2\xea\x04\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvfleet.v1.AbortRequest\x1a\x19.kvfleet.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.kvfleet.v1.GetLoadRequest\x1a\x14.kvfleet.v1.LoadInfo\x12V\n\x0fLoadLoRAAdapter\x12\".kvfleet.v1.LoadLoRAAdapterRequest\x1a\x1f.kvfleet.v1.LoRAAdapterResponse\x12Z\n\x11UnloadLoRAAdapter\x12$.kvfleet.v1.UnloadLoRAAdapterRequest\x1a\x1f.kvfleet.v1.LoRAAdapterResponse\x12\x44\n\x07Prefill\x12\x1a.kvfleet.v1.PrefillRequest\x1a\x1b.kvfleet.v1.PrefillResponse0\x01\x12I\n\tReceiveKV\x12\x1b.kvfleet.v1.KVTransferChunk\x1a\x1d.kvfleet.v1.ReceiveKVResponse(\x01\x12W\n\x10GenerateImported\x12#.kvfleet.v1.ImportedGenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvfleet/v1/engine.proto\x12\nkvfleet.v1\x1a\x17kvfleet/v1/common.proto\"\x9c\x01\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvfleet.v1.GenerateRequest\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x02 \x01(\t\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12\x1a\n\x12transfer_timeout_s\x18\x04 \x01(\x02\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\"o\n\x0fPrefillResponse\x12,\n\x06output\x18\x01 \x01(\x0b\x32\x1c.kvfleet.v1.GenerateResponse\x12.\n\x08transfer\x18\x02 \x01(\x0b\x32\x1c.kvfleet.v1.KVTransferResult\"\x8d\x01\n\x10KVTransferResult\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x11\n\ttransport\x18\x06 \x01(\t\"\xae\x02\n\x10KVTransferHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0f\n\x07lora_id\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x13\n\x0b\x62lock_shape\x18\n \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\x0b \x03(\x0c\x12\x13\n\x0b\x66irst_block\x18\x0c \x01(\r\x12\'\n\x03shm\x18\r \x01(\x0b\x32\x1a.kvfleet.v1.KVSharedMemory\"g\n\x0eKVSharedMemory\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x11\n\tnum_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06reused\x18\x04 \x01(\x08\x12\x13\n\x0blayer_major\x18\x05 \x01(\x08\"1\n\x0cKVBlockChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"t\n\x0fKVTransferChunk\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1c.kvfleet.v1.KVTransferHeaderH\x00\x12)\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x18.kvfleet.v1.KVBlockChunkH\x00\x42\x06\n\x04part\":\n\x11ReceiveKVResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\"t\n\x17ImportedGenerateRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvfleet.v1.GenerateRequest\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\">\n\x16LoadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoRAAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\",\n\x13LoRAAdapterResponse\x12\x15\n\rlora_adapters\x18\x01 \x03(\t\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.kvfleet.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0f\n\x07lora_id\x18\x06 \x01(\t\x12\x0e\n\x06tenant\x18\x07 \x01(\t\x12\x19\n\x11\x66\x61ir_share_weight\x18\x08 \x01(\x02\"\xff\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1a\n\rfinish_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12+\n\x0bstop_reason\x18\x03 \x01(\x0b\x32\x16.kvfleet.v1.StopReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvfleet.v1.Usage\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.kvfleet.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.kvfleet.v1.TokenLogprobs\x12\x12\n\ntext_delta\x18\t \x01(\t\x12\x1f\n\x17\x66irst_prompt_token_text\x18\n \x01(\t\x12\x17\n\x0ftoken_text_ends\x18\x0b \x03(\rB\x10\n\x0e_finish_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf5\x01\n\x08LoadInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x65poch\x18\x08 \x01(\t\x12\x12\n\nmodel_name\x18\t \x01(\t\x12\x15\n\rmax_model_len\x18\n \x01(\r\x12\x15\n\rlora_adapters\x18\x0b \x03(\t2\xea\x04\n\x06\x45ngine\x12G\n\x08Generate\x12\x1b.kvfleet.v1.GenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.kvfleet.v1.AbortRequest\x1a\x19.kvfleet.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.kvfleet.v1.GetLoadRequest\x1a\x14.kvfleet.v1.LoadInfo\x12V\n\x0fLoadLoRAAdapter\x12\".kvfleet.v1.LoadLoRAAdapterRequest\x1a\x1f.kvfleet.v1.LoRAAdapterResponse\x12Z\n\x11UnloadLoRAAdapter\x12$.kvfleet.v1.UnloadLoRAAdapterRequest\x1a\x1f.kvfleet.v1.LoRAAdapterResponse\x12\x44\n\x07Prefill\x12\x1a.kvfleet.v1.PrefillRequest\x1a\x1b.kvfleet.v1.PrefillResponse0\x01\x12I\n\tReceiveKV\x12\x1b.kvfleet.v1.KVTransferChunk\x1a\x1d.kvfleet.v1.ReceiveKVResponse(\x01\x12W\n\x10GenerateImported\x12#.kvfleet.v1.ImportedGenerateRequest\x1a\x1c.kvfleet.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,33 +41,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERHEADER']._serialized_start=481
   _globals['_KVTRANSFERHEADER']._serialized_end=783
   _globals['_KVSHAREDMEMORY']._serialized_start=785
-  _globals['_KVSHAREDMEMORY']._serialized_end=867
-  _globals['_KVBLOCKCHUNK']._serialized_start=869
-  _globals['_KVBLOCKCHUNK']._serialized_end=918
-  _globals['_KVTRANSFERCHUNK']._serialized_start=920
-  _globals['_KVTRANSFERCHUNK']._serialized_end=1036
-  _globals['_RECEIVEKVRESPONSE']._serialized_start=1038
-  _globals['_RECEIVEKVRESPONSE']._serialized_end=1096
-  _globals['_IMPORTEDGENERATEREQUEST']._serialized_start=1098
-  _globals['_IMPORTEDGENERATEREQUEST']._serialized_end=1214
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1216
-  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1278
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1280
-  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1325
-  _globals['_LORAADAPTERRESPONSE']._serialized_start=1327
-  _globals['_LORAADAPTERRESPONSE']._serialized_end=1371
-  _globals['_GENERATEREQUEST']._serialized_start=1374
-  _globals['_GENERATEREQUEST']._serialized_end=1588
-  _globals['_GENERATERESPONSE']._serialized_start=1591
-  _globals['_GENERATERESPONSE']._serialized_end=1974
-  _globals['_ABORTREQUEST']._serialized_start=1976
-  _globals['_ABORTREQUEST']._serialized_end=2010
-  _globals['_ABORTRESPONSE']._serialized_start=2012
-  _globals['_ABORTRESPONSE']._serialized_end=2042
-  _globals['_GETLOADREQUEST']._serialized_start=2044
-  _globals['_GETLOADREQUEST']._serialized_end=2060
-  _globals['_LOADINFO']._serialized_start=2063
-  _globals['_LOADINFO']._serialized_end=2308
-  _globals['_ENGINE']._serialized_start=2311
-  _globals['_ENGINE']._serialized_end=2929
+  _globals['_KVSHAREDMEMORY']._serialized_end=888
+  _globals['_KVBLOCKCHUNK']._serialized_start=890
+  _globals['_KVBLOCKCHUNK']._serialized_end=939
+  _globals['_KVTRANSFERCHUNK']._serialized_start=941
+  _globals['_KVTRANSFERCHUNK']._serialized_end=1057
+  _globals['_RECEIVEKVRESPONSE']._serialized_start=1059
+  _globals['_RECEIVEKVRESPONSE']._serialized_end=1117
+  _globals['_IMPORTEDGENERATEREQUEST']._serialized_start=1119
+  _globals['_IMPORTEDGENERATEREQUEST']._serialized_end=1235
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=1237
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=1299
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=1301
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=1346
+  _globals['_LORAADAPTERRESPONSE']._serialized_start=1348
+  _globals['_LORAADAPTERRESPONSE']._serialized_end=1392
+  _globals['_GENERATEREQUEST']._serialized_start=1395
+  _globals['_GENERATEREQUEST']._serialized_end=1609
+  _globals['_GENERATERESPONSE']._serialized_start=1612
+  _globals['_GENERATERESPONSE']._serialized_end=1995
+  _globals['_ABORTREQUEST']._serialized_start=1997
+  _globals['_ABORTREQUEST']._serialized_end=2031
+  _globals['_ABORTRESPONSE']._serialized_start=2033
+  _globals['_ABORTRESPONSE']._serialized_end=2063
+  _globals['_GETLOADREQUEST']._serialized_start=2065
+  _globals['_GETLOADREQUEST']._serialized_end=2081
+  _globals['_LOADINFO']._serialized_start=2084
+  _globals['_LOADINFO']._serialized_end=2329
+  _globals['_ENGINE']._serialized_start=2332
+  _globals['_ENGINE']._serialized_end=2950
 # @@protoc_insertion_point(module_scope)

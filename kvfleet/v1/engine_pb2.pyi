@@ -76,16 +76,18 @@ class KVTransferHeader(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., shm: _Optional[_Union[KVSharedMemory, _Mapping]] = ...) -> None: ...
 
 class KVSharedMemory(_message.Message):
-    __slots__ = ("name", "host_id", "num_bytes", "reused")
+    __slots__ = ("name", "host_id", "num_bytes", "reused", "layer_major")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     REUSED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MAJOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     host_id: str
     num_bytes: int
     reused: bool
-    def __init__(self, name: _Optional[str] = ..., host_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., reused: _Optional[bool] = ...) -> None: ...
+    layer_major: bool
+    def __init__(self, name: _Optional[str] = ..., host_id: _Optional[str] = ..., num_bytes: _Optional[int] = ..., reused: _Optional[bool] = ..., layer_major: _Optional[bool] = ...) -> None: ...
 
 class KVBlockChunk(_message.Message):
     __slots__ = ("block_index", "data")

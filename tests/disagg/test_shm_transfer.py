@@ -278,17 +278,78 @@ def test_no_segment_here_sends_bytes_in_auto_and_fails_in_shm(decode, tmp_path):
     wait_all_blocks_free(_stub(decode))
 
 
-def test_export_buffers_are_reused_once_given_back():
+def test_export_buffers_are_reused_once_released():
     from engine.disagg.kv_payload import ExportBuffers
 
     buffers = ExportBuffers(max_idle=2)
     first = buffers.take(1000)
-    assert buffers.take(1000) is not first  # still out
-    buffers.give_back(first)
-    assert buffers.take(800) is first  # fits: reused
+    assert first.segment is None
+    assert buffers.take(1000).tensor is not first.tensor  # still out
+    first.release(False)  # private memory: reusable even after a failed transfer
+    again = buffers.take(800)
+    assert again.tensor is first.tensor  # fits: reused
     small, big = buffers.take(10), buffers.take(5000)
-    for buffer in (first, small, big):
-        buffers.give_back(buffer)
-    assert buffers.take(1) is first  # the smallest kept one that fits; `small` was dropped
-    assert buffers.take(1) is big
-    assert buffers.take(1) is not small
+    for buffer in (again, small, big):
+        buffer.release(True)
+    assert buffers.take(1).tensor is first.tensor  # the smallest kept one that fits;
+    assert buffers.take(1).tensor is big.tensor  # `small` was dropped
+    assert buffers.take(1).tensor is not small.tensor
+
+
+def test_export_gathered_into_a_segment_is_sent_as_it_is(decode):
+    """With the connector's export memory the export lies in a segment already: the
+    transfer names it (no second segment, no copy), layer-major; after a successful
+    transfer the segment serves the next export, after a failed one it is unlinked."""
+    connector = SameHostKVConnector(GrpcKVConnector(), "shm")
+    memory = connector.export_memory()
+    source = _export(decode, 17)
+    num_bytes = source.num_bytes
+
+    def exported() -> KVExport:
+        buffer = memory.take(num_bytes)
+        blocks = buffer.tensor[:num_bytes].view(source.fmt.torch_dtype).view(source.blocks.shape)
+        blocks.copy_(source.blocks)
+        return KVExport(blocks, source.fmt, NUM_TOKENS, 16, (), 0, buffer.release,
+                        buffer.segment)
+
+    request = gen_request("r", make_prompt(6, NUM_TOKENS), 4)
+    seen: list[list[str]] = []
+
+    async def go() -> tuple[KVExport, engine_pb2.KVTransferResult]:
+        first = exported()
+        try:
+            result = await connector.send(KVTransfer("in-place", request, first,
+                                                     decode.address, TIMEOUT_S))
+            seen.append(shm.segments_of(shm.DEFAULT_SHM_DIR, os.getpid()))
+            assert first.release is not None
+            first.release(True)
+            second = exported()
+            assert second.segment is first.segment  # warm: reused
+            assert second.release is not None
+            second.release(False)  # as after a failed transfer: a receiver may still read it
+            seen.append(shm.segments_of(shm.DEFAULT_SHM_DIR, os.getpid()))
+            return first, result
+        finally:
+            await connector.close()
+
+    first, result = asyncio.run(go())
+    assert (result.transport, result.num_blocks) == ("shm", 5)
+    assert first.segment is not None and seen[0] == [first.segment.name]
+    assert seen[1] == []
+    assert torch.equal(_held(decode, "in-place"), source.blocks)
+    wait_all_blocks_free(_stub(decode))
+
+
+def test_an_export_dropped_unreleased_has_its_segment_unlinked(tmp_path):
+    """A Prefill call cancelled between the export and the push never releases it: the
+    segment file must not stay in /dev/shm."""
+    import gc
+
+    connector = SameHostKVConnector(GrpcKVConnector(), "shm", shm_dir=tmp_path)
+    buffer = connector.export_memory().take(4096)
+    assert buffer.segment is not None
+    assert [p.name for p in tmp_path.iterdir()] == [buffer.segment.name]
+    del buffer
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []
+    asyncio.run(connector.close())
