@@ -58,6 +58,13 @@ class KVCacheEvents:
     stored_host: list[BlockHash] = field(default_factory=list)
     removed_host: list[BlockHash] = field(default_factory=list)
 
+    def extend(self, more: KVCacheEvents) -> None:
+        """Append `more` after these events: one report covering both, still in order."""
+        self.stored.extend(more.stored)
+        self.removed.extend(more.removed)
+        self.stored_host.extend(more.stored_host)
+        self.removed_host.extend(more.removed_host)
+
 
 @dataclass(frozen=True)
 class HostHit:

@@ -115,13 +115,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._seq = itertools.count()
         # Engine-thread side: request id -> stream seq of requests inside the engine, and
-        # the KV events collected since the last listener call.
+        # the KV events (device and host tier) collected since the last listener call.
         self._live: dict[str, int] = {}
-        self._stored: list[BlockHash] = []
-        self._removed: list[BlockHash] = []
-        # Host-tier events (engine.kv_tiers.host_tier); stay empty without a host tier.
-        self._stored_host: list[BlockHash] = []
-        self._removed_host: list[BlockHash] = []
+        self._events = KVCacheEvents([], [])
         # Measured from the steps (engine thread), published with the load for the routers.
         self._rates = StepRates()
         self._load = EngineLoad.of(engine)
@@ -486,17 +482,10 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._dispatch, deliveries)
 
     def _collect_kv_events(self, events: KVCacheEvents) -> None:
-        self._stored.extend(events.stored)
-        self._removed.extend(events.removed)
-        if events.stored_host or events.removed_host:
-            self._stored_host.extend(events.stored_host)
-            self._removed_host.extend(events.removed_host)
+        self._events.extend(events)
 
     def _after_iteration(self) -> None:
-        events = KVCacheEvents(self._stored, self._removed, self._stored_host, self._removed_host)
-        self._stored, self._removed = [], []
-        if events.stored_host or events.removed_host:
-            self._stored_host, self._removed_host = [], []
+        events, self._events = self._events, KVCacheEvents([], [])
         self._load = EngineLoad.of(self._engine, self._rates)
         for listener in self._listeners:
             try:
