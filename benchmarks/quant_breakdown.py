@@ -57,6 +57,11 @@ class Timers:
         return timed
 
 
+def _wrap(obj: object, method: str, part: str, timers: Timers) -> None:
+    # An instance attribute shadows the class's method for this object only.
+    setattr(obj, method, timers.wrap(part, getattr(obj, method)))
+
+
 def instrument(llm: LLM, timers: Timers) -> None:
     """Wrap the model's parts (instance attributes shadow the class methods)."""
     runner = llm.engine.runner
@@ -64,19 +69,17 @@ def instrument(llm: LLM, timers: Timers) -> None:
     for layer in model.layers:
         for block, name, part in PROJECTIONS:
             proj = getattr(getattr(layer, block), name)
-            proj.forward = timers.wrap(part, proj.forward)
+            _wrap(proj, "forward", part, timers)
             if hasattr(proj, "silu_and_mul"):  # the dense float32 panel's fused gate/up + SiLU
-                proj.silu_and_mul = timers.wrap(part, proj.silu_and_mul)
-        layer.self_attn.attn.forward = timers.wrap("attention", layer.self_attn.attn.forward)
-    ops = model.ops
-    ops.rotary_qkv = timers.wrap("rope", ops.rotary_qkv)
-    ops.rms_norm = timers.wrap("norms", ops.rms_norm)
-    ops.add_rms_norm = timers.wrap("norms", ops.add_rms_norm)
-    ops.silu_and_mul = timers.wrap("silu_mul", ops.silu_and_mul)
-    model.embed_tokens.forward = timers.wrap("embedding", model.embed_tokens.forward)
-    model.greedy_tokens = timers.wrap("lm_head+argmax", model.greedy_tokens)
-    model.compute_logits = timers.wrap("lm_head+argmax", model.compute_logits)
-    runner.sampler = timers.wrap("sampler", runner.sampler)
+                _wrap(proj, "silu_and_mul", part, timers)
+        _wrap(layer.self_attn.attn, "forward", "attention", timers)
+    for method, part in (("rotary_qkv", "rope"), ("rms_norm", "norms"),
+                         ("add_rms_norm", "norms"), ("silu_and_mul", "silu_mul")):
+        _wrap(model.ops, method, part, timers)
+    _wrap(model.embed_tokens, "forward", "embedding", timers)
+    _wrap(model, "greedy_tokens", "lm_head+argmax", timers)
+    _wrap(model, "compute_logits", "lm_head+argmax", timers)
+    _wrap(runner, "sampler", "sampler", timers)
 
 
 def breakdown(engine_args: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
