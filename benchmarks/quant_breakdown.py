@@ -72,7 +72,7 @@ def instrument(llm: LLM, timers: Timers) -> None:
             _wrap(proj, "forward", part, timers)
             if hasattr(proj, "silu_and_mul"):  # the dense float32 panel's fused gate/up + SiLU
                 _wrap(proj, "silu_and_mul", part, timers)
-        _wrap(getattr(layer.self_attn, "attn"), "forward", "attention", timers)
+        _wrap(layer.get_submodule("self_attn.attn"), "forward", "attention", timers)
     for method, part in (("rotary_qkv", "rope"), ("rms_norm", "norms"),
                          ("add_rms_norm", "norms"), ("silu_and_mul", "silu_mul")):
         _wrap(model.ops, method, part, timers)

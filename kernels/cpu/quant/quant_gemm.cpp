@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -183,10 +184,23 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int
   TORCH_CHECK(bb > 0, "quant_linear: unsupported GGML type ", qtype);
   TORCH_CHECK(row_bytes == nb * bb, "quant_linear: row bytes do not match K");
   TORCH_CHECK(out.size(0) == m_rows && out.size(1) == n, "quant_linear: out shape");
-  const at::Tensor xf = bf16 ? x.to(at::kFloat) : x;
-  const float* xp = xf.data_ptr<float>();
+  // bfloat16 x widened here, not by x.to(kFloat): an ATen op costs ~3 us a call, a fifth of
+  // a batch-1 projection.
+  std::vector<float> widened;
+  const float* xp;
+  int64_t ldx = x.stride(0);
+  if (bf16) {
+    widened.resize(m_rows * k);
+    const auto* xb = x.data_ptr<c10::BFloat16>();
+    for (int64_t m = 0; m < m_rows; ++m)
+      for (int64_t i = 0; i < k; ++i) widened[m * k + i] = float(xb[m * ldx + i]);
+    xp = widened.data();
+    ldx = k;
+  } else {
+    xp = x.data_ptr<float>();
+  }
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t ldx = xf.stride(0), ldo = out.stride(0);
+  const int64_t ldo = out.stride(0);
   // Grain: whole 4-row tiles, enough of them to amortise the task; at::parallel_for splits
   // N into one contiguous range per thread (each writes its own outputs: no shared lines but
   // at the one boundary).
