@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.quant import formats
-from engine.quant.qlinear import QuantLinear, QuantTensor
+from engine.quant.qlinear import KERNEL, QuantLinear, QuantTensor
 from kernels.cpu.quant import load
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append(_row("F32 F.linear", rows, dense.numel() * 4, args, t))
             for name in args.formats:
                 layer = QuantLinear([random_weight(name, args.n, args.k)])
-                t = best_seconds(lambda layer=layer, x=x: layer._kernel(x, layer.segments[0]),
+                t = best_seconds(lambda layer=layer, x=x: layer.run(x, KERNEL),
                                  args.repeats)
                 results.append(_row(name, rows, layer.weight_bytes, args, t))
     load_avg = os.getloadavg()[0]

@@ -33,8 +33,10 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.gemm_select import MAX_PREFILL_ROWS
 from engine.models.gemma import GemmaForCausalLM
+from engine.models.linear import pack_weight
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.quant import formats
+from engine.quant.dense_head import choose_head_backend
 from engine.quant.gguf_arch import BY_MODEL_ARCHITECTURE, GgufArch, arch_of
 from engine.quant.gguf_file import iter_tensors
 from engine.quant.qlinear import QuantEmbedding, QuantLinear, QuantTensor
@@ -74,6 +76,10 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
         for module in self.modules():
             if isinstance(module, QuantLinear):
                 module.plan = plan
+        if self.quant_head is None:  # int8 at load: the head stays dense, packed as measured
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self._lm_head_backend = choose_head_backend(weight.detach(), requested)
+            self._packed_lm_head = pack_weight(weight, self._lm_head_backend)
         return "gguf-kernel" if plan else "gguf-dequant"
 
     @property

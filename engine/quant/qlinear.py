@@ -24,6 +24,7 @@ storage, what the layer costs in memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,9 @@ class QuantLinear(nn.Module):
         self.out_features = sum(p.rows for p in parts)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.use_kernel = all(s.qtype in formats.QUANTIZED_KERNEL_TYPES for s in self.segments)
+        # Every segment's register kernel takes bfloat16 activations as they are (no float32
+        # copy in, no bfloat16 rounding pass out: two tensor ops a projection at batch 1).
+        self.bf16_kernel = all(s.qtype in formats.KERNEL_TYPES for s in self.segments)
 
     @property
     def weight_bytes(self) -> int:
@@ -130,7 +134,17 @@ class QuantLinear(nn.Module):
         return DENSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run(x, self.path_for(x.shape[0]))
+        path = self.path_for(x.shape[0])
+        single = self.segments[0]
+        if (path == KERNEL and self.bias is None and len(self.segments) == 1
+                and single.qtype in formats.KERNEL_TYPES and x.dtype in _OP_DTYPES
+                and x.stride(-1) == 1):
+            # A batch-1 decode step makes ~120 of these calls: the op straight away, without
+            # run()'s general case (~3 us a call).
+            out = x.new_empty(x.shape[0], self.out_features)
+            _op("quant_linear")(out, x, single.raw, single.qtype)
+            return out
+        return self.run(x, path)
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         """The layer by `path` (select.py times each path through this)."""
@@ -140,35 +154,51 @@ class QuantLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(wdtype)
             out = F.linear(x.to(wdtype), self.dequantized_weight(wdtype), bias)
             return out.to(dtype)
-        keep_bf16 = path == PANEL and dtype == torch.bfloat16 and _bf16_dot()
-        act = x if keep_bf16 or dtype == torch.float32 else x.float()
+        if path == KERNEL and self.bf16_kernel and dtype == torch.bfloat16:
+            act = x  # the register kernel reads bfloat16 and rounds its output to it
+        else:
+            keep_bf16 = path == PANEL and dtype == torch.bfloat16 and _bf16_dot()
+            act = x if keep_bf16 or dtype == torch.float32 else x.float()
         if act.stride(-1) != 1:
             act = act.contiguous()
         out = act.new_empty(act.shape[0], self.out_features)
-        start = 0
-        for s in self.segments:  # each writes its columns of `out` in place: no torch.cat
-            _segment_gemm(out[:, start:start + s.rows], act, s, path)
-            start += s.rows
+        if len(self.segments) == 1:  # the usual case: no column slice to build
+            _segment_gemm(out, act, self.segments[0], path)
+        else:
+            start = 0
+            for s in self.segments:  # each writes its columns of `out` in place: no torch.cat
+                _segment_gemm(out[:, start:start + s.rows], act, s, path)
+                start += s.rows
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out.to(dtype)
+        return out if out.dtype == dtype else out.to(dtype)
+
+
+# Resolved once: an attribute lookup on torch.ops costs ~1 us, and a step makes ~120 calls.
+_OPS: dict[str, Callable[..., None]] = {}
+
+
+def _op(name: str) -> Callable[..., None]:
+    op = _OPS.get(name)
+    if op is None:
+        op = _OPS[name] = getattr(torch.ops.kvfleet_quant, name)
+    return op
 
 
 def _segment_gemm(out: torch.Tensor, act: torch.Tensor, segment: QuantTensor, path: str) -> None:
     """out = act @ dequantize(segment)^T by the op of `path` and the segment's format."""
-    ops = torch.ops.kvfleet_quant
     if segment.qtype in formats.KQUANT_TYPES:
         # The K-quant op computes in float32 into a contiguous output only.
         act = act.float()
         if out.dtype == torch.float32 and out.is_contiguous():
-            ops.kquant_linear(out, act, segment.raw, segment.qtype)
+            _op("kquant_linear")(out, act, segment.raw, segment.qtype)
         else:
             tmp = act.new_empty(act.shape[0], segment.rows)
-            ops.kquant_linear(tmp, act, segment.raw, segment.qtype)
+            _op("kquant_linear")(tmp, act, segment.raw, segment.qtype)
             out.copy_(tmp)
         return
-    op = ops.quant_linear_panel if path == PANEL else ops.quant_linear
-    op(out, act, segment.raw, segment.qtype)
+    _op("quant_linear_panel" if path == PANEL else "quant_linear")(
+        out, act, segment.raw, segment.qtype)
 
 
 class QuantEmbedding(nn.Module):

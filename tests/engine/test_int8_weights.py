@@ -10,6 +10,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.lora.request import LoRARequest
+from engine.models.linear import apply_linear, backend_supported, pack_weight
+from engine.quant.dense_head import choose_head_backend
 from engine.quant.gguf_model import QuantLlamaForCausalLM
 from engine.quant.qlinear import QuantLinear
 
@@ -48,6 +50,26 @@ def test_int8_weights_serve_close_to_dense(tiny_model_dir, tiny_lora_dirs):
     # Q8_0: 34 bytes per 32 weights, against 4 bytes a weight in float32.
     assert quant_qkv.weight_bytes * 32 == quant_qkv.in_features * quant_qkv.out_features * 34
     assert model.weight_bytes < dense.engine.model.config.num_parameters * 4
+
+
+def test_dense_head_backend_is_requested_or_measured():
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(1))
+    assert choose_head_backend(w, "dense") == "dense"
+    assert choose_head_backend(w, "no-such-backend") == "dense"
+    chosen = choose_head_backend(w, "auto")
+    assert backend_supported(chosen, w.dtype)
+    x = torch.randn(3, 64)
+    got = apply_linear(x, w, None, chosen, pack_weight(w, chosen))
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not backend_supported("panel", torch.float32), reason="no CPU kernels")
+def test_int8_model_packs_its_dense_head(tiny_model_dir):
+    # The head stays dense; a named backend packs it as the dense model's head is packed.
+    model = LLM(tiny_model_dir, dtype="float32", quantization="int8",
+                linear_backend="panel").engine.model
+    assert model.quant_head is None
+    assert model._lm_head_backend == "panel" and model._packed_lm_head is not None
 
 
 def test_quantization_flag_is_checked():
