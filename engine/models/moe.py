@@ -4,8 +4,10 @@ The router is one [experts, hidden] matmul; softmax in float32 over all experts,
 (Mixtral always; Qwen3-MoE with norm_topk_prob) the k weights renormalised to sum 1, as
 transformers' TopKRouter does. The experts then run on one of three paths:
 
-- the fused C++ kernel (kernels/cpu/fused_moe.cpp) on CPU, float32 and bfloat16, for the row
-  counts where start-up timing found it faster (`MoePlan`, engine.models.moe_select);
+- the fused C++ kernels on CPU, for the row counts where start-up timing found them faster
+  (`MoePlan`, engine.models.moe_select): in float32 kernels/cpu/fused_moe_panel.cpp on a
+  panel-packed copy of the expert weights (the dense MLP's register blocking), in bfloat16
+  (or float32 without the packed copy) kernels/cpu/fused_moe.cpp on the weights as loaded;
 - the fused Triton kernel (kernels/triton/fused_moe.py) on CUDA;
 - the PyTorch path elsewhere: (token, slot) pairs sorted by expert once (stable), each expert
   that received tokens runs two GEMMs on all of its rows together ([n_e, H] x [2I, H]^T,
@@ -13,10 +15,13 @@ transformers' TopKRouter does. The experts then run on one of three paths:
   with index_add_ (one Python iteration per expert hit, as transformers' own experts loop).
 
 Invariants: expert weights are batched parameters, gate_up [E, 2I, H] (gate rows, then up)
-and down [E, H, I], read in that layout by every path (no packed copy); the loader fills them
-from the checkpoint's per-expert w1/w3/w2 (Mixtral) or gate/up/down_proj (Qwen3-MoE) tensors
-(engine.models.weight_names). Float32 results of every path equal transformers' to rounding;
-the PyTorch path's per-expert matmuls see the same rows, in token order, as transformers'.
+and down [E, H, I], the source of truth that the loader fills from the checkpoint's per-expert
+w1/w3/w2 (Mixtral) or gate/up/down_proj (Qwen3-MoE) tensors (engine.models.weight_names) and
+every path but the float32 panel kernel reads. That kernel's copy (`panels`) is derived from
+them once, after loading and before the first forward pass, as the dense projections' packed
+copies are (engine.models.linear); it doubles the experts' float32 memory. Float32 results of
+every path equal transformers' to rounding; the PyTorch path's per-expert matmuls see the same
+rows, in token order, as transformers'.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 
-# The row counts at which start-up timing compares the paths (decode to prefill sizes).
-PLAN_ROWS = (1, 8, 64, 512)
+# The row counts at which start-up timing compares the paths (decode to prefill sizes; 2,048
+# is the default step token budget, the prefill chunk of offline batches).
+PLAN_ROWS = (1, 8, 64, 512, 2048)
 
 
 @dataclass(frozen=True)
