@@ -79,8 +79,9 @@ def choose_plan(block: SparseMoeBlock, max_rows: int,
 
 
 def configure_moe(layers: nn.ModuleList, enabled: bool, max_rows: int) -> MoePlan | None:
-    """Set every MoE block's plan: measured when `enabled` (the fused CPU kernels are on),
-    else the PyTorch path. Returns the plan, None for a model without MoE layers."""
+    """Set every MoE block's plan: measured when `enabled` (the fused CPU kernels are on;
+    float32 blocks first get the packed copy the fused kernel runs on, so that is what is
+    timed), else the PyTorch path. Returns the plan, None for a model without MoE layers."""
     blocks = [m for m in layers.modules() if isinstance(m, SparseMoeBlock)]
     if not blocks:
         return None
