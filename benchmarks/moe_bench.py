@@ -4,10 +4,10 @@ A SmolLM2-size MoE layer (hidden 576, 8 experts of width 1536, top-2, renormalis
 Mixtral), random weights (seeded), random hidden states. For each batch size T of
 `--tokens` (1, 8, 64, 512): the router runs once, then the experts of
 engine.models.moe through `forward_reference` (PyTorch: a stable argsort, per-expert GEMMs,
-index_add_) and `forward_fused` (kernels/cpu/fused_moe.cpp), alternating, best of
-`--repeats` rounds of `--iters` calls each. tokens/s = T / seconds per call. The machine's
-load average is printed beside the figures (a shared machine's numbers are only comparable
-within one run).
+index_add_) and `forward_fused` (float32: kernels/cpu/fused_moe_panel.cpp on the packed
+copy; bfloat16: kernels/cpu/fused_moe.cpp), alternating, best of `--repeats` rounds
+of `--iters` calls each. tokens/s = T / seconds per call. The machine's load average is
+printed beside the figures (a shared machine's numbers are only comparable within one run).
 
 Usage: python -m benchmarks.moe_bench [--dtype float32|bfloat16] [--repeats 5]
 Writes bench_results/moe_bench.json (--out).
@@ -44,7 +44,9 @@ def make_block(dtype: torch.dtype) -> SparseMoeBlock:
     with torch.no_grad():
         for param in (block.gate, block.gate_up, block.down):
             param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
-    return block.to(dtype).eval()
+    block = block.to(dtype).eval()
+    block.pack_panels()  # float32: the packed copy the engine's fused path runs on
+    return block
 
 
 def seconds_per_call(fn: Callable[[], object], iters: int) -> float:

@@ -4,8 +4,10 @@ The router is one [experts, hidden] matmul; softmax in float32 over all experts,
 (Mixtral always; Qwen3-MoE with norm_topk_prob) the k weights renormalised to sum 1, as
 transformers' TopKRouter does. The experts then run on one of three paths:
 
-- the fused C++ kernel (kernels/cpu/fused_moe.cpp) on CPU, float32 and bfloat16, for the row
-  counts where start-up timing found it faster (`MoePlan`, engine.models.moe_select);
+- the fused C++ kernels on CPU, for the row counts where start-up timing found them faster
+  (`MoePlan`, engine.models.moe_select): in float32 kernels/cpu/fused_moe_panel.cpp on a
+  panel-packed copy of the expert weights (the dense MLP's register blocking), in bfloat16
+  (or float32 without the packed copy) kernels/cpu/fused_moe.cpp on the weights as loaded;
 - the fused Triton kernel (kernels/triton/fused_moe.py) on CUDA;
 - the PyTorch path elsewhere: (token, slot) pairs sorted by expert once (stable), each expert
   that received tokens runs two GEMMs on all of its rows together ([n_e, H] x [2I, H]^T,
@@ -13,10 +15,13 @@ transformers' TopKRouter does. The experts then run on one of three paths:
   with index_add_ (one Python iteration per expert hit, as transformers' own experts loop).
 
 Invariants: expert weights are batched parameters, gate_up [E, 2I, H] (gate rows, then up)
-and down [E, H, I], read in that layout by every path (no packed copy); the loader fills them
-from the checkpoint's per-expert w1/w3/w2 (Mixtral) or gate/up/down_proj (Qwen3-MoE) tensors
-(engine.models.weight_names). Float32 results of every path equal transformers' to rounding;
-the PyTorch path's per-expert matmuls see the same rows, in token order, as transformers'.
+and down [E, H, I], the source of truth that the loader fills from the checkpoint's per-expert
+w1/w3/w2 (Mixtral) or gate/up/down_proj (Qwen3-MoE) tensors (engine.models.weight_names) and
+every path but the float32 panel kernel reads. That kernel's copy (`panels`) is derived from
+them once, after loading and before the first forward pass, as the dense projections' packed
+copies are (engine.models.linear); it doubles the experts' float32 memory. Float32 results of
+every path equal transformers' to rounding; the PyTorch path's per-expert matmuls see the same
+rows, in token order, as transformers'.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 
-# The row counts at which start-up timing compares the paths (decode to prefill sizes).
-PLAN_ROWS = (1, 8, 64, 512)
+# The row counts at which start-up timing compares the paths (decode to prefill sizes; 2,048
+# is the default step token budget, the prefill chunk of offline batches).
+PLAN_ROWS = (1, 8, 64, 512, 2048)
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,23 @@ class MoePlan:
         return cls(rows=(1,), fused=(True,))
 
 
+def pack_expert_panels(
+    gate_up: torch.Tensor, down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E, 2I, H] -> [E, I/16, H, 32] (panel p: gate columns 16p.. then the matching
+    up columns) and down [E, H, I] -> [E, ceil(H/32), I, 32] (zero-padded past H): the layouts
+    of kernels/cpu/fused_moe_panel.cpp, the dense projections' panels per expert."""
+    experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    gate = gate_up[:, :inter].reshape(experts, inter // 16, 16, hidden)
+    up = gate_up[:, inter:].reshape(experts, inter // 16, 16, hidden)
+    gu = torch.cat([gate, up], dim=2).transpose(2, 3).contiguous()
+    pad = -hidden % 32
+    padded = F.pad(down, (0, 0, 0, pad)) if pad else down
+    dn = padded.reshape(experts, (hidden + pad) // 32, 32, inter).transpose(2, 3).contiguous()
+    return gu, dn
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -67,6 +90,9 @@ class SparseMoeBlock(nn.Module):
         self.down = nn.Parameter(torch.empty(experts, hidden, inter))
         # CPU path choice, set at start (engine.models.moe_select); the default is PyTorch's.
         self.plan = MoePlan()
+        # float32 panel-packed copy of gate_up and down for the fused CPU kernel, made once
+        # after loading (pack_panels); None: the kernel reads the weights as loaded.
+        self.panels: tuple[torch.Tensor, torch.Tensor] | None = None
         # "auto": Triton on CUDA, `plan` on CPU; "triton": Triton on any device (tests run it
         # interpreted on CPU).
         self.backend = "auto"
@@ -89,14 +115,29 @@ class SparseMoeBlock(nn.Module):
             return self.forward_fused(x, weights, ids)
         return self.forward_reference(x, weights, ids)
 
+    def pack_panels(self) -> bool:
+        """Make the float32 panel-packed copy the fused kernel prefers (once, after the weights
+        are loaded); False where it does not apply (another dtype or device, an expert width
+        not a multiple of 16, no C++ op)."""
+        w = self.gate_up
+        if (w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] % 32
+                or not hasattr(torch.ops.kvfleet_cpu, "fused_moe_panel")):
+            return False
+        with torch.no_grad():
+            self.panels = pack_expert_panels(self.gate_up.detach(), self.down.detach())
+        return True
+
     def forward_fused(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        """The C++ kernel (float32 and bfloat16 on CPU)."""
+        """The C++ kernel (float32 and bfloat16 on CPU): on the packed panels where they exist
+        for x's dtype, else on the weights as loaded."""
         out = torch.empty_like(x)
-        torch.ops.kvfleet_cpu.fused_moe(
-            out, x.contiguous(), ids.contiguous(), weights.float().contiguous(),
-            self.gate_up, self.down)
+        args = (out, x.contiguous(), ids.contiguous(), weights.float().contiguous())
+        if self.panels is not None and x.dtype == self.panels[0].dtype:
+            torch.ops.kvfleet_cpu.fused_moe_panel(*args, *self.panels)
+        else:
+            torch.ops.kvfleet_cpu.fused_moe(*args, self.gate_up, self.down)
         return out
 
     def forward_reference(

@@ -37,6 +37,7 @@ _SOURCES = [
     Path(__file__).with_name("lora_delta.cpp"),
     Path(__file__).with_name("greedy_screen.cpp"),
     Path(__file__).with_name("fused_moe.cpp"),
+    Path(__file__).with_name("fused_moe_panel.cpp"),
 ]
 # -ffast-math lets GCC vectorise expf through glibc's libmvec; the kernels never rely on
 # infinities or NaNs. -fopenmp makes at::parallel_for (an inline OpenMP loop in the ATen

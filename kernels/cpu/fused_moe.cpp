@@ -31,7 +31,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -42,6 +41,7 @@
 #define KVFLEET_MOE_BF16 1
 #endif
 
+#include "fused_moe_common.h"
 #include "simd.h"
 
 namespace {
@@ -170,15 +170,6 @@ std::vector<Unit> make_units(const int64_t* offsets, int64_t experts, int64_t co
   return units;
 }
 
-template <typename F>
-void run_units(int64_t units, F&& body) {
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
-  at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t, int64_t) {
-    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) body(u);
-  });
-}
-
 // Phase A: silu(gate) * up for columns [c0, c1) of the unit's rows.
 template <typename T>
 void gate_up_unit(const Problem<T>& p, const Unit& u) {
@@ -231,50 +222,22 @@ void down_unit(const Problem<T>& p, const Unit& u) {
 template <typename T>
 void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
          const at::Tensor& gate_up, const at::Tensor& down) {
-  const int64_t tokens = x.size(0), hidden = x.size(1), topk = ids.size(1);
-  const int64_t experts = gate_up.size(0), inter = down.size(2), rows = tokens * topk;
-  // Counting sort by expert, stable (flat order is token order within an expert).
-  const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<int64_t> offsets(experts + 1, 0), flat(rows), position(rows);
-  for (int64_t i = 0; i < rows; ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < experts, "fused_moe: topk_ids holds expert ", id[i],
-                " outside [0, ", experts, ")");
-    ++offsets[id[i] + 1];
-  }
-  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
-  {
-    std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
-    for (int64_t i = 0; i < rows; ++i) {
-      position[i] = fill[id[i]]++;
-      flat[position[i]] = i;
-    }
-  }
+  const int64_t hidden = x.size(1), topk = ids.size(1);
+  const int64_t experts = gate_up.size(0), inter = down.size(2), rows = ids.numel();
+  const kvfleet::moe::Routing routing = kvfleet::moe::sort_by_expert(ids, experts);
+  const int64_t* offsets = routing.offsets.data();
   at::Tensor act = at::empty({rows, inter}, x.options());
   at::Tensor y = at::empty({rows, hidden}, x.options().dtype(at::kFloat));
   const Problem<T> p{x.data_ptr<T>(), x.stride(0), gate_up.data_ptr<T>(), down.data_ptr<T>(),
-                     hidden, inter, offsets.data(), flat.data(), weights.data_ptr<float>(),
+                     hidden, inter, offsets, routing.flat.data(), weights.data_ptr<float>(),
                      topk, act.data_ptr<T>(), y.data_ptr<float>()};
-  const std::vector<Unit> a_units = make_units(offsets.data(), experts, inter, kPairs);
-  run_units(static_cast<int64_t>(a_units.size()), [&](int64_t u) { gate_up_unit(p, a_units[u]); });
-  const std::vector<Unit> b_units = make_units(offsets.data(), experts, hidden, kNc);
-  run_units(static_cast<int64_t>(b_units.size()), [&](int64_t u) { down_unit(p, b_units[u]); });
-  // Phase C: a token's rows in position order, which is expert order.
-  T* o = out.data_ptr<T>();
-  const int64_t ldo = out.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
-    std::vector<int64_t> pos(topk);
-    std::vector<float> sum(hidden);
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t s = 0; s < topk; ++s) pos[s] = position[t * topk + s];
-      std::sort(pos.begin(), pos.end());
-      std::fill(sum.begin(), sum.end(), 0.f);
-      for (int64_t s = 0; s < topk; ++s) {
-        const float* row = p.y + pos[s] * hidden;
-        for (int64_t c = 0; c < hidden; ++c) sum[c] += row[c];
-      }
-      for (int64_t c = 0; c < hidden; ++c) o[t * ldo + c] = static_cast<T>(sum[c]);
-    }
-  });
+  const std::vector<Unit> a_units = make_units(offsets, experts, inter, kPairs);
+  kvfleet::moe::run_units(static_cast<int64_t>(a_units.size()),
+                          [&](int64_t u) { gate_up_unit(p, a_units[u]); });
+  const std::vector<Unit> b_units = make_units(offsets, experts, hidden, kNc);
+  kvfleet::moe::run_units(static_cast<int64_t>(b_units.size()),
+                          [&](int64_t u) { down_unit(p, b_units[u]); });
+  kvfleet::moe::combine<T>(out, p.y, routing, topk, hidden);
 }
 
 void fused_moe(at::Tensor out, const at::Tensor& x, const at::Tensor& topk_ids,
@@ -285,23 +248,15 @@ void fused_moe(at::Tensor out, const at::Tensor& x, const at::Tensor& topk_ids,
   TORCH_CHECK(out.scalar_type() == dtype && gate_up.scalar_type() == dtype &&
                   down.scalar_type() == dtype,
               "fused_moe: out, gate_up and down must have x's dtype");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_weights.scalar_type() == at::kFloat,
-              "fused_moe: topk_ids must be int64 and topk_weights float32");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 &&
-                  topk_ids.dim() == 2,
-              "fused_moe: x/out [T, H], topk_ids/topk_weights [T, k], gate_up [E, 2I, H], "
-              "down [E, H, I]");
+  kvfleet::moe::check_routing(out, x, topk_ids, topk_weights);
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3,
+              "fused_moe: gate_up [E, 2I, H], down [E, H, I]");
   const int64_t hidden = x.size(1), experts = gate_up.size(0), inter = down.size(2);
   TORCH_CHECK(gate_up.size(1) == 2 * inter && gate_up.size(2) == hidden &&
                   down.size(0) == experts && down.size(1) == hidden,
               "fused_moe: gate_up and down shapes disagree with x's hidden size");
-  TORCH_CHECK(topk_ids.size(0) == x.size(0) && topk_weights.sizes() == topk_ids.sizes() &&
-                  out.sizes() == x.sizes(),
-              "fused_moe: topk_ids, topk_weights and out must have x's rows");
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1 && gate_up.is_contiguous() &&
-                  down.is_contiguous() && topk_ids.is_contiguous() &&
-                  topk_weights.is_contiguous(),
-              "fused_moe: rows must be unit-stride and the weights contiguous");
+  TORCH_CHECK(gate_up.is_contiguous() && down.is_contiguous(),
+              "fused_moe: gate_up and down must be contiguous");
   if (x.size(0) == 0) return;
   if (dtype == at::kFloat)
     run<float>(out, x, topk_ids, topk_weights, gate_up, down);

@@ -1,5 +1,6 @@
-"""The fused MoE kernel (kernels/cpu/fused_moe.cpp) vs the PyTorch path of
-engine.models.moe on the same block, routing and weights; and the start-up path choice.
+"""The fused MoE kernels (kernels/cpu/fused_moe.cpp; fused_moe_panel.cpp, float32 on packed
+weights) vs the PyTorch path of engine.models.moe on the same block, routing and weights; the
+packed layout; and the start-up path choice.
 
 Shapes: decode (one token), rows that fill and overflow the kernel's 4-row tiles and 32-row
 blocks, experts that receive no rows, top-1/2/3, hidden sizes with a K tail (not a multiple of
@@ -110,3 +111,50 @@ def test_choose_plan_measures_up_to_the_largest_batch():
     assert plan.rows == (1, 8, 64) and len(plan.fused) == 3
     # float16 has no fused kernel: the PyTorch path always.
     assert choose_plan(make_block(64, 96, 8, 2).half(), max_rows=64) == MoePlan()
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 13, 70, 300])
+@pytest.mark.parametrize(("hidden", "inter", "experts", "top_k"), [
+    (64, 96, 8, 2),    # 6 gate/up panels, 2 down panels
+    (40, 48, 6, 3),    # hidden 40: the last down panel zero-padded past H
+    (96, 32, 16, 1),   # top-1, most experts empty at few tokens
+])
+def test_panel_float32_matches_pytorch_path(tokens, hidden, inter, experts, top_k):
+    """The float32 kernel on panel-packed weights (fused_moe_panel.cpp); 300 tokens make
+    row blocks past one 12-row tile per expert."""
+    block = make_block(hidden, inter, experts, top_k)
+    assert block.pack_panels()
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+    with torch.inference_mode():
+        weights, ids = block.route(x)
+        expected = block.forward_reference(x, weights, ids)
+        got = block.forward_fused(x, weights, ids)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+
+
+def test_expert_panels_layout():
+    block = make_block(40, 48, 3, 2)
+    assert block.pack_panels() and block.panels is not None
+    gu, dn = block.panels
+    w, d = block.gate_up.detach(), block.down.detach()
+    assert gu.shape == (3, 3, 40, 32) and dn.shape == (3, 2, 48, 32)
+    # Panel p: gate columns 16p..16p+15, then up columns 16p..16p+15, one row per k.
+    torch.testing.assert_close(gu[1, 2, :, :16], w[1, 32:48].T, atol=0, rtol=0)
+    torch.testing.assert_close(gu[1, 2, :, 16:], w[1, 48 + 32:48 + 48].T, atol=0, rtol=0)
+    torch.testing.assert_close(dn[2, 1, :, :8], d[2, 32:40].T, atol=0, rtol=0)
+    assert not dn[:, 1, :, 8:].any()  # past hidden 40: zeros
+
+
+def test_panels_only_where_they_apply():
+    assert not make_block(64, 96, 8, 2).to(torch.bfloat16).pack_panels()
+    assert not make_block(64, 50, 8, 2).pack_panels()  # 50 columns: not whole 16-column panels
+    block = make_block(64, 96, 8, 2)
+    assert block.pack_panels()
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        weights, ids = block.route(x)
+        with pytest.raises(RuntimeError, match="topk_ids holds expert 8"):
+            block.forward_fused(x, weights, ids.clamp(max=6) + 2)
+        with pytest.raises(RuntimeError, match="must be packed"):
+            torch.ops.kvfleet_cpu.fused_moe_panel(torch.empty_like(x), x, ids, weights,
+                                                  block.gate_up, block.down)
