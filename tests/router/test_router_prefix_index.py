@@ -19,6 +19,7 @@ from router.routing.prefix_index import (
     BLOCKS_KEY_PREFIX,
     ENGINE_KEY_PREFIX,
     MATCH_CHUNK,
+    EngineRecord,
     PrefixIndex,
     PrefixIndexConfig,
     PrefixIndexUnavailable,
@@ -160,3 +161,14 @@ def test_a_hash_of_another_width_is_refused_by_name() -> None:
             await index.close()
 
     asyncio.run(run())
+
+
+def test_registry_counts_parse_integers_decimals_and_refuse_the_rest() -> None:
+    """Counts are read with int() first (engines publish integer strings); a decimal still
+    reads as its integer part, and a value that is no finite number reads as the default."""
+    fields = {"a": "42", "b": "7.9", "c": "-3", "d": "nan", "e": "inf", "f": "x", "g": ""}
+    record = EngineRecord("e1", 0, 0, fields)
+    assert [record.int_field(k, -1) for k in "abcdefg"] == [42, 7, -3, -1, -1, -1, -1]
+    assert record.int_field("missing", 5) == 5
+    assert EngineRecord("e1", 0, 0, {"block_size": "16"}).block_size == 16
+    assert EngineRecord("e1", 0, 0, {"block_size": "1e400"}).block_size is None
