@@ -159,6 +159,12 @@ def test_up_prints_a_metrics_url_per_service_and_keeps_its_logs(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
+    # Only the run logs are to land in the test's cache: the compiled kernels stay shared,
+    # else the engine rebuilds every C++ library before it is ready (minutes on a busy machine).
+    shared = Path(os.environ.get("KVFLEET_CACHE_DIR") or Path.home() / ".cache" / "kvfleet")
+    (shared / "torch_extensions").mkdir(parents=True, exist_ok=True)
+    cache.mkdir()
+    (cache / "torch_extensions").symlink_to(shared / "torch_extensions")
     env = {**os.environ, "KVFLEET_CACHE_DIR": str(cache)}
     command = [sys.executable, "-m", "kvfleet.cli", "up", "--engines", "1",
                "--model", str(tiny_model_dir), "--http-port", "0", "--engine-threads", "1"]
