@@ -11,7 +11,6 @@ engine's push until the decode engine has the blocks in its cache; from its metr
 
     python -m benchmarks.disagg_bench [--model DIR] [--seconds 60] [--chats 4]
                                       [--long-tokens 2000] [--transports shm,grpc]
-                                      [--prefill-cpu-nice 10,0]
 
 `--transfer-only N`: instead, the transfer's own cost per block on one idle engine, N pushes
 per transport (benchmarks.kv_transfer_cost; no prefill compute in the figure).
@@ -30,7 +29,6 @@ from pathlib import Path
 
 from benchmarks import kv_transfer_cost
 from kvfleet.fleet import Fleet, FleetConfig
-from kvfleet.fleet_config import DEFAULT_PREFILL_CPU_NICE
 from kvfleet.router_client import auth_metadata, build_request, channel
 from kvfleet.v1 import common_pb2, router_pb2_grpc
 
@@ -160,9 +158,6 @@ def main() -> None:
     parser.add_argument("--engine-arg", action="append", default=[])
     parser.add_argument("--transports", default="shm",
                         help="comma-separated KV transports, a 1P+1D fleet each: shm, grpc")
-    parser.add_argument("--prefill-cpu-nice", default=str(DEFAULT_PREFILL_CPU_NICE),
-                        help="comma-separated nicenesses of the prefill engine, a 1P+1D fleet "
-                             "each (default: kvfleet up's, %(default)s)")
     parser.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
                         help="also run 2 colocated engines (default: %(default)s)")
     parser.add_argument("--transfer-only", type=int, default=0, metavar="N",
@@ -180,20 +175,18 @@ def main() -> None:
     if args.transfer_only:
         _transfer_only(model, engine_args, args)
         return
-    nices = [int(n) for n in args.prefill_cpu_nice.split(",")]
-    fleets: list[tuple[str, tuple[int, int], tuple[str, ...], int]] = [
-        (f"1P+1D {transport}" + (f" nice {nice}" if len(nices) > 1 else ""), (1, 1),
-         ("--kv-transfer", transport), nice)
-        for transport in args.transports.split(",") for nice in nices]
+    fleets: list[tuple[str, tuple[int, int], tuple[str, ...]]] = [
+        (f"1P+1D {transport}", (1, 1), ("--kv-transfer", transport))
+        for transport in args.transports.split(",")]
     if args.colocated:
-        fleets.append(("2 colocated", (0, 0), (), 0))
+        fleets.append(("2 colocated", (0, 0), ()))
     with tempfile.TemporaryDirectory() as work:
-        for name, roles, transport_args, nice in fleets:
+        for name, roles, transport_args in fleets:
             config = FleetConfig(
                 model_dir=model, num_engines=2, prefill_engines=roles[0],
                 decode_engines=roles[1], engine_args=(*engine_args, *transport_args),
                 router_args=threshold, log_dir=Path(work) / name.replace(" ", "-"),
-                engine_threads=1, prefill_cpu_nice=nice,
+                engine_threads=1,
             )
             _run(name, config, args)
 

@@ -40,8 +40,6 @@ import grpc
 from kvfleet import router_client as router_client
 from kvfleet import run_logs
 from kvfleet.fleet import Fleet, FleetConfig, FleetError
-from kvfleet.fleet_config import DEFAULT_PREFILL_CPU_NICE
-from kvfleet.runtime.arg_types import nice_increment
 from kvfleet.runtime.redis_access import describe
 from kvfleet.v1 import common_pb2, router_pb2_grpc
 
@@ -87,11 +85,6 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/disaggregation.md)")
     parser.add_argument("--decode-engines", type=int, default=0,
                         help="this many decode-role engines (with --prefill-engines)")
-    parser.add_argument("--prefill-cpu-nice", type=nice_increment,
-                        default=DEFAULT_PREFILL_CPU_NICE,
-                        help="the prefill engines' CPU niceness on this host's shared cores, "
-                             "so decode steps win them (0: same priority; "
-                             "default: %(default)s)")
     parser.add_argument("--model", type=Path, default=None,
                         help="HF-format model directory or a GGUF file (default: "
                              "SmolLM2-135M-Instruct, converted once from its GGUF)")
@@ -237,7 +230,7 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
     return FleetConfig(
         model_dir=model_dir, num_engines=args.engines, redis_url=args.redis_url,
         prefill_engines=args.prefill_engines, decode_engines=args.decode_engines,
-        prefill_cpu_nice=args.prefill_cpu_nice, host=args.host, router_port=args.port,
+        host=args.host, router_port=args.port,
         router_http_port=http_port_or_free(args.host, args.http_port),
         policy=args.policy, api_keys=args.api_keys,
         engine_args=tuple(args.engine_args), router_args=tuple(args.router_args),

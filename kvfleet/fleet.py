@@ -48,7 +48,6 @@ from kvfleet.fleet_config import (
     engine_command,
     engine_id,
     format_host,
-    role_flags,
     router_command,
     tokenizer_command,
 )
@@ -262,7 +261,9 @@ class Fleet:
             command += self.config.engine_args_by_index[index]
         command += ["--router-secret-file", str(self.router_secret_file),
                     *self._redis_flags(), *self.credentials.tls_flags(name)]
-        command += role_flags(self.config, index)
+        roles = self.config.engine_roles
+        if index < len(roles) and roles[index] != "both":
+            command += ["--role", roles[index]]
         env = None
         if self.config.engine_threads is not None:
             threads = str(self.config.engine_threads)

@@ -14,8 +14,6 @@ from pathlib import Path
 
 DEFAULT_START_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 15.0
-# CFS gives a nice-10 task about a ninth of a nice-0 task's share of a contended core.
-DEFAULT_PREFILL_CPU_NICE = 10
 
 
 @dataclass(frozen=True)
@@ -63,18 +61,12 @@ class FleetConfig:
     # engines are these many prefill-role engines then decode-role ones (num_engines unused).
     prefill_engines: int = 0
     decode_engines: int = 0
-    # Every engine of this fleet shares this host's cores: prefill-role engines start with
-    # this much less CPU priority (engine --cpu-nice), so the decode engines' steps -- the
-    # inter-token latency the split exists for -- win the cores they contend for.
-    prefill_cpu_nice: int = DEFAULT_PREFILL_CPU_NICE
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ValueError(f"a fleet needs at least one engine, got {self.num_engines}")
         if self.prefill_engines < 0 or self.decode_engines < 0:
             raise ValueError("prefill_engines and decode_engines must be >= 0")
-        if not 0 <= self.prefill_cpu_nice <= 19:
-            raise ValueError(f"prefill_cpu_nice must be in [0, 19], got {self.prefill_cpu_nice}")
         if bool(self.prefill_engines) != bool(self.decode_engines):
             raise ValueError("a disaggregated fleet needs prefill and decode engines, got "
                              f"{self.prefill_engines} and {self.decode_engines}")
@@ -101,17 +93,6 @@ def tokenizer_command(config: FleetConfig, port: int = 0) -> list[str]:
     if config.allow_special_tokens_in_prompts:
         command.append("--allow-special-tokens-in-prompts")
     return command
-
-
-def role_flags(config: FleetConfig, index: int) -> list[str]:
-    """Engine `index`'s --role, and for a prefill engine its --cpu-nice on the shared host."""
-    roles = config.engine_roles
-    role = roles[index] if index < len(roles) else "both"
-    if role == "both":
-        return []
-    nice = ["--cpu-nice", str(config.prefill_cpu_nice)] if (
-        role == "prefill" and config.prefill_cpu_nice) else []
-    return ["--role", role, *nice]
 
 
 def engine_command(config: FleetConfig, name: str, redis_url: str) -> list[str]:

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import os
 import socket
 import sys
 import uuid
@@ -63,7 +62,7 @@ from engine.spec_decode.spec_config import speculative_config_arg
 from kvfleet.contracts.adapter_paths import AdapterRoots
 from kvfleet.contracts.redis_schema import ROLE_BOTH, ROLES
 from kvfleet.runtime import event_loop
-from kvfleet.runtime.arg_types import nice_increment, positive_int, seconds
+from kvfleet.runtime.arg_types import positive_int, seconds
 from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
@@ -386,10 +385,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "decode: routers send it handed-off requests and short prompts; "
                              "both: whole requests (docs/disaggregation.md; "
                              "default: %(default)s)")
-    parser.add_argument("--cpu-nice", type=nice_increment, default=0,
-                        help="lower this process' CPU priority by this much (0-19) at start: "
-                             "a prefill engine sharing a host's cores with decode engines "
-                             "yields them the contended cores (default: %(default)s)")
     parser.add_argument("--kv-transfer", choices=KV_TRANSFER_MODES, default="auto",
                         help="how a prefill engine pushes KV: shm through shared memory "
                              "(decode engines on this host), grpc as bytes, auto shm where "
@@ -474,10 +469,6 @@ async def serve(options: EngineServerOptions) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cpu_nice:
-        # Before any thread starts: Linux keeps a niceness per thread, and new threads
-        # (gRPC, the engine's step thread, OpenMP workers) inherit their creator's.
-        os.nice(args.cpu_nice)
     server_options = start_service_process(args)
     if server_options is None:
         return 2

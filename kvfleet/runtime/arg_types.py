@@ -31,14 +31,6 @@ def non_negative_float(text: str) -> float:
     return number
 
 
-def nice_increment(text: str) -> int:
-    """A CPU scheduling niceness to add (os.nice): 0 (unchanged) to 19 (lowest priority)."""
-    number = int(text)
-    if not 0 <= number <= 19:
-        raise argparse.ArgumentTypeError(f"must be in [0, 19], got {number}")
-    return number
-
-
 def seconds(text: str) -> float:
     """A finite, non-negative duration (nan and inf refused)."""
     number = float(text)

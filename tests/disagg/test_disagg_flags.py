@@ -11,7 +11,6 @@ from engine.service.server import build_parser as engine_parser
 from engine.service.server import options_from_args
 from kvfleet.cli import build_parser, up_config
 from kvfleet.fleet import FleetConfig
-from kvfleet.fleet_config import role_flags
 from router.engines.disagg import DisaggConfig
 from router.server import RouterConfig, parse_args
 
@@ -26,32 +25,6 @@ def test_up_gives_engines_their_roles(tmp_path: Path) -> None:
     assert FleetConfig(model_dir=tmp_path, num_engines=3).engine_roles == ("both",) * 3
     with pytest.raises(ValueError, match="prefill and decode"):
         FleetConfig(model_dir=tmp_path, prefill_engines=1)
-
-
-def test_prefill_engines_yield_the_shared_cores(tmp_path: Path) -> None:
-    args = build_parser().parse_args([
-        "up", "--log-dir", str(tmp_path), "--http-port", "0",
-        "--prefill-engines", "1", "--decode-engines", "1",
-    ])
-    config = up_config(args, tmp_path)
-    assert role_flags(config, 0) == ["--role", "prefill", "--cpu-nice", "10"]
-    assert role_flags(config, 1) == ["--role", "decode"]
-    assert role_flags(FleetConfig(model_dir=tmp_path, num_engines=2), 1) == []
-    args = build_parser().parse_args([
-        "up", "--log-dir", str(tmp_path), "--http-port", "0", "--prefill-cpu-nice", "0",
-        "--prefill-engines", "1", "--decode-engines", "1",
-    ])
-    assert role_flags(up_config(args, tmp_path), 0) == ["--role", "prefill"]
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["up", "--prefill-cpu-nice", "20"])
-    with pytest.raises(ValueError, match="prefill_cpu_nice"):
-        FleetConfig(model_dir=tmp_path, prefill_cpu_nice=-1)
-    engine = engine_parser().parse_args(
-        ["--model", "m", "--engine-id", "e", "--redis-url", "redis://x", "--cpu-nice", "10"])
-    assert engine.cpu_nice == 10
-    with pytest.raises(SystemExit):
-        engine_parser().parse_args(
-            ["--model", "m", "--engine-id", "e", "--redis-url", "redis://x", "--cpu-nice", "-1"])
 
 
 def test_engine_and_router_flags() -> None:
