@@ -37,7 +37,7 @@ from engine.models.linear import Linear, apply_linear, pack_weight, prepack_line
 from engine.models.moe import SparseMoeBlock
 from engine.models.moe_select import configure_moe
 from engine.models.norms import GemmaRMSNorm, RMSNorm
-from engine.models.rope import RotaryEmbedding, apply_rotary
+from engine.models.rope import RotaryEmbedding
 from engine.models.weight_names import WeightNames
 
 logger = logging.getLogger("kvfleet.engine")
@@ -103,14 +103,32 @@ class LlamaAttention(nn.Module):
     def _normed_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q/k normed per head, then rotated (transformers' order); always the PyTorch ops."""
-        assert self.q_norm is not None and self.k_norm is not None
+        """q/k normed per head, then rotated (transformers' order).
+
+        The q and k heads are normed by one call with a per-head weight (q's weight on the q
+        heads, k's on the k heads): each head's math is its own norm's, element for element,
+        in a third of the small ops, and the rotation is the layer ops' (fused where they are).
+        """
         t, d = qkv.shape[0], self.head_dim
-        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d,
-                             self.num_kv_heads * d], dim=-1)
-        q = self.q_norm.forward(q.reshape(t, self.num_heads, d))
-        k = self.k_norm.forward(k.reshape(t, self.num_kv_heads, d))
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.view(t, -1, d)
+        heads = self.num_heads + self.num_kv_heads
+        normed = self._qk_norm().forward(qkv[:, : heads * d].reshape(t, heads, d))
+        qkv = torch.cat((normed.reshape(t, heads * d), qkv[:, heads * d :]), dim=-1)
+        return self.ops.rotary_qkv(qkv, self.num_heads, self.num_kv_heads, d, cos, sin)
+
+    def _qk_norm(self) -> RMSNorm:
+        """q_norm and k_norm as one norm over [q heads | k heads], rebuilt if a weight changed."""
+        assert self.q_norm is not None and self.k_norm is not None
+        q, k = self.q_norm.weight, self.k_norm.weight
+        key = (q.data_ptr(), k.data_ptr(), q._version, k._version, q.dtype)
+        cached = self.__dict__.get("_qk_norm_cache")
+        if cached is None or cached[0] != key:
+            norm = type(self.q_norm)(self.head_dim, self.q_norm.eps)
+            weight = torch.cat((q.detach().expand(self.num_heads, -1),
+                                k.detach().expand(self.num_kv_heads, -1)))
+            norm.weight = nn.Parameter(weight, requires_grad=False)
+            # A plain attribute, not a submodule: no state_dict entry, no device move.
+            self.__dict__["_qk_norm_cache"] = cached = (key, norm)
+        return cached[1]
 
 
 class LlamaMLP(nn.Module):
