@@ -221,6 +221,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kvcache-gib", type=int, default=DEFAULT_KVCACHE_GIB,
                    help="KV cache of each engine")
     p.add_argument("--vllm-eager", action="store_true", help="vllm serve --enforce-eager")
+    p.add_argument("--kvfleet-engine-arg", action="append", default=[], metavar="ARG",
+                   help="extra engine flag for every kvfleet system, after the bench's own "
+                   "(repeat; use =, e.g. --kvfleet-engine-arg=--max-num-batched-tokens=512)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per bench serve run")
     p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M)")

@@ -85,12 +85,14 @@ def warm_up(handle: Handle, model: str, count: int) -> None:
 def kvfleet_fleet(model_dir: Path, policy: str, args: argparse.Namespace,
                   work: Path) -> Iterator[Handle]:
     config = FleetConfig(model_dir=model_dir, num_engines=2, policy=policy, engine_threads=1,
-                         engine_args=kvfleet_engine_args(args.dtype, args.kvcache_gib),
+                         engine_args=(*kvfleet_engine_args(args.dtype, args.kvcache_gib),
+                                      *args.kvfleet_engine_arg),
                          log_dir=work / "kvfleet-logs", log_level="WARNING")
     with Fleet(config) as fleet:
         yield _kvfleet_handle(fleet, f"kvfleet-{policy}", BLOCK_SIZE, [
             f"kvfleet-{policy}: 2 engines x 1 torch thread, {args.dtype}, KV "
-            f"{args.kvcache_gib} GiB each, {BLOCK_SIZE}-token blocks; router --policy {policy}"])
+            f"{args.kvcache_gib} GiB each, {BLOCK_SIZE}-token blocks; router --policy {policy}"
+            + _extra(args)])
 
 
 @contextmanager
@@ -98,12 +100,18 @@ def kvfleet_defaults(model_dir: Path, args: argparse.Namespace, work: Path) -> I
     """`kvfleet up --engines 1` (cli.run_up's FleetConfig) with `--engine-arg --dtype`."""
     threads = default_engine_threads(1)
     config = FleetConfig(model_dir=model_dir, num_engines=1, engine_threads=threads,
-                         engine_args=("--dtype", args.dtype), log_dir=work / "kvfleet-logs",
-                         log_level="WARNING")
+                         engine_args=("--dtype", args.dtype, *args.kvfleet_engine_arg),
+                         log_dir=work / "kvfleet-logs", log_level="WARNING")
     with Fleet(config) as fleet:
         yield _kvfleet_handle(fleet, "kvfleet-defaults", BLOCK_SIZE, [
             f"kvfleet-defaults: kvfleet up --engines 1 (policy {config.policy}, {threads} "
-            f"torch threads, engine defaults) --engine-arg --dtype {args.dtype}"])
+            f"torch threads, engine defaults) --engine-arg --dtype {args.dtype}" + _extra(args)])
+
+
+def _extra(args: argparse.Namespace) -> str:
+    """The report line's note of engine flags added with --kvfleet-engine-arg."""
+    extra: list[str] = args.kvfleet_engine_arg
+    return f"; extra engine flags: {' '.join(extra)}" if extra else ""
 
 
 def _kvfleet_handle(fleet: Fleet, name: str, block_size: int, lines: list[str]) -> Handle:
