@@ -9,10 +9,10 @@ decoding stream's gap by 2-3x. With a cap, a prompt beside decodes is chunked ov
 steps of near-decode size; a step with nothing to decode computes prompts at full budget.
 
 Invariants:
-- Only tokens of requests that are prefilling (more than one token left to compute, not an
-  imported request, whose prompt KV is already there) count against the cap; decode rows,
-  draft verification and imported requests are never held back by it.
-- The cap holds only in steps that decode (some running request has one token left) and
+- Only tokens of requests that are prefilling (no token sampled yet, or more than one left to
+  compute; not an imported request, whose prompt KV is already there) count against the
+  cap; decode rows, draft verification and imported requests are never held back by it.
+- The cap holds only in steps that decode (some running request is not prefilling) and
   only with chunked prefill (without it a prompt is scheduled whole or not at all, and a cap
   would starve it); 0 or None means no cap.
 - Prompts keep their order: a prompt the step has no room for keeps its place for the next.
@@ -26,8 +26,11 @@ from engine.core.request import Request
 
 
 def is_prefilling(request: Request) -> bool:
-    """More than one token left to compute, and not KV a prefill engine computed."""
-    return not request.kv_imported and request.num_tokens - request.num_computed_tokens > 1
+    """Computing prompt tokens: none sampled yet, or more than one token left (a recompute
+    after preemption), and not KV a prefill engine computed."""
+    if request.kv_imported:
+        return False
+    return request.num_output_tokens == 0 or request.num_tokens - request.num_computed_tokens > 1
 
 
 class PrefillCap:

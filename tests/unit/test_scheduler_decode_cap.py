@@ -78,7 +78,10 @@ def test_cap_ignores_imported_and_decoding_requests(make_harness):
     assert cap.limit(request, 16) == 16  # its prompt's KV came from a prefill engine
     request.kv_imported = False
     request.num_computed_tokens = 8
-    assert cap.limit(request, 16) == 16  # one token left: a decode row
+    assert cap.limit(request, 16) == 0  # its last prompt token is still a prompt token
+    request.num_computed_tokens = 9
+    request.append_output_token(500)
+    assert cap.limit(request, 16) == 16  # a decode row
     assert PrefillCap.for_step(4, False, [request]).left is None  # no chunked prefill
 
 
