@@ -5,12 +5,18 @@ Fleets on the same model, one after the other: 1 prefill + 1 decode engine per K
 in `--transports` (shm: same-host shared memory, grpc: bytes over gRPC), then 2 colocated
 engines (`--no-colocated` skips them). In each, `--chats` clients stream short chats back to
 back while one client sends `--long-tokens`-token prompts back to back, for `--seconds`.
-Printed per fleet: the chats' p50/p99 inter-token latency and chat tokens streamed, and for
+Printed per fleet: the chats' p50/p99 inter-token latency, their p50/p99 time to first token
+and chat tokens streamed, and for
 a disaggregated one the KV transfer's cost per block (µs and GB/s, end to end: the prefill
 engine's push until the decode engine has the blocks in its cache; from its metrics).
 
     python -m benchmarks.disagg_bench [--model DIR] [--seconds 60] [--chats 4]
                                       [--long-tokens 2000] [--transports shm,grpc]
+                                      [--decode-caps 4,0]
+
+`--decode-caps`: one 1P+1D fleet per transport and cap, its engines started with
+`--max-prefill-tokens-per-decode-step` (0: no cap; unset: the engines' default, 4 on a
+decode engine), for an A/B of the decode engine's prompt cap in one run.
 
 `--transfer-only N`: instead, the transfer's own cost per block on one idle engine, N pushes
 per transport (benchmarks.kv_transfer_cost; no prefill compute in the figure).
@@ -38,14 +44,16 @@ class Gaps:
     seconds: list[float] = field(default_factory=list)
     ends: list[float] = field(default_factory=list)  # when each gap ended (monotonic)
     streams: int = 0  # chats with a first token (each has one token more than gaps)
+    first_token: list[float] = field(default_factory=list)  # each chat's time to first token
     # Per long prompt, its token times: sent, first token (prefill done), second token (KV
     # handed off and its first decode step), last token.
     long_prompts: list[list[float]] = field(default_factory=list)
 
-    def percentile(self, q: float) -> float:
-        if not self.seconds:
+    def percentile(self, q: float, of: list[float] | None = None) -> float:
+        values = self.seconds if of is None else of
+        if not values:
             return float("nan")
-        ordered = sorted(self.seconds)
+        ordered = sorted(values)
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
     def worst_by_phase(self, share: float = 0.01) -> dict[str, int]:
@@ -85,6 +93,7 @@ async def _stream(stub: router_pb2_grpc.RouterStub, prompt: list[int], max_token
                 gaps.ends.append(now)
             else:
                 gaps.streams += 1
+                gaps.first_token.append(now - times[0])
         if response.token_ids:
             times.append(now)
     return times
@@ -125,7 +134,9 @@ def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
         gaps = asyncio.run(_load(fleet.router_address, args))
         line = (f"{name:>16}: chats' inter-token latency p50 {gaps.percentile(0.5) * 1e3:.1f} ms"
                 f", p99 {gaps.percentile(0.99) * 1e3:.1f} ms ({len(gaps.seconds)} gaps, "
-                f"{len(gaps.seconds) + gaps.streams} chat tokens)")
+                f"{len(gaps.seconds) + gaps.streams} chat tokens); TTFT p50 "
+                f"{gaps.percentile(0.5, gaps.first_token) * 1e3:.0f} ms, p99 "
+                f"{gaps.percentile(0.99, gaps.first_token) * 1e3:.0f} ms")
         if config.prefill_engines:
             line += "; " + _transfer_cost(fleet.engines[0].metrics_port)
         phases = ", ".join(f"{name} {n}" for name, n in gaps.worst_by_phase().items())
@@ -158,6 +169,9 @@ def main() -> None:
     parser.add_argument("--engine-arg", action="append", default=[])
     parser.add_argument("--transports", default="shm",
                         help="comma-separated KV transports, a 1P+1D fleet each: shm, grpc")
+    parser.add_argument("--decode-caps", default="",
+                        help="comma-separated --max-prefill-tokens-per-decode-step values, a "
+                             "1P+1D fleet per transport and value (default: the engines' own)")
     parser.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
                         help="also run 2 colocated engines (default: %(default)s)")
     parser.add_argument("--transfer-only", type=int, default=0, metavar="N",
@@ -175,9 +189,15 @@ def main() -> None:
     if args.transfer_only:
         _transfer_only(model, engine_args, args)
         return
+    caps = [cap.strip() for cap in args.decode_caps.split(",") if cap.strip()] or [None]
+    for cap in caps:
+        if cap is not None and not cap.isdigit():
+            parser.error(f"--decode-caps: {cap!r} is not a token count")
     fleets: list[tuple[str, tuple[int, int], tuple[str, ...]]] = [
-        (f"1P+1D {transport}", (1, 1), ("--kv-transfer", transport))
-        for transport in args.transports.split(",")]
+        (f"1P+1D {transport}" + ("" if cap is None else f" cap {cap}"), (1, 1),
+         ("--kv-transfer", transport,
+          *(() if cap is None else ("--max-prefill-tokens-per-decode-step", cap))))
+        for transport in args.transports.split(",") for cap in caps]
     if args.colocated:
         fleets.append(("2 colocated", (0, 0), ()))
     with tempfile.TemporaryDirectory() as work:

@@ -57,7 +57,8 @@ class EngineConfig:
     scheduling_policy: str = "fair"
     # Pause a step between two layers to serve a just-arrived request that fair share ranks
     # ahead, in a complete step of its own (engine.core.urgent_step); needs fair share, CPU, and
-    # no LoRA, speculative decoding or KV tiers (otherwise it stays off, logged at start).
+    # no LoRA, speculative decoding, KV tiers or decode-step prompt cap (otherwise it stays
+    # off, logged at start).
     # On by default: on an idle 2-core machine it took a chatting tenant's p99 TTFT under
     # another tenant's flood from 10.9x to 1.0x its TTFT alone, throughput unchanged.
     preempt_steps_for_new_tenants: bool = True
@@ -85,6 +86,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # In a step that also decodes, prompts get at most this many tokens between them, so the
+    # step stays near decode size (engine.core.decode_prefill_cap). None or 0: no cap; the
+    # engine server sets it for --role decode.
+    max_prefill_tokens_per_decode_step: int | None = None
     # Speculative decoding (engine.spec_decode): vLLM's speculative_config; a dict or a JSON
     # string is parsed (and validated) into a SpeculativeConfig here.
     speculative_config: SpeculativeConfig | None = None
@@ -111,6 +116,10 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        cap = self.max_prefill_tokens_per_decode_step
+        if cap is not None and cap < 0:
+            raise ValueError(f"max_prefill_tokens_per_decode_step must be 0 (no cap) or "
+                             f"positive, got {cap}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.attention_backend == "kernel":  # the earlier name

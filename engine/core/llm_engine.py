@@ -177,6 +177,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 preemption_mode=config.preemption_mode,
                 swap_min_computed_tokens=config.swap_min_computed_tokens,
+                max_prefill_tokens_per_decode_step=config.max_prefill_tokens_per_decode_step,
                 spec_disable_by_batch_size=(
                     config.speculative_config.disable_by_batch_size
                     if config.speculative_config is not None else None

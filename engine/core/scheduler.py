@@ -53,6 +53,10 @@ Structured outputs (engine.structured): each appended token advances the request
 matcher; a complete grammar allows only EOS, which then finishes the request with "stop"
 even under ignore_eos or min_tokens (vLLM stops on the EOS the grammar allows, too).
 
+Decode-role prompt cap (`max_prefill_tokens_per_decode_step`, engine.core.decode_prefill_cap):
+in a step that decodes, prompts get at most that many tokens between them; decodes and imported
+requests are never held back by it.
+
 Invariants: a request is in exactly one of `waiting` (sorted by `sort_key`), `running` or
 `swapped` (sorted by `sort_key`); no waiting or swapped request is admitted in a step that
 preempted (so no swap-in reads a host block that a swap-out of the same step writes); a
@@ -65,6 +69,7 @@ from __future__ import annotations
 import bisect
 import time
 
+from engine.core.decode_prefill_cap import PrefillCap, is_prefilling
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import HostHit, KVCacheManager
 from engine.core.prompt_logprobs import store_prompt_logprobs, take_prompt_logprobs
@@ -75,6 +80,7 @@ from engine.core.scheduler_output import (
     SchedulerConfig,
     SchedulerOutput,
 )
+from engine.core.stop_check import check_stop
 from engine.logprobs import TokenLogprobs
 from engine.lora.admission import LoRAAdmission, LoRAAdmissionPass
 from engine.spec_decode.spec_scheduling import (
@@ -145,11 +151,13 @@ class Scheduler:
         computing: set[BlockHash] = set()
         deferred = (self.fair_share.deferred(self.running, self.waiting)
                     if self.fair_share is not None else set())
+        cap = self.prefill_cap()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if id(request) in deferred:
-                index += 1
+            prefilling = is_prefilling(request)
+            if id(request) in deferred or cap.limit(request, budget) <= 0:
+                index += 1  # a prompt past the cap keeps its place; decodes behind it go
                 continue
             drafts = drafts_to_verify(request, budget, len(self.running),
                                       self.config.spec_disable_by_batch_size, self.kv,
@@ -158,11 +166,13 @@ class Scheduler:
                 num_new = 1 + len(drafts)
             else:
                 drafts = ()
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                num_new = min(request.num_tokens - request.num_computed_tokens,
+                              cap.limit(request, budget))
                 if not self._allocate_or_preempt(request, num_new, out):
                     break
             out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             self.note_computing(request, num_new, computing)
+            cap.take(request, num_new, prefilling)
             budget -= num_new
             index += 1
         # Waiting requests that sort after a deferred prompt (its own tenant's later ones) are
@@ -179,28 +189,31 @@ class Scheduler:
                     self._recompute_swapped()
             admits = not self.swapped
             if admits:
-                budget = self._admit_waiting(out, budget, computing, lora, first_deferred)
+                budget = self._admit_waiting(out, budget, computing, cap, lora, first_deferred)
         if deferred:
-            budget = self._schedule_deferred(out, budget, deferred, computing)
+            budget = self._schedule_deferred(out, budget, deferred, computing, cap)
             if admits and first_deferred is not None:
-                budget = self._admit_waiting(out, budget, computing, lora)
+                budget = self._admit_waiting(out, budget, computing, cap, lora)
         if self.fair_share is not None:
             self.fair_share.charge((s.request, s.num_new_tokens) for s in out.scheduled)
         return out
 
     def _schedule_deferred(self, out: SchedulerOutput, budget: int, deferred: set[int],
-                           computing: set[BlockHash]) -> int:
+                           computing: set[BlockHash], cap: PrefillCap) -> int:
         """Prompts that gave way, in running order, with what budget is left; no preemption."""
         for request in list(self.running):
             if budget <= 0:
                 break
             if id(request) not in deferred:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request, num_new) is None:
+            prefilling = is_prefilling(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens,
+                          cap.limit(request, budget))
+            if num_new <= 0 or self.kv.allocate_slots(request, num_new) is None:
                 break
             out.scheduled.append(ScheduledRequest(request, num_new))
             self.note_computing(request, num_new, computing)
+            cap.take(request, num_new, prefilling)
             budget -= num_new
         return budget
 
@@ -261,8 +274,13 @@ class Scheduler:
                 return False
         return True
 
+    def prefill_cap(self) -> PrefillCap:
+        """The decode-role prompt cap of a step scheduled now (engine.core.decode_prefill_cap)."""
+        return PrefillCap.for_step(self.config.max_prefill_tokens_per_decode_step,
+                                   self.config.enable_chunked_prefill, self.running)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash],
-                       lora: LoRAAdmissionPass | None = None,
+                       cap: PrefillCap, lora: LoRAAdmissionPass | None = None,
                        before: Request | None = None) -> int:
         """Admit waiting requests in order while budget and seats last (and, with `before`,
         while they sort before it in fair-share order); the budget left."""
@@ -276,9 +294,13 @@ class Scheduler:
                 break
             if lora is not None and not lora.admits(request, self.running):
                 continue  # a step holds at most max_loras adapters; it keeps its place
-            admitted = self.admit_one(request, budget, computing, out)
+            if cap.limit(request, budget) <= 0:
+                continue  # the step's prompt tokens are spent; an imported one may still go
+            prefilling = is_prefilling(request)
+            admitted = self.admit_one(request, cap.limit(request, budget), computing, out)
             if admitted is None:
                 break
+            cap.take(request, admitted, prefilling)
             budget -= admitted
         return budget
 
@@ -426,33 +448,10 @@ class Scheduler:
             request.append_output_token(token)
             if request.grammar is not None:
                 advance_grammar(request, token)
-            status = self._check_stop(request, token)
+            status = check_stop(request, token, self.config.max_model_len)
             if status is not None:
                 return tokens[: index + 1], status
         return tokens, None
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        # vLLM's order: running out of room wins over a stop token on the same step.
-        if request.num_output_tokens >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        grammar = request.grammar
-        if grammar is not None and grammar.is_terminated and token in request.eos_token_ids:
-            # The grammar is complete and EOS was all it allowed: it ends the request even
-            # under ignore_eos or min_tokens (nothing else could follow).
-            return RequestStatus.FINISHED_STOPPED
-        params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if not params.ignore_eos and token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.prefill_only:
-            return RequestStatus.FINISHED_HANDOFF  # a decode engine continues it
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:

@@ -27,6 +27,9 @@ class SchedulerConfig:
     # Speculative decoding (engine.spec_decode): no drafts are verified in a step that starts
     # with at least this many running requests (vLLM's disable_by_batch_size).
     spec_disable_by_batch_size: int | None = None
+    # In a step that decodes, prompts get at most this many tokens between them (None or 0:
+    # no cap; a decode-role engine's default, engine.core.decode_prefill_cap).
+    max_prefill_tokens_per_decode_step: int | None = None
 
 
 @dataclass(frozen=True)

@@ -106,6 +106,10 @@ def unsupported_reason(config: EngineConfig, device: torch.device) -> str | None
         or config.num_host_kv_blocks
     ):
         return "not with KV swap space or a host KV tier (copies are planned per step)"
+    if config.max_prefill_tokens_per_decode_step:
+        # An urgent step is one more forward pass that decoding streams wait for: what the
+        # cap (engine.core.decode_prefill_cap) keeps their steps from carrying.
+        return "not with --max-prefill-tokens-per-decode-step (a decode engine's default)"
     return None
 
 

@@ -42,6 +42,7 @@ from engine.config import EngineConfig
 from engine.core.llm_engine import LLMEngine
 from engine.disagg.grpc_connector import GrpcKVConnector
 from engine.disagg.metrics import TransferMetrics
+from engine.disagg.role_flags import add_role_scheduling_argument, role_scheduling_config
 from engine.disagg.shm_connector import KV_TRANSFER_MODES, SameHostKVConnector
 from engine.kv_tiers.flags import add_kv_tier_arguments, kv_tier_config
 from engine.lora.request import LoRARequest
@@ -385,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "decode: routers send it handed-off requests and short prompts; "
                              "both: whole requests (docs/disaggregation.md; "
                              "default: %(default)s)")
+    add_role_scheduling_argument(parser)
     parser.add_argument("--kv-transfer", choices=KV_TRANSFER_MODES, default="auto",
                         help="how a prefill engine pushes KV: shm through shared memory "
                              "(decode engines on this host), grpc as bytes, auto shm where "
@@ -420,6 +422,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
            # A KV handoff moves one block table per request (engine.disagg).
            **({"disable_hybrid_kv_cache_manager": True} if args.role != ROLE_BOTH else {})},
         **lora_config(args),
+        **role_scheduling_config(args),
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded
     return EngineServerOptions(

@@ -40,6 +40,7 @@ class Harness:
         num_host_blocks: int = 0,
         preemption_mode: str = "recompute",
         swap_min_computed_tokens: int = 0,
+        max_prefill_tokens_per_decode_step: int | None = None,
     ) -> None:
         # Host ids as the engine lays them out: swap space first, then the host tier.
         self.kv = KVCacheManager(
@@ -54,6 +55,7 @@ class Harness:
             enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode,
             swap_min_computed_tokens=swap_min_computed_tokens,
+            max_prefill_tokens_per_decode_step=max_prefill_tokens_per_decode_step,
         )
         # The copies planned by the last schedule() (the engine runs them before the step).
         self.last_plan = TransferPlan()
