@@ -359,6 +359,10 @@ def test_full_engine_is_429_and_disconnects_free_the_engine(openai_client: OpenA
                 extra_body={"ignore_eos": True})
             for _ in range(4)
         ]
+        # A stream's headers can come back before its request reaches the engine; a first
+        # chunk from each proves all 4 are in flight there before the 5th is sent.
+        for stream in streams:
+            next(iter(stream))
         try:
             fifth = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
         except openai.RateLimitError as refused:
