@@ -119,10 +119,18 @@ inline void transpose16(__m512i r[16]) {
 // in registers, so every store is a full 64-byte line.
 template <int64_t QT>
 void dequant_pairs(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t rows,
-                   uint32_t* buf) {
+                   uint32_t* buf, const char* next, int64_t next_bytes) {
   constexpr int64_t bb = block_bytes(QT);
+  // The next panel's bytes (contiguous; next_bytes may be 0) are fetched towards L2 a few
+  // lines per block step, spread over this panel's decoding: reading 16 rows at once is 16
+  // streams, which the hardware prefetcher follows badly, and a burst of hundreds of
+  // prefetches stalls on the line-fill queue.
+  const int64_t steps = 2 * nb;  // (kPanel / 16) halves x nb blocks
+  int64_t fetched = 0, step = 0;
   for (int64_t h = 0; h < kPanel; h += 16) {
     for (int64_t b = 0; b < nb; ++b) {
+      const int64_t until = next_bytes * ++step / steps;
+      for (; fetched < until; fetched += 64) __builtin_prefetch(next + fetched, 0, 2);
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i)
         r[i] = h + i < rows ? block_pairs<QT>(w + (h + i) * row_bytes + b * bb)
@@ -183,14 +191,10 @@ void panels_bf16(const uint16_t* x, int64_t ldx, int64_t m_rows, const uint8_t* 
   const int64_t blocks = (m_rows + kMaxRows - 1) / kMaxRows;
   for (int64_t p = n0; p < n1; p += kPanel) {
     const int64_t cols = std::min(kPanel, n1 - p);
-    dequant_pairs<QT>(w + p * row_bytes, row_bytes, nb, cols, buf.data());
-    // The next panel's bytes (contiguous) towards L2 while this one is computed:
-    // dequant_pairs reads 16 rows at once, 16 streams the hardware prefetcher follows badly.
-    if (p + kPanel < n1) {
-      const char* next = reinterpret_cast<const char*>(w + (p + kPanel) * row_bytes);
-      const int64_t bytes = std::min(kPanel, n1 - p - kPanel) * row_bytes;
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, 2);
-    }
+    const int64_t next_rows = std::max<int64_t>(0, std::min(kPanel, n1 - p - kPanel));
+    dequant_pairs<QT>(w + p * row_bytes, row_bytes, nb, cols, buf.data(),
+                      reinterpret_cast<const char*>(w + (p + cols) * row_bytes),
+                      next_rows * row_bytes);
     for (int64_t blk = 0, m = 0; blk < blocks; ++blk) {
       const int64_t mr = (m_rows - m) / (blocks - blk);
       kMicroBcast[mr - 1](x + m * ldx, ldx, buf.data(), pairs, out + m * ldo + p, ldo, cols);
