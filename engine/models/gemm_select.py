@@ -22,6 +22,9 @@ let the head (one GEMM a step) decide for the 30 layers. At 2,048 rows F.linear 
 7%. The measurement takes a few seconds for a small model, once per engine start; it holds
 every candidate's packed copy of the swept layers meanwhile.
 
+The LM head's timing (`time_head`, `fastest`) is shared with the int8 model's dense head
+(engine.quant.dense_head), whose layers are quantized and timed elsewhere.
+
 Invariant: the decision depends on measured speed only, never on the CPU's vendor string.
 """
 
