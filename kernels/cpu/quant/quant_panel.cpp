@@ -26,7 +26,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#ifdef __AVX512BF16__
+#ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
@@ -42,6 +42,136 @@ using namespace kvfleet::quant;
 
 constexpr int64_t kPanel = 32;  // weight rows dequantized per task
 constexpr int kTile = 4;        // rows of x, and weight rows, per micro-kernel call
+
+#ifdef __AVX512F__
+// r[i] lane j -> r[j] lane i (16 x 16 32-bit lanes): 32-bit then 64-bit interleaves within
+// 128-bit lanes, then two rounds of 128-bit lane shuffles.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + e], lane L: element 4L + e of rows 4g .. 4g + 3.
+  for (int g = 0; g < 16; g += 4) {
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i s0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
+    const __m512i s1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+    const __m512i s3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+    r[e] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    r[4 + e] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    r[8 + e] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    r[12 + e] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// Prefetches the next panel's bytes (contiguous; none when bytes is 0) towards L2 a few lines
+// per step(), spread over `steps` calls while this panel is decoded: decoding reads 16 rows at
+// once, 16 streams the hardware prefetcher follows badly, and a burst of hundreds of
+// prefetches stalls on the line-fill queue.
+struct NextPanel {
+  const char* p;
+  int64_t bytes, steps, done = 0, fetched = 0;
+  void step() {
+    const int64_t until = bytes * ++done / steps;
+    for (; fetched < until; fetched += 64) __builtin_prefetch(p + fetched, 0, 2);
+  }
+};
+
+// The panel starting at weight row `start` (up to kPanel rows before n1), fetched over the two
+// 16-row halves x nb blocks of the current panel's decoding.
+inline NextPanel next_panel(const uint8_t* w, int64_t row_bytes, int64_t start, int64_t n1,
+                            int64_t nb) {
+  const int64_t rows = std::max<int64_t>(0, std::min(kPanel, n1 - start));
+  return {reinterpret_cast<const char*>(w + start * row_bytes), rows * row_bytes, 2 * nb};
+}
+
+// float32: rows [0, rows) of w dequantized into buf in the dense float32 panel layout
+// (panel_linear.cpp's): [K][kPanel], weight k of row n at buf[k * kPanel + n]; rows past
+// `rows` are zero. 16 rows' blocks are transposed in registers, as for bfloat16.
+template <int64_t QT>
+void dequant_f32(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t rows, float* buf,
+                 NextPanel next) {
+  constexpr int64_t bb = block_bytes(QT);
+  for (int64_t h = 0; h < kPanel; h += 16) {
+    for (int64_t b = 0; b < nb; ++b) {
+      next.step();
+      __m512i lo[16], hi[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        v16 l{}, u{};
+        if (h + i < rows) dequant<QT>(w + (h + i) * row_bytes + b * bb, l, u);
+        lo[i] = (__m512i)l;
+        hi[i] = (__m512i)u;
+      }
+      transpose16(lo);
+      transpose16(hi);
+      float* o = buf + kBlock * b * kPanel + h;
+      for (int j = 0; j < 16; ++j) {
+        _mm512_storeu_si512(o + j * kPanel, lo[j]);
+        _mm512_storeu_si512(o + (16 + j) * kPanel, hi[j]);
+      }
+    }
+  }
+}
+
+// MR rows of x (float32) x the panel's 32 columns: per k two panel vectors, each row's x[k]
+// broadcast into two FMAs; each output is one chain of FMAs along k.
+template <int MR>
+void micro_f32(const float* x, int64_t ldx, const float* panel, int64_t k, float* out,
+               int64_t ldo, int64_t cols) {
+  v16 acc0[MR], acc1[MR];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = v16{};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const v16 b0 = load16(panel + kk * kPanel), b1 = load16(panel + kk * kPanel + 16);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const v16 xi = kvfleet::bcast(x[i * ldx + kk]);
+      acc0[i] += xi * b0;
+      acc1[i] += xi * b1;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float tmp[kPanel];
+    store16(tmp, acc0[i]);
+    store16(tmp + 16, acc1[i]);
+    std::memcpy(out + i * ldo, tmp, sizeof(float) * cols);
+  }
+}
+
+using MicroF32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
+                          int64_t);
+constexpr MicroF32 kMicroF32[12] = {micro_f32<1>, micro_f32<2>, micro_f32<3>,  micro_f32<4>,
+                                    micro_f32<5>, micro_f32<6>, micro_f32<7>,  micro_f32<8>,
+                                    micro_f32<9>, micro_f32<10>, micro_f32<11>, micro_f32<12>};
+
+// Every row of x against weight rows [n0, n1), float32: as panels_bf16.
+template <int64_t QT>
+void panels_f32(const float* x, int64_t ldx, int64_t m_rows, const uint8_t* w,
+                int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, float* out,
+                int64_t ldo) {
+  const int64_t k = nb * kBlock;
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < kPanel * k) buf.resize(kPanel * k);
+  const int64_t blocks = (m_rows + 11) / 12;
+  for (int64_t p = n0; p < n1; p += kPanel) {
+    const int64_t cols = std::min(kPanel, n1 - p);
+    dequant_f32<QT>(w + p * row_bytes, row_bytes, nb, cols, buf.data(),
+                    next_panel(w, row_bytes, p + cols, n1, nb));
+    for (int64_t blk = 0, m = 0; blk < blocks; ++blk) {
+      const int64_t mr = (m_rows - m) / (blocks - blk);
+      kMicroF32[mr - 1](x + m * ldx, ldx, buf.data(), k, out + m * ldo + p, ldo, cols);
+      m += mr;
+    }
+  }
+}
+#endif
 
 #ifdef __AVX512BF16__
 // One block as 32 bfloat16 in k order, i.e. 16 k-pairs, one per 32-bit lane. A Q4 block goes
@@ -88,51 +218,17 @@ inline __m512i block_pairs(const uint8_t* blk) {
   }
 }
 
-// r[i] lane j -> r[j] lane i (16 x 16 32-bit lanes): 32-bit then 64-bit interleaves within
-// 128-bit lanes, then two rounds of 128-bit lane shuffles.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  // u[4g + e], lane L: element 4L + e of rows 4g .. 4g + 3.
-  for (int g = 0; g < 16; g += 4) {
-    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i s0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
-    const __m512i s1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
-    const __m512i s2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
-    const __m512i s3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
-    r[e] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-    r[4 + e] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
-    r[8 + e] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-    r[12 + e] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
-  }
-}
-
 // Rows [0, rows) of w dequantized to bfloat16 into buf in the dense bfloat16 panel layout
 // (kernels/cpu/panel_linear.cpp's): [K / 2][kPanel] k-pairs, pair j of weight row n at
 // buf[j * kPanel + n]; rows past `rows` are zero. Each block of 16 weight rows is transposed
 // in registers, so every store is a full 64-byte line.
 template <int64_t QT>
 void dequant_pairs(const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t rows,
-                   uint32_t* buf, const char* next, int64_t next_bytes) {
+                   uint32_t* buf, NextPanel next) {
   constexpr int64_t bb = block_bytes(QT);
-  // The next panel's bytes (contiguous; next_bytes may be 0) are fetched towards L2 a few
-  // lines per block step, spread over this panel's decoding: reading 16 rows at once is 16
-  // streams, which the hardware prefetcher follows badly, and a burst of hundreds of
-  // prefetches stalls on the line-fill queue.
-  const int64_t steps = 2 * nb;  // (kPanel / 16) halves x nb blocks
-  int64_t fetched = 0, step = 0;
   for (int64_t h = 0; h < kPanel; h += 16) {
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t until = next_bytes * ++step / steps;
-      for (; fetched < until; fetched += 64) __builtin_prefetch(next + fetched, 0, 2);
+      next.step();
       __m512i r[16];
       for (int64_t i = 0; i < 16; ++i)
         r[i] = h + i < rows ? block_pairs<QT>(w + (h + i) * row_bytes + b * bb)
@@ -193,10 +289,8 @@ void panels_bf16(const uint16_t* x, int64_t ldx, int64_t m_rows, const uint8_t* 
   const int64_t blocks = (m_rows + kMaxRows - 1) / kMaxRows;
   for (int64_t p = n0; p < n1; p += kPanel) {
     const int64_t cols = std::min(kPanel, n1 - p);
-    const int64_t next_rows = std::max<int64_t>(0, std::min(kPanel, n1 - p - kPanel));
     dequant_pairs<QT>(w + p * row_bytes, row_bytes, nb, cols, buf.data(),
-                      reinterpret_cast<const char*>(w + (p + cols) * row_bytes),
-                      next_rows * row_bytes);
+                      next_panel(w, row_bytes, p + cols, n1, nb));
     for (int64_t blk = 0, m = 0; blk < blocks; ++blk) {
       const int64_t mr = (m_rows - m) / (blocks - blk);
       kMicroBcast[mr - 1](x + m * ldx, ldx, buf.data(), pairs, out + m * ldo + p, ldo, cols);
@@ -296,7 +390,11 @@ void run(const E* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t row_
         return;
       } else
 #endif
+#ifdef __AVX512F__
+        panels_f32<QT>(x, ldx, m_rows, w, row_bytes, nb, n0, n1, out, ldo);
+#else
         panels<QT>(x, ldx, m_rows, w, row_bytes, nb, n0, n1, out, ldo);
+#endif
     });
   });
 }
