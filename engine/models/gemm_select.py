@@ -22,6 +22,9 @@ let the head (one GEMM a step) decide for the 30 layers. At 2,048 rows F.linear 
 7%. The measurement takes a few seconds for a small model, once per engine start; it holds
 every candidate's packed copy of the swept layers meanwhile.
 
+The LM head's timing (`time_head`, `fastest`) is shared with the int8 model's dense head
+(engine.quant.dense_head), whose layers are quantized and timed elsewhere.
+
 Invariant: the decision depends on measured speed only, never on the CPU's vendor string.
 """
 
@@ -108,15 +111,61 @@ def _time(call: Callable[[], object]) -> float:
 
 
 def _sweep(b: str, swept: Sequence[Sequence[torch.Tensor]],
-           packed: Sequence[Sequence[torch.Tensor | None]], lm_head: torch.Tensor,
-           head_packed: torch.Tensor | None, xs: dict[int, torch.Tensor]) -> tuple[float, float]:
-    """One decode-sized pass: seconds per layer (mean over the swept layers), then the head's."""
+           packed: Sequence[Sequence[torch.Tensor | None]], xs: dict[int, torch.Tensor]) -> float:
+    """One decode-sized pass over the swept layers' projections: seconds per layer (mean)."""
     layer_time = 0.0
     for layer, layer_packed in zip(swept, packed, strict=True):
         for w, p in zip(layer, layer_packed, strict=True):
             layer_time += _time(functools.partial(apply_linear, xs[w.shape[1]], w, None, b, p))
-    head = functools.partial(apply_linear, xs[lm_head.shape[1]], lm_head, None, b, head_packed)
-    return layer_time / len(swept), _time(head)
+    return layer_time / len(swept)
+
+
+def _record_sweep(layer_best: dict[str, float], swept: Sequence[Sequence[torch.Tensor]],
+                  packed: dict[str, list[list[torch.Tensor | None]]],
+                  xs: dict[int, torch.Tensor], b: str) -> None:
+    layer_best[b] = min(layer_best[b], _sweep(b, swept, packed[b], xs))
+
+
+def time_head(
+    weight: torch.Tensor,
+    candidates: Sequence[str],
+    rows: Sequence[int],
+    rounds: int,
+    packed: dict[str, torch.Tensor | None] | None = None,
+    before: Callable[[str], object] | None = None,
+) -> dict[str, list[float]]:
+    """The LM head `weight` [vocab, hidden] per candidate backend: its best seconds at each row
+    count of `rows`, over `rounds` rounds that interleave the candidates (after one untimed
+    warm-up call each: primitive creation). `before(b)` runs ahead of each timed call of
+    candidate b (the dense model's decode sweep of its layers, so the head's weight comes from
+    DRAM as in a step). Shared by the dense model's choice (choose_backend) and the int8
+    model's (engine.quant.dense_head)."""
+    if packed is None:
+        packed = {b: pack_weight(weight, b) for b in candidates}
+    best: dict[str, list[float]] = {b: [] for b in candidates}
+    for n in rows:
+        x = _inputs([weight], n)[weight.shape[1]]
+        calls = {b: functools.partial(apply_linear, x, weight, None, b, packed[b])
+                 for b in candidates}
+        for call in calls.values():
+            call()
+        times = dict.fromkeys(candidates, float("inf"))
+        for _ in range(rounds):
+            for b, call in calls.items():
+                if before is not None:
+                    before(b)
+                times[b] = min(times[b], _time(call))
+        for b in candidates:
+            best[b].append(times[b])
+    return best
+
+
+def fastest(times: dict[str, list[float]]) -> str:
+    """The candidate losing least against the fastest at each measured shape, summed as
+    ratios: every shape counts alike, not only the slowest one."""
+    n = len(next(iter(times.values())))
+    fastest_at = [min(t[i] for t in times.values()) for i in range(n)]
+    return min(times, key=lambda b: sum(t / f for t, f in zip(times[b], fastest_at, strict=True)))
 
 
 def _decode_times(candidates: Sequence[str], layers: Sequence[Sequence[torch.Tensor]],
@@ -128,21 +177,16 @@ def _decode_times(candidates: Sequence[str], layers: Sequence[Sequence[torch.Ten
     packed = {b: [[pack_weight(w, b) for w in layer] for layer in swept] for b in candidates}
     head_packed = {b: pack_weight(lm_head, b) for b in candidates}
     for rows in DECODE_ROWS:
-        xs = _inputs([*swept[0], lm_head], rows)
+        xs = _inputs(swept[0], rows)
         for b in candidates:  # warm-up: primitive creation for these shapes
             for w, p in zip(swept[0], packed[b][0], strict=True):
                 apply_linear(xs[w.shape[1]], w, None, b, p)
-            apply_linear(xs[lm_head.shape[1]], lm_head, None, b, head_packed[b])
         layer_best = {b: float("inf") for b in candidates}
-        head_best = dict(layer_best)
-        for _ in range(SWEEP_REPEATS):
-            for b in candidates:
-                layer_time, head_time = _sweep(b, swept, packed[b], lm_head, head_packed[b], xs)
-                layer_best[b] = min(layer_best[b], layer_time)
-                head_best[b] = min(head_best[b], head_time)
+        sweep = functools.partial(_record_sweep, layer_best, swept, packed, xs)
+        head = time_head(lm_head, candidates, (rows,), SWEEP_REPEATS, head_packed, sweep)
         for b in candidates:
             best[b]["decode"].append(layer_best[b])
-            best[b]["head"].append(head_best[b])
+            best[b]["head"].extend(head[b])
 
 
 def _scores(
@@ -196,7 +240,7 @@ def choose_backend(
         times = _scores(candidates, layers, lm_head, repeats, rows)
     score = {g: {b: sum(times[b][g]) for b in candidates} for g in GROUPS}
     best = min(candidates, key=lambda b: score["decode"][b])
-    head = min(candidates, key=lambda b: score["head"][b])
+    head = fastest({b: times[b]["head"] for b in candidates})
     prefill = score["prefill"]
     dense_above = (
         DENSE_ABOVE_ROWS

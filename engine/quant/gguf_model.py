@@ -34,7 +34,7 @@ from engine.models.config import ModelConfig
 from engine.models.gemm_select import MAX_PREFILL_ROWS
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.linear import pack_weight
-from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, _row_argmax_available
 from engine.quant import formats
 from engine.quant.dense_head import choose_head_backend
 from engine.quant.gguf_arch import BY_MODEL_ARCHITECTURE, GgufArch, arch_of
@@ -97,9 +97,15 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
         return head.forward(hidden).float()
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        if self.quant_head is None:
+        head = self.quant_head
+        if head is None:
             return super().greedy_tokens(hidden)
-        return None  # the sampler's argmax over compute_logits
+        if hidden.device.type != "cpu" or not _row_argmax_available():
+            return None  # the sampler's argmax over compute_logits
+        # The logits compute_logits gives, in the model's dtype (its float32 copy orders them
+        # alike), straight to the C++ row argmax: no float32 copy, no sampler pass over them.
+        ids = torch.ops.kvfleet_cpu.argmax_rows(head.forward(hidden).contiguous())
+        return None if bool((ids < 0).any()) else ids.tolist()
 
     @property
     def weight_bytes(self) -> int:

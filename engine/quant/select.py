@@ -1,8 +1,13 @@
 """Chooses, at start, which path a quantized projection takes for each batch size: the
 register kernel, the panel kernel, or dequantize + F.linear (engine.quant.qlinear).
 
-Measured on the model's own first layer, in the model's dtype: for each row count of `ROWS`,
-the layer's four projections by every path, best of `REPEATS` interleaved rounds. Few rows
+Measured on the model's own layers, in the model's dtype: for each row count of `ROWS`, one
+layer's projections by every path, best of interleaved rounds. Up to `SWEEP_MAX_ROWS` rows a
+round sweeps enough layers to overflow the last-level cache (gemm_select.sweep_layers), so the
+weights come from DRAM as in a decode step: there the register kernel streams the blocks
+while the panel kernel decodes them into a buffer first, and timing one layer in cache made
+the panel kernel look faster at 2-4 rows where, from DRAM, it was up to 2x slower. Above
+that the GEMMs are compute-bound and the first layer alone is timed (`REPEATS` rounds). Few rows
 are memory-bound (the register kernel reads 4-8 bits a weight and nothing else), 8-64 rows
 compute-bound with the weight reused (the panel kernel dequantizes it once per call into
 cache), prefill is BLAS's: so the plan has that shape, KERNEL up to one row count, PANEL up
@@ -19,27 +24,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from functools import partial
 
 import torch
 from torch import nn
 
+from engine.models.gemm_select import sweep_layers
 from engine.quant.qlinear import DEFAULT_PLAN, DENSE, KERNEL, PANEL, Plan, QuantLinear
 
 logger = logging.getLogger("kvfleet.engine")
 
-ROWS = (1, 4, 8, 16, 32, 64, 128, 256)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SWEEP_MAX_ROWS = 16
+SWEEP_REPEATS = 2
 PATHS = (KERNEL, PANEL, DENSE)
 REPEATS = 4
 # The register kernel re-dequantizes the weight every 8 rows: never timed above this.
 KERNEL_MAX_ROWS = 64
-
-
-def _time(call: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
@@ -78,18 +78,25 @@ def _merge(entries: tuple[tuple[int, str], ...]) -> Plan:
     return tuple(plan)
 
 
-def _measure(layer: list[QuantLinear], rows: int, dtype: torch.dtype) -> dict[str, float]:
-    """Seconds of the layer's projections per path at `rows` rows, each the best of REPEATS
-    rounds that interleave the paths (a slow phase of the machine hits all of them)."""
+def _measure(layers: list[list[QuantLinear]], rows: int,
+             dtype: torch.dtype) -> dict[str, float]:
+    """Seconds per layer of the projections per path at `rows` rows, each the best of the
+    rounds, which interleave the paths (a slow phase of the machine hits all of them); a round
+    runs every layer of `layers` in turn."""
     gen = torch.Generator().manual_seed(rows)
-    xs = [torch.randn(rows, m.in_features, generator=gen).to(dtype) for m in layer]
+    xs = {k: torch.randn(rows, k, generator=gen).to(dtype)
+          for k in sorted({m.in_features for m in layers[0]})}
     paths = [p for p in PATHS if p != KERNEL or rows <= KERNEL_MAX_ROWS]
-    best = {p: [float("inf")] * len(layer) for p in paths}
-    for _ in range(REPEATS + 1):  # the first round warms up and counts like the others
+    best = dict.fromkeys(paths, float("inf"))
+    rounds = SWEEP_REPEATS if len(layers) > 1 else REPEATS
+    for _ in range(rounds + 1):  # the first round warms up and counts like the others
         for p in paths:
-            for i, (m, x) in enumerate(zip(layer, xs, strict=True)):
-                best[p][i] = min(best[p][i], _time(partial(m.run, x, p)))
-    return {p: sum(best[p]) if p in best else float("inf") for p in PATHS}
+            start = time.perf_counter()
+            for layer in layers:
+                for m in layer:
+                    m.run(xs[m.in_features], p)
+            best[p] = min(best[p], (time.perf_counter() - start) / len(layers))
+    return {p: best.get(p, float("inf")) for p in PATHS}
 
 
 def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
@@ -100,10 +107,14 @@ def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
         return ()
     if requested != "auto":
         return DEFAULT_PLAN
-    first = linears[:4]  # one layer's projections: qkv, o, gate_up, down
+    # Each layer's projections (qkv, o, gate_up, down): four consecutive QuantLinears.
+    layers = [linears[i:i + 4] for i in range(0, len(linears) - 3, 4)] or [linears]
+    swept = layers[:sweep_layers([[s.raw for m in layer for s in m.segments]
+                                  for layer in layers])]
     dtype = _model_dtype(model)
     with torch.inference_mode():
-        times = {rows: _measure(first, rows, dtype) for rows in ROWS}
+        times = {rows: _measure(swept if rows <= SWEEP_MAX_ROWS else layers[:1], rows, dtype)
+                 for rows in ROWS}
     plan = fit_plan(times)
     logger.info("quantized GEMM plan (%s): %s, dense above (ms per layer, %s: %s)", dtype,
                 ", ".join(f"<={rows} {path}" for rows, path in plan) or "dense always",

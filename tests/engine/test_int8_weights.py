@@ -10,6 +10,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.lora.request import LoRARequest
+from engine.models.gemm_select import fastest
 from engine.models.linear import apply_linear, backend_supported, pack_weight
 from engine.quant.dense_head import choose_head_backend
 from engine.quant.gguf_model import QuantLlamaForCausalLM
@@ -75,3 +76,11 @@ def test_int8_model_packs_its_dense_head(tiny_model_dir):
 def test_quantization_flag_is_checked():
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model="x", quantization="int4")
+
+
+def test_head_choice_counts_every_row_count_alike():
+    # Summed ratios to the fastest at each row count: a backend 10% behind at 32 rows but 3x
+    # ahead at 1 row wins, though its summed seconds are larger.
+    times = {"a": [1.0, 11.0], "b": [3.0, 10.0]}
+    assert fastest(times) == "a"
+    assert fastest({"a": [2.0], "b": [1.0]}) == "b"

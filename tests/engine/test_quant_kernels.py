@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine.quant import formats
+from engine.quant import formats, select
 from engine.quant.gguf_model import _unpermute
 from engine.quant.qlinear import DENSE, KERNEL, PANEL, QuantLinear, QuantTensor
 from engine.quant.select import fit_plan
@@ -110,6 +110,18 @@ def test_plan_picks_the_path_by_rows():
     assert [layer.path_for(r) for r in (1, 2, 3, 16, 17)] == [KERNEL, KERNEL, PANEL, PANEL, DENSE]
     layer.plan = ()
     assert layer.path_for(1) == DENSE
+
+
+@needs_kernel
+def test_plan_measures_every_path_per_layer_of_a_sweep():
+    # Seconds per layer (a sweep of several layers is divided by their count); the register
+    # kernel is never timed above KERNEL_MAX_ROWS rows.
+    layers = [[QuantLinear([_weight(formats.Q4_1, 32, seed=i)])] for i in range(3)]
+    few = select._measure(layers, 2, torch.float32)
+    assert set(few) == {KERNEL, PANEL, DENSE}
+    assert all(0 < t < float("inf") for t in few.values())
+    many = select._measure(layers[:1], select.KERNEL_MAX_ROWS + 1, torch.float32)
+    assert many[KERNEL] == float("inf") and many[PANEL] < float("inf")
 
 
 def test_fit_plan_finds_the_crossovers_despite_one_noisy_timing():
