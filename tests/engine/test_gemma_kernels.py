@@ -47,7 +47,7 @@ def test_gemma_norms_match_pytorch(dtype, rows, hidden):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,inter", [(1, 1536), (19, 1536), (3, 40)])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (19, 1536), (3, 128)])
 def test_gelu_and_mul_matches_pytorch(dtype, rows, inter):
     # One thread: ATen's scalar tail loop, run at a thread's range boundary, rounds gelu's
     # far-negative tail differently from its vector loop (fused_gemma_bf16.cpp); sizes here
