@@ -8,7 +8,8 @@ Differences from the Llama layer, each as transformers' modeling_gemma2 / modeli
 - sliding-window layers alternate with global ones (`ModelConfig.layer_windows`); Gemma 2
   soft-caps attention scores and final logits; Gemma 3 norms q and k per head and gives its
   sliding layers their own RoPE base (`sliding_rope_theta`).
-Windowed or capped layers attend through engine.attention.masked_reference (exact, not fast).
+Windowed or capped layers pass the window and cap to the attention kernels
+(engine.attention.paged_attention; engine.attention.masked_reference where none is used).
 
 The norms around each residual add run as one step (`LayerOps.gemma_add_norm`, a C++ pass
 per row when fused): a block's post norm, the add and the norm that reads the sum, i.e. the
