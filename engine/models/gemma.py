@@ -8,10 +8,18 @@ Differences from the Llama layer, each as transformers' modeling_gemma2 / modeli
 - sliding-window layers alternate with global ones (`ModelConfig.layer_windows`); Gemma 2
   soft-caps attention scores and final logits; Gemma 3 norms q and k per head and gives its
   sliding layers their own RoPE base (`sliding_rope_theta`).
-Windowed or capped layers attend through engine.attention.masked_reference (exact, not fast).
+Windowed or capped layers pass the window and cap to the attention kernels
+(engine.attention.paged_attention; engine.attention.masked_reference where none is used).
 
-Invariants: the residual stream is the `hidden` tensor, updated out of place once per block
-(as transformers' `residual + h`); LM head weights are the (tied) embedding matrix unless the
+The norms around each residual add run as one step (`LayerOps.gemma_add_norm`, a C++ pass
+per row when fused): a block's post norm, the add and the norm that reads the sum, i.e. the
+pre-feed-forward norm after attention and the next layer's input norm (or the final norm)
+after the MLP. A layer therefore receives its input already normed and returns the next
+one's.
+
+Invariants: the residual stream is the `hidden` tensor, updated in place once per block (the
+same add as transformers' `residual + h`; the stream is the forward's own tensor from the
+embedding scale on); LM head weights are the (tied) embedding matrix unless the
 checkpoint has its own; greedy decoding never skips the final cap (`greedy_tokens` -> None
 with a cap, so the sampler's argmax sees the capped logits, ties included).
 """
@@ -24,7 +32,7 @@ from engine.attention import AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.layer_ops import LayerOps
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from engine.models.norms import GemmaRMSNorm
+from engine.models.norms import GemmaRMSNorm, RMSNorm
 from engine.models.rope import RotaryEmbedding
 
 
@@ -40,16 +48,23 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
 
     def forward_gemma(
         self,
+        normed: torch.Tensor,
         hidden: torch.Tensor,
+        next_norm: RMSNorm,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.self_attn.forward(self.input_layernorm.forward(hidden), cos, sin, kv_cache, meta)
-        hidden = hidden + self.post_attention_layernorm.forward(h)
-        h = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden))
-        return hidden + self.post_feedforward_layernorm.forward(h)
+        """`normed`: input_layernorm(hidden). Adds both blocks to `hidden` in place; returns
+        next_norm(hidden)."""
+        ops, eps = self.ops, self.input_layernorm.eps
+        h = self.self_attn.forward(normed, cos, sin, kv_cache, meta)
+        h = self.mlp.forward(ops.gemma_add_norm(
+            h, hidden, self.post_attention_layernorm.weight,
+            self.pre_feedforward_layernorm.weight, eps))
+        return ops.gemma_add_norm(
+            h, hidden, self.post_feedforward_layernorm.weight, next_norm.weight, eps)
 
     def row_prunable(self) -> bool:
         return False  # forward_rows is Llama's residual layout
@@ -83,22 +98,27 @@ class GemmaForCausalLM(LlamaForCausalLM):
         tables = self.rotary.lookup(positions, hidden.dtype)
         local = (self.sliding_rotary.lookup(positions, hidden.dtype)
                  if self.sliding_rotary is not None else tables)
-        hook, last = self.layer_hook, len(self.layers) - 1
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            assert isinstance(layer, GemmaDecoderLayer)
+        layers = [layer for layer in self.layers if isinstance(layer, GemmaDecoderLayer)]
+        assert len(layers) == len(self.layers)
+        first = layers[0].input_layernorm
+        normed = self.ops.gemma_norm(hidden, first.weight, first.eps)
+        hook, last = self.layer_hook, len(layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             cos, sin = local if layer.sliding else tables
-            hidden = layer.forward_gemma(hidden, cos, sin, kv_cache, meta)
+            next_norm = layers[index + 1].input_layernorm if index < last else self.norm
+            normed = layer.forward_gemma(normed, hidden, next_norm, cos, sin, kv_cache, meta)
             if hook is not None and index < last:
                 hook(index)
-        hidden = self.norm.forward(hidden)
-        return hidden if keep_rows is None else hidden.index_select(0, keep_rows)
+        return normed if keep_rows is None else normed.index_select(0, keep_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcap
         if cap is None:
             return logits
-        return torch.tanh(logits / cap) * cap
+        # In place on the fresh float32 logits: the same three ops and roundings as
+        # transformers' tanh(logits / cap) * cap, without two [N, vocab] temporaries.
+        return logits.div_(cap).tanh_().mul_(cap)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         if self.config.final_logit_softcap is not None:

@@ -6,9 +6,13 @@ The PyTorch path is op-for-op transformers' and is used for float16, for devices
 CPU, and wherever the kernels could not be built; the fused path makes one pass per row
 instead of several passes over the whole batch, for float32 and bfloat16.
 
+The Gemma and q/k-norm steps (`gemma_norm`, `gemma_add_norm`, `gelu_and_mul`,
+`qk_norm_rotary`) follow the same rule with kernels/cpu/fused_gemma*.cpp.
+
 Invariant: in bfloat16 the fused path is bit-identical to the PyTorch path (the kernels round
 to bf16 wherever one of its ops would, and sum in ATen's order; tests/engine/test_cpu_kernels.py
-holds them to it). In float32 it agrees to float rounding (fast-math kernels).
+and tests/engine/test_gemma_kernels.py hold them to it). In float32 it agrees to float
+rounding (fast-math kernels).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.models.norms import RMSNorm, gemma_norm_math
 from engine.models.rope import apply_rotary
 
 # The dtypes the C++ kernels are built for; others take the PyTorch path even when fused.
@@ -84,3 +89,59 @@ class LayerOps:
             v.view(t, num_kv_heads, head_dim),
         )
 
+
+    def gemma_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: rmsnorm(x) * (1 + weight) in float32, cast once."""
+        if self._fuses(x):
+            out = torch.empty_like(x)
+            torch.ops.kvfleet_cpu.gemma_rms_norm(out, x.contiguous(), None, weight, weight, eps)
+            return out
+        return gemma_norm_math(x, weight, eps)
+
+    def gemma_add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, nxt: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        """residual += gemma_norm(x, post) (in place); returns gemma_norm(residual, nxt): a
+        block's post norm, the residual add and the next norm (Gemma's layer layout)."""
+        if self._fuses(x):
+            out = torch.empty_like(x)
+            torch.ops.kvfleet_cpu.gemma_rms_norm(out, x.contiguous(), residual, post, nxt, eps)
+            return out
+        residual.add_(gemma_norm_math(x, post, eps))
+        return gemma_norm_math(residual, nxt, eps)
+
+    def gelu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU: gelu_tanh(gate) * up for gate_up [T, 2I]."""
+        if self._fuses(gate_up):
+            out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+            torch.ops.kvfleet_cpu.gelu_tanh_and_mul(out, gate_up.contiguous())
+            return out
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def qk_norm_rotary(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        norms: tuple[RMSNorm, RMSNorm, bool],  # q_norm, k_norm, Gemma numerics
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`rotary_qkv` after each q and k head's own norm, in place on qkv; None where the
+        kernels do not apply (the caller takes the PyTorch route)."""
+        if not self._fuses(qkv) or qkv.stride(-1) != 1:
+            return None
+        q_norm, k_norm, gemma = norms
+        torch.ops.kvfleet_cpu.qk_norm_rotary(
+            qkv, num_heads, num_kv_heads, head_dim, q_norm.weight, k_norm.weight, q_norm.eps,
+            gemma, cos[:, 0], sin[:, 0])
+        t, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
+                v.view(t, num_kv_heads, head_dim))
+
+    def _fuses(self, x: torch.Tensor) -> bool:
+        return self.fused and x.dtype in FUSED_DTYPES and x.device.type == "cpu"

@@ -25,7 +25,6 @@ import logging
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
@@ -105,10 +104,17 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q/k normed per head, then rotated (transformers' order).
 
-        The q and k heads are normed by one call with a per-head weight (q's weight on the q
-        heads, k's on the k heads): each head's math is its own norm's, element for element,
-        in a third of the small ops, and the rotation is the layer ops' (fused where they are).
+        With the fused layer ops, one C++ pass per row norms and rotates the heads in place
+        (qkv is this step's own projection output). Otherwise the q and k heads are normed by
+        one call with a per-head weight (q's weight on the q heads, k's on the k heads): each
+        head's math is its own norm's, element for element, then the layer ops' rotation.
         """
+        assert self.q_norm is not None and self.k_norm is not None
+        norms = (self.q_norm, self.k_norm, isinstance(self.q_norm, GemmaRMSNorm))
+        fused = self.ops.qk_norm_rotary(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, norms, cos, sin)
+        if fused is not None:  # the C++ kernel: norm and rotation in one pass per row
+            return fused
         t, d = qkv.shape[0], self.head_dim
         heads = self.num_heads + self.num_kv_heads
         normed = self._qk_norm().forward(qkv[:, : heads * d].reshape(t, heads, d))
@@ -135,7 +141,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
         self.ops = ops
-        # GeGLU (Gemma) takes the PyTorch ops; the fused kernels are SiLU-gated only.
+        # GeGLU (Gemma): gelu_tanh(gate) * up, by the layer ops (no packed-panel epilogue).
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.gate_up_proj.gate_up_inter = config.intermediate_size
@@ -145,8 +151,7 @@ class LlamaMLP(nn.Module):
         # A LoRA-wrapped projection (engine.lora) adds its delta to [gate | up] first, and the
         # PyTorch path stays op-for-op transformers': both take the unfused route.
         if self.gelu:
-            gate, up = self.gate_up_proj.forward(x).chunk(2, dim=-1)
-            return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)
+            return self.down_proj.forward(self.ops.gelu_and_mul(self.gate_up_proj.forward(x)))
         act = None
         if self.ops.fused and isinstance(self.gate_up_proj, Linear):
             act = self.gate_up_proj.silu_and_mul(x)

@@ -30,6 +30,11 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return gemma_norm_math(x, self.weight, self.eps)
+
+
+def gemma_norm_math(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma RMSNorm over the last dimension, op for op."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)

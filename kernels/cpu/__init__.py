@@ -32,6 +32,8 @@ _SOURCES = [
     Path(__file__).with_name("kv_cache_write.cpp"),
     Path(__file__).with_name("fused_elementwise.cpp"),
     Path(__file__).with_name("fused_elementwise_bf16.cpp"),
+    Path(__file__).with_name("fused_gemma.cpp"),
+    Path(__file__).with_name("fused_gemma_bf16.cpp"),
     Path(__file__).with_name("panel_linear.cpp"),
     Path(__file__).with_name("amx_linear.cpp"),
     Path(__file__).with_name("lora_delta.cpp"),

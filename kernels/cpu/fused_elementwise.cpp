@@ -83,23 +83,8 @@ namespace {
 using kvfleet_cpu::rms_norm_rows;
 using kvfleet_cpu::rotary_rows;
 using kvfleet_cpu::silu_and_mul_rows;
-
-// Runs `body` with T the C++ type of `dtype`: float32 or bfloat16, the dtypes with row kernels.
-template <typename F>
-void dispatch(at::ScalarType dtype, const char* op, F&& body) {
-  if (dtype == at::kFloat) {
-    body(float{});
-  } else if (dtype == at::kBFloat16) {
-    body(c10::BFloat16{});
-  } else {
-    TORCH_CHECK(false, "kvfleet_cpu::", op, ": float32 or bfloat16 only, got ", dtype);
-  }
-}
-
-void check(const at::Tensor& t, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), name,
-              " must be a contiguous CPU ", dtype, " tensor");
-}
+using kvfleet_cpu::check;
+using kvfleet_cpu::dispatch;
 
 void rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& weight, double eps) {
   const auto dtype = x.scalar_type();

@@ -10,11 +10,30 @@
 // The primary templates are declared only: other dtypes are refused before reaching them.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
 
 namespace kvfleet_cpu {
+
+// For the ops' entry points (fused_elementwise.cpp, fused_gemma.cpp): runs `body` with T the
+// C++ type of `dtype`, float32 or bfloat16, the dtypes with row kernels.
+template <typename F>
+inline void dispatch(at::ScalarType dtype, const char* op, F&& body) {
+  if (dtype == at::kFloat) {
+    body(float{});
+  } else if (dtype == at::kBFloat16) {
+    body(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, "kvfleet_cpu::", op, ": float32 or bfloat16 only, got ", dtype);
+  }
+}
+
+inline void check(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), name,
+              " must be a contiguous CPU ", dtype, " tensor");
+}
 
 // Rows handed to one at::parallel_for task.
 constexpr int64_t kRowGrain = 16;

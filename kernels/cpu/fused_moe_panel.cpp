@@ -37,19 +37,11 @@
 #include <vector>
 
 #include "fused_moe_common.h"
-#include "simd.h"
+#include "panel_layout.h"
 
 namespace {
 
-using kvfleet::bcast;
-using kvfleet::load16;
-using kvfleet::store16;
-using kvfleet::v16;
-
-constexpr int kPanel = 32;
-constexpr int kMaxRows = 12;
-// Rows per block: about 512 KiB of them (K floats each), so they stay in L2 beside the panel.
-constexpr int64_t kRowBlockBytes = 512 * 1024;
+using namespace kvfleet_panel;  // NOLINT: the packed geometry and the vector helpers
 
 // The next panel a tile helps to prefetch: its k row `row` first, then one every `every` k
 // steps (the tiles over a panel share the work; null: nothing to fetch).

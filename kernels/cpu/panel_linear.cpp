@@ -39,19 +39,11 @@
 #define KVFLEET_PANEL_BF16 1
 #endif
 
-#include "simd.h"
+#include "panel_layout.h"
 
 namespace {
 
-using kvfleet::bcast;
-using kvfleet::load16;
-using kvfleet::store16;
-using kvfleet::v16;
-
-constexpr int kPanel = 32;
-constexpr int kMaxRows = 12;
-// Rows of x per block: about 512 KiB of them, so they stay in L2 beside the panel.
-constexpr int64_t kRowBlockBytes = 512 * 1024;
+using namespace kvfleet_panel;  // NOLINT: the packed geometry and the vector helpers
 
 // Epilogues of the float32 micro-kernel: the 32 columns as they are; or, on a gate/up
 // interleaved panel (16 gate columns, then the matching 16 up columns; see panel_gate_up),
