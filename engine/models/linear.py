@@ -28,6 +28,8 @@ BACKENDS = ("dense", "mkl", "onednn", "panel", "amx")
 # The row count the packed layouts are tuned for (a decode batch).
 _PACK_HINT_ROWS = 32
 _PANEL = 32
+# The activations the packed gate/up GEMM can end in (kernels/cpu/panel_linear.cpp).
+GATE_UP_ACTS = ("silu", "gelu_tanh")
 
 
 def backend_supported(backend: str, dtype: torch.dtype) -> bool:
@@ -127,14 +129,15 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_gate_up_panels(weight: torch.Tensor) -> torch.Tensor:
-    """float32 [2I, K] (gate rows, then up rows) -> [I / 16, K, 32]: panel p holds gate
-    columns 16p.. then the matching up columns, so one micro-tile sees both halves of the
-    SiLU-and-mul it feeds (kernels/cpu/panel_linear.cpp, panel_gate_up)."""
+    """[2I, K] (gate rows, then up rows) -> `pack_panels` of the rows reordered so that panel p
+    holds gate columns 16p.. then the matching up columns: one micro-tile sees both halves of
+    the SiLU- or GeGLU-and-mul it feeds (kernels/cpu/panel_linear.cpp, panel_gate_up).
+    float32: [I / 16, K, 32]; bfloat16: [I / 16, ceil(K / 2), 64]."""
     two_i, k = weight.shape
     inter = two_i // 2
     gate = weight[:inter].view(inter // 16, 16, k)
     up = weight[inter:].view(inter // 16, 16, k)
-    return torch.cat([gate, up], dim=1).transpose(1, 2).contiguous()
+    return pack_panels(torch.cat([gate, up], dim=1).reshape(two_i, k))
 
 
 _KERNELS: dict[str, Any] = {}
@@ -191,9 +194,11 @@ class Linear(nn.Linear):
     # Batches of more rows than this run F.linear on the dense weight (gemm_select found it
     # faster there than the packed backend); None: the packed backend at every size.
     dense_above: int | None = None
-    # A gate/up projection's intermediate size (set by the MLP): with the float32 panel backend
-    # its weight is packed gate/up interleaved, which also serves the fused SiLU-and-mul.
+    # A gate/up projection's intermediate size (set by the MLP): with the panel backend its
+    # weight is packed gate/up interleaved, which also serves the fused SiLU / GeGLU.
     gate_up_inter: int = 0
+    # Its activation ("silu" or "gelu_tanh", set by the MLP): bfloat16 has a GeGLU epilogue only.
+    gate_up_act: str = "silu"
     interleaved: bool = False
 
     def prepack(self, backend: str, dense_above: int | None = None) -> None:
@@ -201,9 +206,8 @@ class Linear(nn.Linear):
         self.dense_above = dense_above
         self.interleaved = bool(
             backend == "panel" and self.gate_up_inter and self.gate_up_inter % 16 == 0
-            and self.weight.dtype == torch.float32 and self.bias is None
-            and self.weight.device.type == "cpu"
-            and hasattr(torch.ops.kvfleet_cpu, "panel_gate_up"))
+            and self.bias is None and self.weight.device.type == "cpu"
+            and self._gate_up_op() is not None)
         self.packed_weight = (pack_gate_up_panels(self.weight.detach()) if self.interleaved
                               else pack_weight(self.weight, backend))
 
@@ -211,26 +215,46 @@ class Linear(nn.Linear):
         if self._dense_rows(x):
             return F.linear(x, self.weight, self.bias)
         if self.interleaved and x.shape[0]:
-            return self._gate_up(x, silu=False)
+            return self._gate_up(x, "none")
         return apply_linear(x, self.weight, self.bias, self.backend, self.packed_weight)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up of this gate/up projection in one pass, or None where the weight is
         not packed for it (or the batch runs on the dense weight)."""
-        if not (self.interleaved and x.shape[0]) or self._dense_rows(x):
+        return self.act_and_mul(x, "silu")
+
+    def act_and_mul(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """act(gate) * up ("silu" or "gelu_tanh") as the packed GEMM's epilogue, or None where
+        the weight is not packed for it (or the batch runs on the dense weight)."""
+        if act not in GATE_UP_ACTS:
+            raise ValueError(f"act must be one of {', '.join(GATE_UP_ACTS)}, got {act!r}")
+        if not (self.interleaved and x.shape[0] and act == self.gate_up_act) \
+                or self._dense_rows(x):
             return None
-        return self._gate_up(x, silu=True)
+        return self._gate_up(x, act)
 
     def _dense_rows(self, x: torch.Tensor) -> bool:
         return self.dense_above is not None and x.shape[0] > self.dense_above
 
-    def _gate_up(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
+    def _gate_up_op(self) -> str | None:
+        """The packed gate/up kernel for this weight's dtype and activation, if built."""
+        dtype = self.weight.dtype
+        op = ("panel_gate_up" if dtype == torch.float32 else "panel_gate_up_bf16"
+              if dtype == torch.bfloat16 and self.gate_up_act == "gelu_tanh" else None)
+        return op if op is not None and hasattr(torch.ops.kvfleet_cpu, op) else None
+
+    def _gate_up(self, x: torch.Tensor, act: str) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         inter = self.gate_up_inter
-        out = x.new_empty(x.shape[0], inter if silu else 2 * inter)
+        out = x.new_empty(x.shape[0], 2 * inter if act == "none" else inter)
         assert self.packed_weight is not None
-        torch.ops.kvfleet_cpu.panel_gate_up(out, x, self.packed_weight, inter, silu)
+        op = self._gate_up_op()
+        assert op is not None
+        kernel = _KERNELS.get(op)
+        if kernel is None:
+            kernel = _KERNELS[op] = getattr(torch.ops.kvfleet_cpu, op)
+        kernel(out, x, self.packed_weight, inter, act)
         return out
 
 

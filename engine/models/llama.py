@@ -141,22 +141,22 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
         self.ops = ops
-        # GeGLU (Gemma): gelu_tanh(gate) * up, by the layer ops (no packed-panel epilogue).
+        # GeGLU (Gemma): gelu_tanh(gate) * up; SiLU-and-mul otherwise.
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.gate_up_proj.gate_up_inter = config.intermediate_size
+        self.gate_up_proj.gate_up_act = "gelu_tanh" if self.gelu else "silu"
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A LoRA-wrapped projection (engine.lora) adds its delta to [gate | up] first, and the
         # PyTorch path stays op-for-op transformers': both take the unfused route.
-        if self.gelu:
-            return self.down_proj.forward(self.ops.gelu_and_mul(self.gate_up_proj.forward(x)))
         act = None
         if self.ops.fused and isinstance(self.gate_up_proj, Linear):
-            act = self.gate_up_proj.silu_and_mul(x)
+            act = self.gate_up_proj.act_and_mul(x, "gelu_tanh" if self.gelu else "silu")
         if act is None:
-            act = self.ops.silu_and_mul(self.gate_up_proj.forward(x))
+            gate_up = self.gate_up_proj.forward(x)
+            act = self.ops.gelu_and_mul(gate_up) if self.gelu else self.ops.silu_and_mul(gate_up)
         return self.down_proj.forward(act)
 
 

@@ -43,7 +43,7 @@ from engine.spec_decode.verifier import VerifyRows, verify_drafts
 from engine.structured.manager import StructuredOutputManager
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.device_inputs import model_input_to_device
-from engine.worker.group_inputs import for_group_tables
+from engine.worker.group_inputs import for_groups
 from engine.worker.input_batch import ModelInput, PromptLogprobRows, build_model_input
 from engine.worker.sampler import Sampler, SamplerOutput, SamplingRow, gather_logprobs, plain_greedy
 
@@ -223,12 +223,9 @@ class ModelRunner:
     ) -> tuple[AttentionMetadata, ...]:
         """The step's attention metadata through each sliding group's block tables."""
         assert self.kv_groups is not None
-        return tuple(
-            for_group_tables(meta, scheduled,
-                             {rid: tables[g] for rid, tables in group_block_ids.items()},
-                             positions, self.block_size)
-            for g in range(self.kv_groups.num_sliding_groups)
-        )
+        metas = for_groups(meta, scheduled, group_block_ids, positions, self.block_size)
+        assert len(metas) == self.kv_groups.num_sliding_groups
+        return metas
 
     def _sampled_output(
         self,

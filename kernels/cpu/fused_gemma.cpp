@@ -52,22 +52,16 @@ void gemma_norm_rows<float>(float* out, const float* x, float* residual, const f
   });
 }
 
-// gelu_tanh(g) = g * (1 + tanh(y)) / 2 = g * sigmoid(2 y), y = sqrt(2 / pi) (g + 0.044715 g^3):
-// the sigmoid form needs one exp and no cancellation where tanh(y) is near -1.
+// gelu_tanh_mul (fused_gemma.h) per element.
 template <>
 void gelu_tanh_and_mul_rows<float>(float* out, const float* x, int64_t rows, int64_t inter) {
-  constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = x + r * 2 * inter;
       const float* u = g + inter;
       float* o = out + r * inter;
 #pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) {
-        const float two_y = kTwoSqrt2OverPi * (g[i] + 0.044715f * g[i] * g[i] * g[i]);
-        // Clamped below expf's overflow: fast-math's division turns g / inf into NaN.
-        o[i] = g[i] / (1.f + std::exp(std::min(-two_y, 80.f))) * u[i];
-      }
+      for (int64_t i = 0; i < inter; ++i) o[i] = gelu_tanh_mul(g[i], u[i]);
     }
   });
 }

@@ -12,9 +12,22 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 namespace kvfleet_cpu {
+
+// gelu_tanh(g) * u in float32. gelu_tanh(g) = g * (1 + tanh(y)) / 2 = g * sigmoid(2 y),
+// y = sqrt(2 / pi) (g + 0.044715 g^3): the sigmoid form needs one exp and no cancellation where
+// tanh(y) is near -1. One definition for the GeGLU row kernel (fused_gemma.cpp) and the packed
+// gate/up GEMM's epilogue (panel_linear.cpp), so the fused and unfused paths round alike.
+__attribute__((always_inline)) inline float gelu_tanh_mul(float g, float u) {
+  constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+  const float two_y = kTwoSqrt2OverPi * (g + 0.044715f * g * g * g);
+  // Clamped below expf's overflow: fast-math's division turns g / inf into NaN.
+  return g / (1.f + std::exp(std::min(-two_y, 80.f))) * u;
+}
 
 // residual null: out = gnorm(x, w_out). Else residual += gnorm(x, w_x) (rounded to T);
 // out = gnorm(residual, w_out). Contiguous [rows, hidden].
@@ -33,6 +46,10 @@ template <typename T>
 void qk_norm_rotary_rows(T* qkv, int64_t rows, int64_t row_stride, int64_t q_heads,
                          int64_t k_heads, int64_t dim, const T* q_w, const T* k_w, double eps,
                          bool gemma, const T* cos, const T* sin);
+
+// gelu_tanh of every bfloat16 bit pattern, F.gelu's own results (65,536 entries + 1 of
+// padding), built on first use: call it outside parallel regions first (it runs ATen's gelu).
+const uint16_t* gelu_tanh_table();
 
 #define KVFLEET_GEMMA_ROWS(T)                                                                 \
   template <>                                                                                 \

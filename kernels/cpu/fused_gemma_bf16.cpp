@@ -31,11 +31,6 @@ namespace {
 
 at::Tensor gelu_tanh_of(const at::Tensor& x) { return at::gelu(x, "tanh"); }
 
-const uint16_t* gelu_tanh_table() {
-  static const std::vector<uint16_t> table = unary_table(&gelu_tanh_of);
-  return table.data();
-}
-
 // 1 / sqrt(mean(float(x)^2) + eps) over n values: sum / n and the square root each correctly
 // rounded, as ATen's mean and rsqrt.
 inline float inv_rms(const BF16* x, int64_t n, double eps) {
@@ -49,6 +44,11 @@ inline f32x16 gemma_scaled(const BF16* x, const BF16* w, float inv, int64_t i, i
 }
 
 }  // namespace
+
+const uint16_t* gelu_tanh_table() {
+  static const std::vector<uint16_t> table = unary_table(&gelu_tanh_of);
+  return table.data();
+}
 
 template <>
 void gemma_norm_rows<BF16>(BF16* out, const BF16* x, BF16* residual, const BF16* w_x,

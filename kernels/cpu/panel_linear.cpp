@@ -16,9 +16,10 @@
 // the sum over k in increasing order (one rounding per FMA); results differ from other GEMMs
 // only in the last bits, like any two BLAS libraries.
 //
-// Gate/up projections (float32) may be packed gate/up interleaved instead, [I / 16][K][32]
-// (engine/models/linear.py, pack_gate_up_panels): the same micro-kernel then ends in SiLU-and-mul
-// (panel_gate_up), or stores gate and up to their halves of a [M, 2I] out.
+// Gate/up projections may be packed gate/up interleaved instead, [I / 16][K][32] (float32;
+// bfloat16 for GeGLU only, in its pair layout) (engine/models/linear.py, pack_gate_up_panels):
+// the same micro-kernel then ends in SiLU-and-mul or GeGLU (gelu_tanh(gate) * up, Gemma)
+// (panel_gate_up, panel_gate_up_bf16), or stores gate and up to their halves of a [M, 2I] out.
 //
 // bfloat16: the panel holds k in pairs, [P][ceil(K / 2)][32][2], and one VDPBF16PS per vector
 // adds both products of a pair (exact bf16 x bf16 products, float32 sums, as oneDNN's bf16
@@ -39,6 +40,7 @@
 #define KVFLEET_PANEL_BF16 1
 #endif
 
+#include "fused_gemma.h"
 #include "panel_layout.h"
 
 namespace {
@@ -47,16 +49,23 @@ using namespace kvfleet_panel;  // NOLINT: the packed geometry and the vector he
 
 // Epilogues of the float32 micro-kernel: the 32 columns as they are; or, on a gate/up
 // interleaved panel (16 gate columns, then the matching 16 up columns; see panel_gate_up),
-// either silu(gate) * up into 16 columns or gate and up stored to their own halves of out.
-// The same expression, vectorised the same way (16 lanes, libmvec expf), as silu_and_mul in
-// fused_elementwise.cpp, so the fused and unfused paths agree bit for bit.
+// either silu(gate) * up or gelu_tanh(gate) * up into 16 columns, or gate and up stored to
+// their own halves of out. The same expressions, vectorised the same way (libmvec expf), as
+// silu_and_mul in fused_elementwise.cpp and gelu_tanh_and_mul in fused_gemma.cpp, so the fused
+// and unfused paths agree bit for bit.
 inline void silu_mul16(float* __restrict o, const float* __restrict g,
                        const float* __restrict u) {
 #pragma omp simd
   for (int i = 0; i < 16; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-enum class Epilogue { kPlain, kSiluMul, kSplit };
+inline void gelu_mul16(float* __restrict o, const float* __restrict g,
+                       const float* __restrict u) {
+#pragma omp simd
+  for (int i = 0; i < 16; ++i) o[i] = kvfleet_cpu::gelu_tanh_mul(g[i], u[i]);
+}
+
+enum class Epilogue { kPlain, kSiluMul, kGeluMul, kSplit };
 
 // Software prefetch of the next panel into L2 while this one is computed: a decode step's
 // weights come from DRAM (the whole model does not fit in L3) and the hardware prefetcher
@@ -99,12 +108,15 @@ inline void micro(const float* __restrict a, int64_t lda, const float* __restric
       acc1[i] += ai * b1;
     }
   }
-  if constexpr (E == Epilogue::kSiluMul) {
+  if constexpr (E == Epilogue::kSiluMul || E == Epilogue::kGeluMul) {
     for (int i = 0; i < MR; ++i) {
       float g[16], u[16];
       store16(g, acc0[i]);
       store16(u, acc1[i]);
-      silu_mul16(c + i * ldc, g, u);
+      if constexpr (E == Epilogue::kSiluMul)
+        silu_mul16(c + i * ldc, g, u);
+      else
+        gelu_mul16(c + i * ldc, g, u);
     }
     return;
   } else if constexpr (E == Epilogue::kSplit) {  // `cols` is the offset of the up half
@@ -132,9 +144,32 @@ inline void micro(const float* __restrict a, int64_t lda, const float* __restric
 }
 
 #if KVFLEET_PANEL_BF16
+// Rounds 16 float32 sums to bfloat16, to nearest even: the integer form of c10::BFloat16(float)
+// (fused_gemma_bf16.cpp's stores), exact for subnormals too, which VCVTNEPS2BF16 flushes.
+inline __m256i round_bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+// bf16(gelu_tanh(g) * u) for 16 columns from their float32 sums: g and u rounded to bfloat16
+// as the plain GEMM stores them, gelu from the table of F.gelu's own results, the product in
+// float32 rounded once: fused_gemma_bf16.cpp's gelu_tanh_and_mul on the GEMM's output, bit for
+// bit.
+inline void gelu_mul16_bf16(uint16_t* __restrict o, __m512 g, __m512 u, const uint16_t* table) {
+  const __m512i gi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(g));
+  const __m512 gelu =
+      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(gi, table, 2), 16));
+  const __m512 ur = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(u)), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), round_bf16_bits(_mm512_mul_ps(gelu, ur)));
+}
+
 // OutT uint16_t: bfloat16 out, rounded once; float: the float32 sums as they are (the LM head's
 // screening pass, engine/greedy_screen.py, bounds their error and must not add a rounding).
-template <int MR, typename OutT>
+// E: kGeluMul and kSplit as the float32 kernel's, on bfloat16 gate/up panels.
+template <int MR, typename OutT, Epilogue E = Epilogue::kPlain>
 inline void micro_bf16(const uint16_t* __restrict a, int64_t lda, const uint16_t* __restrict b,
                        int64_t k_len, OutT* __restrict c, int64_t ldc, int cols,
                        const Prefetch& pf) {
@@ -167,6 +202,19 @@ inline void micro_bf16(const uint16_t* __restrict a, int64_t lda, const uint16_t
       acc0[i] = _mm512_dpbf16_ps(acc0[i], ai, b0);
       acc1[i] = _mm512_dpbf16_ps(acc1[i], ai, b1);
     }
+  }
+  if constexpr (E == Epilogue::kGeluMul) {  // a gate/up panel: 16 gate, then 16 up columns
+    const uint16_t* table = kvfleet_cpu::gelu_tanh_table();
+    for (int i = 0; i < MR; ++i) gelu_mul16_bf16(c + i * ldc, acc0[i], acc1[i], table);
+    return;
+  } else if constexpr (E == Epilogue::kSplit) {  // `cols` is the offset of the up half
+    for (int i = 0; i < MR; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc),
+                          (__m256i)_mm512_cvtneps_pbh(acc0[i]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i * ldc + cols),
+                          (__m256i)_mm512_cvtneps_pbh(acc1[i]));
+    }
+    return;
   }
   for (int i = 0; i < MR; ++i) {
     OutT tmp[kPanel];
@@ -252,22 +300,22 @@ MicroFn<float> pick_f32(int rows) {
 }
 
 #if KVFLEET_PANEL_BF16
-template <typename OutT>
+template <typename OutT, Epilogue E = Epilogue::kPlain>
 MicroFn<uint16_t, OutT> pick_bf16(int rows) {
   static constexpr MicroFn<uint16_t, OutT> table[kMaxRows + 1] = {
       nullptr,
-      micro_bf16<1, OutT>,
-      micro_bf16<2, OutT>,
-      micro_bf16<3, OutT>,
-      micro_bf16<4, OutT>,
-      micro_bf16<5, OutT>,
-      micro_bf16<6, OutT>,
-      micro_bf16<7, OutT>,
-      micro_bf16<8, OutT>,
-      micro_bf16<9, OutT>,
-      micro_bf16<10, OutT>,
-      micro_bf16<11, OutT>,
-      micro_bf16<12, OutT>};
+      micro_bf16<1, OutT, E>,
+      micro_bf16<2, OutT, E>,
+      micro_bf16<3, OutT, E>,
+      micro_bf16<4, OutT, E>,
+      micro_bf16<5, OutT, E>,
+      micro_bf16<6, OutT, E>,
+      micro_bf16<7, OutT, E>,
+      micro_bf16<8, OutT, E>,
+      micro_bf16<9, OutT, E>,
+      micro_bf16<10, OutT, E>,
+      micro_bf16<11, OutT, E>,
+      micro_bf16<12, OutT, E>};
   return table[rows];
 }
 #endif
@@ -302,25 +350,35 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
 }
 
 // Gate/up projection on gate/up interleaved panels ([I / 16][K][32]: panel p holds gate
-// columns [16 p, 16 p + 16) then up columns [16 p, 16 p + 16)), float32. silu: out [M, I] =
-// silu(gate) * up, the MLP's activation without the [M, 2I] intermediate ever reaching memory;
-// else out [M, 2I] = [gate | up], what the unfused projection returns.
+// columns [16 p, 16 p + 16) then up columns [16 p, 16 p + 16)), float32. act "silu" or
+// "gelu_tanh": out [M, I] = act(gate) * up, the MLP's activation without the [M, 2I]
+// intermediate ever reaching memory; "none": out [M, 2I] = [gate | up], what the unfused
+// projection returns.
 void panel_gate_up(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, int64_t inter,
-                   bool silu) {
+                   c10::string_view act) {
   const int64_t k_len = x.size(1);
   TORCH_CHECK(inter % 16 == 0, "panel_gate_up: intermediate size must be a multiple of 16");
-  const int64_t panels = check(out, x, packed, silu ? inter : 2 * inter, at::kFloat, at::kFloat,
-                               k_len, inter / 16);
+  const bool silu = act == "silu", gelu = act == "gelu_tanh";
+  TORCH_CHECK(silu || gelu || act == "none",
+              "panel_gate_up: act must be 'silu', 'gelu_tanh' or 'none', got '", act, "'");
+  const bool fused = silu || gelu;
+  const int64_t panels = check(out, x, packed, fused ? inter : 2 * inter, at::kFloat,
+                               at::kFloat, k_len, inter / 16);
   TORCH_CHECK(packed.size(2) == kPanel, "panel_gate_up: packed weight must be [I/16, K, 32]");
+  float* op = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const int64_t m = x.size(0), ldc = out.stride(0), lda = x.stride(0);
   if (silu)
-    drive<float, float, pick_f32<Epilogue::kSiluMul>>(
-        out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
-        packed.data_ptr<float>(), x.size(0), k_len, inter, panels, k_len * kPanel, 16);
+    drive<float, float, pick_f32<Epilogue::kSiluMul>>(op, ldc, xp, lda, wp, m, k_len, inter,
+                                                      panels, k_len * kPanel, 16);
+  else if (gelu)
+    drive<float, float, pick_f32<Epilogue::kGeluMul>>(op, ldc, xp, lda, wp, m, k_len, inter,
+                                                      panels, k_len * kPanel, 16);
   else
-    drive<float, float, pick_f32<Epilogue::kSplit>>(
-        out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0),
-        packed.data_ptr<float>(), x.size(0), k_len, 2 * inter, panels, k_len * kPanel, 16,
-        static_cast<int>(inter));
+    drive<float, float, pick_f32<Epilogue::kSplit>>(op, ldc, xp, lda, wp, m, k_len, 2 * inter,
+                                                    panels, k_len * kPanel, 16,
+                                                    static_cast<int>(inter));
 }
 
 #if KVFLEET_PANEL_BF16
@@ -334,6 +392,33 @@ void panel_linear_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& pa
   drive<uint16_t, uint16_t, pick_bf16<uint16_t>>(u16(out), out.stride(0), u16(x), x.stride(0),
                                                  u16(packed), x.size(0), k_len, n, panels,
                                                  (k_len + 1) / 2 * 2 * kPanel);
+}
+
+// panel_gate_up in bfloat16, on gate/up interleaved panels packed as panel_linear_bf16's
+// ([I / 16][ceil(K / 2)][64]). act "gelu_tanh" (Gemma's GeGLU; SiLU-and-mul has no bfloat16
+// epilogue yet) or "none".
+void panel_gate_up_bf16(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+                        int64_t inter, c10::string_view act) {
+  const int64_t k_len = x.size(1);
+  TORCH_CHECK(inter % 16 == 0, "panel_gate_up: intermediate size must be a multiple of 16");
+  const bool gelu = act == "gelu_tanh";
+  TORCH_CHECK(gelu || act == "none",
+              "panel_gate_up: act must be 'gelu_tanh' or 'none' in bfloat16, got '", act, "'");
+  const int64_t panels = check(out, x, packed, gelu ? inter : 2 * inter, at::kBFloat16,
+                               at::kBFloat16, (k_len + 1) / 2, inter / 16);
+  TORCH_CHECK(packed.size(2) == 2 * kPanel,
+              "panel_gate_up: packed weight must be [I/16, K/2, 64]");
+  const int64_t panel_elems = (k_len + 1) / 2 * 2 * kPanel;
+  if (gelu) {
+    kvfleet_cpu::gelu_tanh_table();  // built (by ATen's gelu) outside the parallel region
+    drive<uint16_t, uint16_t, pick_bf16<uint16_t, Epilogue::kGeluMul>>(
+        u16(out), out.stride(0), u16(x), x.stride(0), u16(packed), x.size(0), k_len, inter,
+        panels, panel_elems, 16);
+  } else {
+    drive<uint16_t, uint16_t, pick_bf16<uint16_t, Epilogue::kSplit>>(
+        u16(out), out.stride(0), u16(x), x.stride(0), u16(packed), x.size(0), k_len, 2 * inter,
+        panels, panel_elems, 16, static_cast<int>(inter));
+  }
 }
 
 // bfloat16 x and weight, float32 out (sums not rounded to bfloat16).
@@ -352,10 +437,11 @@ void panel_linear_bf16_f32(at::Tensor out, const at::Tensor& x, const at::Tensor
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
-  m.def("panel_gate_up(Tensor(a!) out, Tensor x, Tensor packed, int inter, bool silu) -> ()");
+  m.def("panel_gate_up(Tensor(a!) out, Tensor x, Tensor packed, int inter, str act) -> ()");
 #if KVFLEET_PANEL_BF16
   m.def("panel_linear_bf16(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
   m.def("panel_linear_bf16_f32(Tensor(a!) out, Tensor x, Tensor packed, int n) -> ()");
+  m.def("panel_gate_up_bf16(Tensor(a!) out, Tensor x, Tensor packed, int inter, str act) -> ()");
 #endif
 }
 
@@ -365,5 +451,6 @@ TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
 #if KVFLEET_PANEL_BF16
   m.impl("panel_linear_bf16", &panel_linear_bf16);
   m.impl("panel_linear_bf16_f32", &panel_linear_bf16_f32);
+  m.impl("panel_gate_up_bf16", &panel_gate_up_bf16);
 #endif
 }

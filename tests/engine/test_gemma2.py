@@ -92,3 +92,10 @@ def test_gemma2_bfloat16_same_tokens_with_and_without_sliding_kv(model_dir, refe
         assert (llm.engine.kv.sliding is None) is disable
         outputs.append(run_checked(llm.engine, prompts, GREEDY)[0])
     assert outputs[0] == outputs[1]
+
+
+def test_gemma2_geglu_epilogue_matches_transformers(model_dir, reference):
+    """The panel backend packs gate/up interleaved and runs GeGLU as the GEMM's epilogue."""
+    llm = check_mode(model_dir, *reference, "one-batch", linear_backend="panel")
+    proj = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+    assert proj.interleaved and proj.gate_up_act == "gelu_tanh"

@@ -40,3 +40,10 @@ def test_gemma3_greedy_matches_transformers(model_dir, reference, mode):
 
 def test_gemma3_logprobs_and_prefix_hits(model_dir, reference):
     check_logprobs_and_prefix_hits(model_dir, *reference)
+
+
+def test_gemma3_geglu_epilogue_matches_transformers(model_dir, reference):
+    """The panel backend packs gate/up interleaved and runs GeGLU as the GEMM's epilogue."""
+    llm = check_mode(model_dir, *reference, "one-batch", linear_backend="panel")
+    proj = llm.engine.runner.model.layers[0].mlp.gate_up_proj
+    assert proj.interleaved and proj.gate_up_act == "gelu_tanh"
