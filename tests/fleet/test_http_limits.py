@@ -60,9 +60,11 @@ def _port(fleet: Fleet) -> int:
 def _raw(port: int, head: bytes, body_parts: list[bytes] = (), pause_s: float = 0.0,
          read_timeout_s: float = 20.0) -> tuple[int, dict[str, object], float]:
     """Send a raw request (headers, then the body parts `pause_s` apart) and read the reply:
-    (status, JSON body, seconds from the first byte sent to the connection closing)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=read_timeout_s)
+    (status, JSON body, seconds from connecting to the connection closing). The clock starts
+    before the connection: the router's read deadline starts when it accepts, which can come
+    before create_connection returns here."""
     started = time.monotonic()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=read_timeout_s)
     with sock:
         sock.sendall(head)
         for part in body_parts:
