@@ -19,14 +19,17 @@ from kernels.cpu import _build_dir, _load_or_build
 
 logger = logging.getLogger("kvfleet.kernels")
 
-# One source a line (headers: quant_blocks.h, ../simd.h, included by these).
+# One source a line (headers: quant_blocks.h, quant_panel*.h, ../simd.h, ../panel_layout.h).
 _SOURCES = [
     Path(__file__).with_name("quant_gemm.cpp"),
     Path(__file__).with_name("quant_panel.cpp"),
     Path(__file__).with_name("kquant_gemm.cpp"),
 ]
 # Part of the build's cache key (kernels.cpu hashes only its own directory's headers).
-_HEADERS = [Path(__file__).with_name("quant_blocks.h")]
+_HEADERS = [
+    *(Path(__file__).with_name(h) for h in ("quant_blocks.h", "quant_panel.h", "quant_panel_bf16.h")),
+    Path(__file__).parent.parent / "panel_layout.h",
+]
 _NAME = "kvfleet_quant_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
