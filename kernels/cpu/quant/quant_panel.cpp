@@ -7,8 +7,8 @@
 // 4 bytes a weight every step. Here each task decodes a panel of 32 weight rows x the full K
 // into a buffer that stays in L2, then a register-blocked micro-kernel runs every row of x
 // against it (quant_panel.h's run_panels; tasks are ranges of panels over OpenMP threads):
-// - bfloat16 x (AVX512_BF16 builds): quant_panel_bf16.h, the blocks' integers in the dense
-//   bfloat16 panel layout and the block affine factored out of the dot products;
+// - bfloat16 x (AVX512_BF16 builds): quant_panel_bf16.h, the weights rounded to bfloat16 in
+//   the dense bfloat16 panel layout and the dense model's VDPBF16PS micro-kernel shape;
 // - float32 x (AVX-512F builds): the dequantized weights in the dense float32 panel layout
 //   (panel_linear.cpp's [K][32]), up to kMaxRows rows x 32 columns, each row's x[k] broadcast
 //   into two FMAs;
@@ -17,7 +17,7 @@
 //
 // Numerics: float32 x -> float32 weights and FMAs (only the summation order differs from
 // dequantize-then-matmul, so the float32 exactness tests hold); bfloat16 x -> see
-// quant_panel_bf16.h (exact weights, float32 sums, output rounded once to bfloat16). The
+// quant_panel_bf16.h (weights rounded to bfloat16, float32 sums, output rounded once). The
 // bfloat16 path exists only where the compiler targets AVX512_BF16 (quant_has_bf16_dot);
 // elsewhere the caller converts x to float32.
 #include <ATen/ATen.h>
@@ -229,23 +229,17 @@ void panels(const E* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t r
   run_panels(panel, m_rows, w, row_bytes, nb, n0, n1);
 }
 
-// Every row of x against every weight row: tasks are ranges of panels. For bfloat16 Q4_1 the
-// rows' block sums are computed once here, for every task's columns.
+// Every row of x against every weight row: tasks are ranges of panels.
 template <typename E, typename O>
 void run(const E* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t row_bytes,
          int64_t nb, int64_t n, O* out, int64_t ldo, int64_t qtype) {
-  [[maybe_unused]] std::vector<float> sx;
-#ifdef __AVX512BF16__
-  if constexpr (std::is_same_v<E, uint16_t>)
-    if (qtype == kQ4_1) sx = block_sums(x, ldx, m_rows, nb);
-#endif
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
     const int64_t n0 = p0 * kPanelRows, n1 = std::min(n, p1 * kPanelRows);
     dispatch(qtype, [&](auto qt) {
       constexpr int64_t QT = decltype(qt)::value;
 #ifdef __AVX512BF16__
       if constexpr (std::is_same_v<E, uint16_t>) {
-        panels_bf16<QT>(x, ldx, sx.data(), m_rows, w, row_bytes, nb, n0, n1, out, ldo);
+        panels_bf16<QT>(x, ldx, m_rows, w, row_bytes, nb, n0, n1, out, ldo);
         return;
       } else
 #endif
