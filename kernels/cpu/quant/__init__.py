@@ -25,11 +25,10 @@ _SOURCES = [
     Path(__file__).with_name("quant_panel.cpp"),
     Path(__file__).with_name("kquant_gemm.cpp"),
 ]
-# Part of the build's cache key (kernels.cpu hashes only its own directory's headers).
-_HEADERS = [
-    *(Path(__file__).with_name(h) for h in ("quant_blocks.h", "quant_panel.h", "quant_panel_bf16.h")),
-    Path(__file__).parent.parent / "panel_layout.h",
-]
+# Part of the build's cache key: kernels.cpu hashes only its own directory's headers (../simd.h
+# and ../panel_layout.h among them), not these.
+_HEADERS = [Path(__file__).with_name(h)
+            for h in ("quant_blocks.h", "quant_panel.h", "quant_panel_bf16.h")]
 _NAME = "kvfleet_quant_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
