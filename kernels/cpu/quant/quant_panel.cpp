@@ -85,6 +85,7 @@ struct F32Panel {
   static constexpr int kRows = kvfleet_panel::kMaxRows;
   using Micro = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t,
                          int64_t);
+  static_assert(kRows == 12, "kMicro lists one micro-kernel per row count up to 12");
   static constexpr Micro kMicro[kRows] = {
       micro_f32<1>, micro_f32<2>, micro_f32<3>, micro_f32<4>,  micro_f32<5>,  micro_f32<6>,
       micro_f32<7>, micro_f32<8>, micro_f32<9>, micro_f32<10>, micro_f32<11>, micro_f32<12>};

@@ -108,6 +108,7 @@ struct Bf16Panel {
   static constexpr int kRows = kvfleet_panel::kMaxRows;  // 24 accumulators of 32 registers
   using Micro = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, c10::BFloat16*,
                          int64_t, int64_t);
+  static_assert(kRows == 12, "kMicro lists one micro-kernel per row count up to 12");
   static constexpr Micro kMicro[kRows] = {
       micro_bcast<1>, micro_bcast<2>, micro_bcast<3>, micro_bcast<4>,
       micro_bcast<5>, micro_bcast<6>, micro_bcast<7>, micro_bcast<8>,
