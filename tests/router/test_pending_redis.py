@@ -127,14 +127,17 @@ def test_two_replicas_agree_and_the_second_request_follows_the_first(
     register(client, "b")
 
     async def run() -> None:
-        indexes = [PrefixIndex(redis_server.url), PrefixIndex(redis_server.url)]
-        one, two = (EngineSelector(RoutingConfig(), index, EnginePool()) for index in indexes)
+        indexes = [PrefixIndex(redis_server.url) for _ in range(3)]
+        one, two, three = (EngineSelector(RoutingConfig(), index, EnginePool())
+                           for index in indexes)
         try:
-            # Both replicas rank a new prefix alike (the hash decides on an idle fleet).
+            # Replicas rank a new prefix alike (the hash decides on an idle fleet).
             first = await one.decide(prompt(0), TENANT)
-            other = await two.decide(prompt(0), TENANT)
+            other = await three.decide(prompt(0), TENANT)
             assert [v.engine_id for v in first.ranking] == [v.engine_id for v in other.ranking]
             assert first.reason == "hash"
+            assert other.claims is not None
+            other.claims.cancel()  # only compared, never sent: it holds the engine no more
             chosen = first.ranking[0]
             # Replica one sends the request there (what the dispatcher does).
             assert first.claims is not None
@@ -147,7 +150,9 @@ def test_two_replicas_agree_and_the_second_request_follows_the_first(
             assert second.ranking[0].matched_pending_blocks == 32
             assert second.predicted_cached_tokens(second.ranking[0]) == 512
             assert second.reason_for(second.ranking[1].engine_id) == "retry"
-            # The engine refused it: the claim is released and the prefix is cold again.
+            # The engine refused both: the claims are released and the prefix is cold again.
+            assert second.claims is not None
+            second.claims.release(second.ranking[0])
             first.claims.release(chosen)
             await drain()
             third = await two.decide(prompt(5000), TENANT)
@@ -181,6 +186,9 @@ def test_a_replica_follows_its_own_claim_before_the_write_lands(
             # Once the write landed, Redis reports the run and the local view adds nothing.
             third = await selector.decide(prompt(6000), TENANT)
             assert third.ranking[0].matched_pending_blocks == 32
+            for decision in (second, third):  # each claimed the engine when it was decided
+                assert decision.claims is not None
+                decision.claims.release(chosen)
             first.claims.release(chosen)
             await drain()
             fourth = await selector.decide(prompt(7000), TENANT)
