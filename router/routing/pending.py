@@ -33,10 +33,11 @@ Invariants:
   there and the request counts as one of this router's in flight and prefilling there
   (`Reservations`, added to `EnginePool`'s counts by `router.routing.decision`) until the
   dispatcher sends it (`claim`: the pool's own counts take over in the same step) or gives it
-  up (`cancel`: the claim then just expires), at the latest after the claim's TTL. Between the decision and the send the
-  request may wait (a context-window lookup, a busy event loop: 250 ms in a measured burst);
-  every decision made meanwhile saw the engines without it, and at rate inf four new prefixes
-  went to one engine of two that way (benchmarks/fleet_bench.py, docs/routing.md).
+  up (`cancel`: the claim then just expires), at the latest after the claim's TTL. Between
+  the decision and the send the request may wait (a context-window lookup, a busy event loop:
+  250 ms in a measured burst); every decision made meanwhile saw the engines without it, and
+  at rate inf four new prefixes went to one engine of two that way (`make bench-fleet`, the
+  README's Fleet section).
 """
 
 from __future__ import annotations
