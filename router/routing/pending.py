@@ -35,9 +35,9 @@ Invariants:
   dispatcher sends it (`claim`: the pool's own counts take over in the same step) or gives it
   up (`cancel`: the claim then just expires), at the latest after the claim's TTL. Between
   the decision and the send the request may wait (a context-window lookup, a busy event loop:
-  250 ms and more in a measured burst); every decision made meanwhile saw the engines without it, and
-  at rate inf four new prefixes went to one engine of two that way (`make bench-fleet`, the
-  README's Fleet section).
+  250 ms and more in a measured burst); every decision made meanwhile saw the engines
+  without it, and at rate inf four new prefixes went to one engine of two that way
+  (`make bench-fleet`, the README's Fleet section).
 """
 
 from __future__ import annotations
