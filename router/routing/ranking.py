@@ -21,12 +21,13 @@ Policies:
   engine has published it (pending entries, `router.routing.pending`).
   Estimates within the tie tolerance of the best (20% + 10 ms: measured rates of alike
   engines differ by noise) come first, the one holding most of the prompt first; between
-  engines holding as much (a new prefix: none), the cheapest estimate, then the fewest
-  requests (`EngineView.load`), then the highest rendezvous weight of (tenant + prompt
-  start, engine id): among equals every replica picks the same engine without talking, and
-  new prefixes spread over an idle fleet. A new prefix stays where it lands, followers
-  included, so it goes where the queued work (prefixes and their followers' suffixes) ends
-  first, not where fewer requests wait. The other engines follow, cheapest first.
+  engines holding as much (a new prefix: none), the fewest prompt tokens queued (counted,
+  not timed: measured rates are noisy), then the fewest requests (`EngineView.load`), then
+  the highest rendezvous weight of (tenant + prompt start, engine id): among equals every
+  replica picks the same engine without talking, and new prefixes spread over an idle
+  fleet. A new prefix stays where it lands, followers included, so it goes where the least
+  prompt work (prefixes and their followers' suffixes) is queued, not where fewer requests
+  wait. The other engines follow, cheapest first.
 - `least_load`: lowest load, then lowest KV usage, then the rendezvous hash.
 - `round_robin`: engines sorted by id, rotated by a counter the caller owns (per replica;
   replicas need not agree for round robin to be fair overall).
@@ -34,8 +35,9 @@ Policies:
 Each decision also names why its first engine won (`choice_reason`), for metrics and traces:
 "cached" (it holds the most of the prompt), "pending" (as many, some of it only pending),
 "spill" (another engine holds more, but waiting there costs more), "hash" (nobody holds any;
-the rendezvous hash broke a tie between engines as cheap and as loaded), "least_load" (nobody
-holds any and it is the cheapest or the least loaded of the ties, or the least_load policy),
+the rendezvous hash broke a tie between engines as queued and as loaded), "least_load" (nobody
+holds any and it is the cheapest, or the least queued or loaded of the ties, or the least_load
+policy),
 "round_robin".
 
 Invariants: every function returns a permutation of its input (no engine is dropped, so
@@ -102,17 +104,21 @@ def rank_prefix(
         costs = estimate_all(engines, shape or infer_shape(engines), config)
     near = near_best(costs, config)
 
-    def preference(e: EngineView) -> tuple[bool, float, float, int, int]:
+    def preference(e: EngineView) -> tuple[bool, float, int, int, float, int]:
         # Among near-equal estimates the cache decides (a hit is work saved for everyone
-        # after this request too); between engines holding as much, the estimate itself
-        # (the queue that finishes first), then the fewest requests, then the hash. A new
-        # prefix stays where it lands, with every follower it brings: placed by request
-        # count first, it went to the engine whose requests were fewer but were more
-        # prefixes (its followers are cheap, their prefixes are not), and 30% of shuffled
-        # 8-prefix bursts ended 60/36 (tests/unit/test_routing_replay.py).
+        # after this request too); between engines holding as much, the fewest prompt
+        # tokens queued, then the fewest requests, then the hash; beyond the ties, the
+        # estimate itself. A new prefix stays where it lands, with every follower it
+        # brings: placed by request count first, it went to the engine whose requests were
+        # fewer but were more prefixes (followers are cheap, prefixes are not), and 30% of
+        # shuffled 8-prefix bursts ended 60/36 (tests/unit/test_routing_replay.py). Tokens,
+        # not the estimate's seconds: measured rates are noisy, and a tie-break by them
+        # sent every new prefix to whichever engine measured fastest.
         tied = e.engine_id in near
-        return (not tied, -config.score(e) if tied else 0.0, costs[e.engine_id].ttft_s,
-                e.load, -rendezvous_weight(tie_key, e.engine_id))
+        cost = costs[e.engine_id]
+        return (not tied, -config.score(e) if tied else 0.0,
+                cost.queued_tokens if tied else 0, e.load if tied else 0,
+                0.0 if tied else cost.ttft_s, -rendezvous_weight(tie_key, e.engine_id))
 
     return sorted(engines, key=preference)
 
@@ -139,10 +145,10 @@ def choice_reason(
         costs = estimate_all(ranking, shape or infer_shape(ranking), config)
     near = near_best(costs, config)
     tied = [e for e in rest if e.engine_id in near]
-    # Among ties the cheapest, then the fewest requests went first; the hash decided only
-    # between equals.
-    best_cost = costs[best.engine_id].ttft_s
-    return ("hash" if any(e.load == best.load and costs[e.engine_id].ttft_s == best_cost
+    # Among ties the fewest queued tokens, then the fewest requests went first; the hash
+    # decided only between equals.
+    queued = costs[best.engine_id].queued_tokens
+    return ("hash" if any(e.load == best.load and costs[e.engine_id].queued_tokens == queued
                           for e in tied) else "least_load")
 
 
