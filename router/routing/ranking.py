@@ -112,8 +112,8 @@ def rank_prefix(
         # brings: placed by request count first, it went to the engine whose requests were
         # fewer but were more prefixes (followers are cheap, prefixes are not), and 30% of
         # shuffled 8-prefix bursts ended 60/36 (tests/unit/test_routing_replay.py). Tokens,
-        # not the estimate's seconds: measured rates are noisy, and a tie-break by them
-        # sent every new prefix to whichever engine measured fastest.
+        # not the estimate's seconds: tied estimates differ by noise (rates, KV usage), and a
+        # tie-break by seconds sent every new tenant of a test fleet to one engine.
         tied = e.engine_id in near
         cost = costs[e.engine_id]
         return (not tied, -config.score(e) if tied else 0.0,
