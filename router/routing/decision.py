@@ -17,13 +17,14 @@ Invariants:
   no candidate serves the model or adapter, or the fleet splits prefill and decode -- and the
   whole fleet is read instead. A candidate answer updates the engines this replica knows
   without forgetting the others.
-- A prefix decision made with the index carries its prompt hashes as `PendingClaims`: the
-  dispatcher marks them pending on the engine it sends the request to, in the background
-  (`router.routing.pending`), so the decision's own latency stays one round trip. This
-  replica's own claims count for its next decisions at once, before their writes land.
-  The decision also holds its first engine (`PendingClaims.reserve`): until the request is
-  sent there (or given up), this replica's next decisions count it in flight and prefilling
-  on that engine, so a burst decided before any of it is sent spreads as if sent one by one.
+- A prefix decision made with the index carries its prompt hashes as `PendingClaims`,
+  marked pending in the background (`router.routing.pending`; the decision's own latency
+  stays one round trip) on its first engine at once, and on any other engine the dispatcher
+  sends the request to after a failure. This replica's own claims count for its next
+  decisions at once, before their writes land. The decision also holds its first engine
+  (`PendingClaims.reserve`): until the request is sent there (or given up), this replica's
+  next decisions count it in flight and prefilling on that engine, so a burst decided
+  before any of it is sent spreads as if sent one by one.
 - Each decision names why its first engine won (`Decision.reason`) and predicts the cached
   tokens of any engine it ranked (`Decision.predicted_cached_tokens`), for the metrics and
   the request's span.
