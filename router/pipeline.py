@@ -231,13 +231,19 @@ class GenerationPipeline:
         if largest is not None:
             check_fits(len(prompt_ids), params.max_tokens, largest, field)
         decision = await self._decide(prompt_ids, tenant.name, rules.model, request_id)
-        max_model_len = await self._windows.max_model_len(decision.ranking[0])
-        if max_model_len is not None:
-            check_fits(len(prompt_ids), params.max_tokens, max_model_len, field)
-        max_tokens = rules.max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
-        fields = EngineFields(rules.priority, max_tokens, tenant.limits.weight, decision.lora_id)
-        samples = engine_samples(request, prompt_ids, params, engine_request_id, tenant.name,
-                                 fields)
+        try:
+            max_model_len = await self._windows.max_model_len(decision.ranking[0])
+            if max_model_len is not None:
+                check_fits(len(prompt_ids), params.max_tokens, max_model_len, field)
+            max_tokens = rules.max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
+            fields = EngineFields(rules.priority, max_tokens, tenant.limits.weight,
+                                  decision.lora_id)
+            samples = engine_samples(request, prompt_ids, params, engine_request_id,
+                                     tenant.name, fields)
+        except BaseException:
+            if decision.claims is not None:
+                decision.claims.cancel()  # never sent: the engine it held is free again
+            raise
         return _Plan(request_id, prompt_ids, params, decision, samples)
 
     async def _decide(

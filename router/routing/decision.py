@@ -17,10 +17,14 @@ Invariants:
   no candidate serves the model or adapter, or the fleet splits prefill and decode -- and the
   whole fleet is read instead. A candidate answer updates the engines this replica knows
   without forgetting the others.
-- A prefix decision made with the index carries its prompt hashes as `PendingClaims`: the
-  dispatcher marks them pending on the engine it sends the request to, in the background
-  (`router.routing.pending`), so the decision's own latency stays one round trip. This
-  replica's own claims count for its next decisions at once, before their writes land.
+- A prefix decision made with the index carries its prompt hashes as `PendingClaims`,
+  marked pending in the background (`router.routing.pending`; the decision's own latency
+  stays one round trip) on its first engine at once, and on any other engine the dispatcher
+  sends the request to after a failure. This replica's own claims count for its next
+  decisions at once, before their writes land. The decision also holds its first engine
+  (`PendingClaims.reserve`): until the request is sent there (or given up), this replica's
+  next decisions count it in flight and prefilling on that engine, so a burst decided
+  before any of it is sent spreads as if sent one by one.
 - Each decision names why its first engine won (`Decision.reason`) and predicts the cached
   tokens of any engine it ranked (`Decision.predicted_cached_tokens`), for the metrics and
   the request's span.
@@ -68,7 +72,7 @@ from router.routing.lora_engines import (
     takes_adapters,
 )
 from router.routing.lora_placement import LoRAPlacer, is_saturated
-from router.routing.pending import LocalPending, PendingClaims, PendingConfig
+from router.routing.pending import LocalPending, PendingClaims, PendingConfig, Reservations
 from router.routing.prefix_index import (
     EngineRecord,
     PrefixIndex,
@@ -162,6 +166,8 @@ class EngineSelector:
         # This replica's own claims, before their Redis writes land (router.routing.pending).
         # `clock`: when they expire (the fleet simulator's virtual clock, benchmarks/fleet_sim).
         self._local_pending = LocalPending(clock)
+        # Decisions not sent yet, counted as in flight on their first engine (pending.py).
+        self._reservations = Reservations(clock)
 
     async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
         lora_hint = model if model in self._adapters else ""
@@ -208,7 +214,9 @@ class EngineSelector:
         claims = None
         if (self._index is not None and used_index and hashes and estimates is not None):
             claims = PendingClaims(self._index, hashes, estimates, self.config.pending,
-                                   self._local_pending)
+                                   self._local_pending, self._reservations)
+            if ranking[0].role == "both":  # a prefill-role engine may not be sent to first
+                claims.reserve(ranking[0])
         return Decision(ranking, self._block_size, used_index, policy, lora_id, reason, claims,
                         len(prompt_ids))
 
@@ -347,6 +355,18 @@ class EngineSelector:
         )
 
     def _to_views(self, records: Sequence[EngineRecord]) -> list[EngineView]:
+        return [self._with_reserved(v) for v in self._pool_views(records)]
+
+    def _with_reserved(self, view: EngineView) -> EngineView:
+        """The view with the requests decided for it and not sent yet (pending.py)."""
+        count, tokens = self._reservations.held(view.engine_id)
+        if not count:
+            return view
+        return dataclasses.replace(view, in_flight=view.in_flight + count,
+                                   own_prefilling=view.own_prefilling + count,
+                                   own_prefill_tokens=view.own_prefill_tokens + tokens)
+
+    def _pool_views(self, records: Sequence[EngineRecord]) -> list[EngineView]:
         return [
             EngineView(
                 engine_id=r.engine_id,

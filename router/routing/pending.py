@@ -29,11 +29,21 @@ Invariants:
   before the first background write lands, and without the local view each of those would
   take the prefix for a miss. The local view only extends a run where Redis' answer stops,
   so a claim already in Redis is never counted twice.
+- A decision holds its first engine at once (`PendingClaims.reserve`): its blocks are claimed
+  there and the request counts as one of this router's in flight and prefilling there
+  (`Reservations`, added to `EnginePool`'s counts by `router.routing.decision`) until the
+  dispatcher sends it (`claim`: the pool's own counts take over in the same step) or gives it
+  up (`cancel`: the claim then just expires), at the latest after the claim's TTL. Between
+  the decision and the send the request may wait (a context-window lookup, a busy event loop:
+  250 ms and more in a measured burst); every decision made meanwhile saw the engines
+  without it, and at rate inf four new prefixes went to one engine of two that way
+  (`make bench-fleet`, the README's Fleet section).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -110,6 +120,40 @@ class LocalPending:
         return count
 
 
+class Reservations:
+    """Requests decided for an engine but not sent yet, by engine id: key -> (uncached
+    prompt tokens, expiry). Each decision's entry is dropped when its request is sent or
+    given up; the expiry only bounds a request that vanished between the two."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._entries: dict[str, dict[int, tuple[int, float]]] = {}
+        self._keys = itertools.count()
+
+    def add(self, engine_id: str, tokens: int, ttl_s: float) -> int:
+        key = next(self._keys)
+        self._entries.setdefault(engine_id, {})[key] = (tokens, self._clock() + ttl_s)
+        return key
+
+    def drop(self, engine_id: str, key: int) -> None:
+        entries = self._entries.get(engine_id)
+        if entries is not None:
+            entries.pop(key, None)
+            if not entries:
+                del self._entries[engine_id]
+
+    def held(self, engine_id: str) -> tuple[int, int]:
+        """(requests, their uncached prompt tokens) decided for the engine and not sent."""
+        entries = self._entries.get(engine_id)
+        if not entries:
+            return 0, 0
+        now = self._clock()
+        live = {k: v for k, v in entries.items() if v[1] > now}
+        if len(live) != len(entries):
+            self._entries[engine_id] = live
+        return len(live), sum(tokens for tokens, _ in live.values())
+
+
 # Background writes, referenced until done (the loop keeps only weak references to tasks).
 _TASKS: set[asyncio.Task[None]] = set()
 
@@ -124,6 +168,7 @@ class PendingClaims:
         estimates: Mapping[str, Estimate],
         config: PendingConfig | None = None,
         local: LocalPending | None = None,
+        reservations: Reservations | None = None,
     ) -> None:
         self._store = store
         self._local = local
@@ -131,14 +176,35 @@ class PendingClaims:
         self._estimates = dict(estimates)
         self._config = config if config is not None else PendingConfig()
         self._claims: dict[str, asyncio.Task[None]] = {}
+        self._reservations = reservations
+        self._held: tuple[EngineView, int] | None = None  # (engine, reservation key)
 
     def uncached_tokens(self, engine_id: str) -> int:
         """Prompt tokens the request makes this engine compute (0 when not estimated)."""
         estimate = self._estimates.get(engine_id)
         return estimate.own_tokens if estimate is not None else 0
 
+    def reserve(self, engine: EngineView) -> None:
+        """Hold the engine from the decision on (module docstring): claim the blocks it lacks
+        and count the request there until `claim` (it is sent) or `cancel`."""
+        self.claim(engine)
+        if self._reservations is not None and self._held is None:
+            ttl = self._config.ttl_s(self._estimates.get(engine.engine_id))
+            key = self._reservations.add(engine.engine_id,
+                                         self.uncached_tokens(engine.engine_id), ttl)
+            self._held = (engine, key)
+
+    def cancel(self) -> None:
+        """The request will not be sent (refused before dispatch, client gone): drop the
+        reservation. Its claim stays until its TTL: removing it could remove the entry of
+        another request of the prefix on that engine (the caveat of `release`), and an
+        engine that did nothing wrong should keep attracting its prefix."""
+        self._settle()
+
     def claim(self, engine: EngineView) -> None:
-        """Mark the blocks this engine lacks as pending there (in the background)."""
+        """Mark the blocks this engine lacks as pending there (in the background); the
+        request is being sent to it, so a reservation ends (the pool counts it from now)."""
+        self._settle()
         hashes = self._missing(engine)
         if not hashes or engine.engine_id in self._claims:
             return
@@ -157,6 +223,12 @@ class PendingClaims:
             if self._local is not None:
                 self._local.remove(engine.engine_id, engine.epoch, hashes)
             _spawn(self._unmark(claim, engine, hashes), "unmark")
+
+    def _settle(self) -> None:
+        """End the reservation, if any."""
+        held, self._held = self._held, None
+        if held is not None and self._reservations is not None:
+            self._reservations.drop(held[0].engine_id, held[1])
 
     async def _unmark(
         self, claim: asyncio.Task[None], engine: EngineView, hashes: list[bytes]

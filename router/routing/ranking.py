@@ -20,12 +20,14 @@ Policies:
   recompute included, is shorter; a second request of a prefix follows the first before the
   engine has published it (pending entries, `router.routing.pending`).
   Estimates within the tie tolerance of the best (20% + 10 ms: measured rates of alike
-  engines differ by noise) come first, the one holding most of the prompt first, then the
-  one with the fewest requests (`EngineView.load`: a new prefix stays where it lands, so
-  placing new prefixes on the least busy of the tied engines is what keeps a large fleet's
-  work even), then by the highest rendezvous weight of (tenant + prompt start, engine id):
-  among equals every replica picks the same engine without talking, and new prefixes spread
-  over an idle fleet. The other engines follow, cheapest first.
+  engines differ by noise) come first, the one holding most of the prompt first; between
+  engines holding as much (a new prefix: none), the fewest prompt tokens queued (counted,
+  not timed: measured rates are noisy), then the fewest requests (`EngineView.load`), then
+  the highest rendezvous weight of (tenant + prompt start, engine id): among equals every
+  replica picks the same engine without talking, and new prefixes spread over an idle
+  fleet. A new prefix stays where it lands, followers included, so it goes where the least
+  prompt work (prefixes and their followers' suffixes) is queued, not where fewer requests
+  wait. The other engines follow, cheapest first.
 - `least_load`: lowest load, then lowest KV usage, then the rendezvous hash.
 - `round_robin`: engines sorted by id, rotated by a counter the caller owns (per replica;
   replicas need not agree for round robin to be fair overall).
@@ -33,8 +35,10 @@ Policies:
 Each decision also names why its first engine won (`choice_reason`), for metrics and traces:
 "cached" (it holds the most of the prompt), "pending" (as many, some of it only pending),
 "spill" (another engine holds more, but waiting there costs more), "hash" (nobody holds any;
-the rendezvous hash broke a tie between engines as loaded), "least_load" (nobody holds any
-and it is cheapest or the least loaded of the ties, or the least_load policy), "round_robin".
+the rendezvous hash broke a tie between engines as queued and as loaded), "least_load" (nobody
+holds any and it is the cheapest, or the least queued or loaded of the ties, or the least_load
+policy),
+"round_robin".
 
 Invariants: every function returns a permutation of its input (no engine is dropped, so
 retries can reach every engine); results depend only on the arguments.
@@ -100,16 +104,21 @@ def rank_prefix(
         costs = estimate_all(engines, shape or infer_shape(engines), config)
     near = near_best(costs, config)
 
-    def preference(e: EngineView) -> tuple[bool, float, int, float, int]:
+    def preference(e: EngineView) -> tuple[bool, float, int, int, float, int]:
         # Among near-equal estimates the cache decides (a hit is work saved for everyone
-        # after this request too), then the fewest requests, then the hash; beyond them,
-        # the estimate itself. The request count matters for new prefixes: they stay where
-        # they land, and placing them by hash alone left the busiest of 64 engines 1.4x the
-        # mean's work (benchmarks/fleet_sim); counts are exact, unlike measured rates.
+        # after this request too); between engines holding as much, the fewest prompt
+        # tokens queued, then the fewest requests, then the hash; beyond the ties, the
+        # estimate itself. A new prefix stays where it lands, with every follower it
+        # brings: placed by request count first, it went to the engine whose requests were
+        # fewer but were more prefixes (followers are cheap, prefixes are not), and 30% of
+        # shuffled 8-prefix bursts ended 60/36 (tests/unit/test_routing_replay.py). Tokens,
+        # not the estimate's seconds: tied estimates differ by noise (rates, KV usage), and a
+        # tie-break by seconds sent every new tenant of a test fleet to one engine.
         tied = e.engine_id in near
-        return (not tied, -config.score(e) if tied else 0.0, e.load if tied else 0,
-                0.0 if tied else costs[e.engine_id].ttft_s,
-                -rendezvous_weight(tie_key, e.engine_id))
+        cost = costs[e.engine_id]
+        return (not tied, -config.score(e) if tied else 0.0,
+                cost.queued_tokens if tied else 0, e.load if tied else 0,
+                0.0 if tied else cost.ttft_s, -rendezvous_weight(tie_key, e.engine_id))
 
     return sorted(engines, key=preference)
 
@@ -136,8 +145,11 @@ def choice_reason(
         costs = estimate_all(ranking, shape or infer_shape(ranking), config)
     near = near_best(costs, config)
     tied = [e for e in rest if e.engine_id in near]
-    # Among ties the fewest requests went first; the hash decided only between equals.
-    return "hash" if any(e.load == best.load for e in tied) else "least_load"
+    # Among ties the fewest queued tokens, then the fewest requests went first; the hash
+    # decided only between equals.
+    queued = costs[best.engine_id].queued_tokens
+    return ("hash" if any(e.load == best.load and costs[e.engine_id].queued_tokens == queued
+                          for e in tied) else "least_load")
 
 
 def rank_least_load(engines: Sequence[EngineView], tie_key: bytes) -> list[EngineView]:

@@ -129,6 +129,9 @@ class Estimate:
     matched_tokens: int
     # Prompt tokens this request makes it compute (its share of `queued` once sent there).
     own_tokens: int
+    # Prompt tokens queued there before it (`queued_e`): work counted exactly, free of the
+    # measured rates' noise (the ranking's tie-break).
+    queued_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def _estimate(
     pressure = (e.kv_cache_usage - config.kv_pressure_start) / (1.0 - config.kv_pressure_start)
     work *= 1.0 + config.kv_pressure_weight * min(max(pressure, 0.0), 1.0)
     ttft = (queued + work) / rate + decoding * step
-    return Estimate(e.engine_id, ttft, matched, own)
+    return Estimate(e.engine_id, ttft, matched, own, queued)
 
 
 def _own_or_fleet(measured: float, mean: float, config: PrefixPolicyConfig) -> float:

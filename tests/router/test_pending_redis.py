@@ -21,6 +21,8 @@ from router.engines.pool import EnginePool
 from router.routing.decision import EngineSelector, RoutingConfig
 from router.routing.pending import drain
 from router.routing.prefix_index import EngineRecord, PrefixIndex
+from tests.unit.test_routing_replay import ENGINES, VLLM_ORDER, replay
+from tests.unit.test_routing_replay import prompt as replay_prompt
 
 BS = 16
 PREFIX = list(range(1000, 1000 + 512))  # 32 blocks
@@ -127,14 +129,17 @@ def test_two_replicas_agree_and_the_second_request_follows_the_first(
     register(client, "b")
 
     async def run() -> None:
-        indexes = [PrefixIndex(redis_server.url), PrefixIndex(redis_server.url)]
-        one, two = (EngineSelector(RoutingConfig(), index, EnginePool()) for index in indexes)
+        indexes = [PrefixIndex(redis_server.url) for _ in range(3)]
+        one, two, three = (EngineSelector(RoutingConfig(), index, EnginePool())
+                           for index in indexes)
         try:
-            # Both replicas rank a new prefix alike (the hash decides on an idle fleet).
+            # Replicas rank a new prefix alike (the hash decides on an idle fleet).
             first = await one.decide(prompt(0), TENANT)
-            other = await two.decide(prompt(0), TENANT)
+            other = await three.decide(prompt(0), TENANT)
             assert [v.engine_id for v in first.ranking] == [v.engine_id for v in other.ranking]
             assert first.reason == "hash"
+            assert other.claims is not None
+            other.claims.cancel()  # only compared, never sent: it holds the engine no more
             chosen = first.ranking[0]
             # Replica one sends the request there (what the dispatcher does).
             assert first.claims is not None
@@ -147,7 +152,9 @@ def test_two_replicas_agree_and_the_second_request_follows_the_first(
             assert second.ranking[0].matched_pending_blocks == 32
             assert second.predicted_cached_tokens(second.ranking[0]) == 512
             assert second.reason_for(second.ranking[1].engine_id) == "retry"
-            # The engine refused it: the claim is released and the prefix is cold again.
+            # The engine refused both: the claims are released and the prefix is cold again.
+            assert second.claims is not None
+            second.claims.release(second.ranking[0])
             first.claims.release(chosen)
             await drain()
             third = await two.decide(prompt(5000), TENANT)
@@ -181,6 +188,9 @@ def test_a_replica_follows_its_own_claim_before_the_write_lands(
             # Once the write landed, Redis reports the run and the local view adds nothing.
             third = await selector.decide(prompt(6000), TENANT)
             assert third.ranking[0].matched_pending_blocks == 32
+            for decision in (second, third):  # each claimed the engine when it was decided
+                assert decision.claims is not None
+                decision.claims.release(chosen)
             first.claims.release(chosen)
             await drain()
             fourth = await selector.decide(prompt(7000), TENANT)
@@ -194,3 +204,36 @@ def test_a_replica_follows_its_own_claim_before_the_write_lands(
 def test_records_carry_the_pending_match() -> None:
     record = EngineRecord("a", 1, 2, {}, 3, 4)
     assert (record.matched_host_blocks, record.matched_pending_blocks) == (3, 4)
+
+
+def test_a_burst_decided_before_any_send_spreads_as_if_sent_one_by_one(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    # Rate inf: all 96 requests of the fleet benchmark are decided while none has been sent
+    # (a context-window lookup, a busy event loop). Each decision holds its engine from the
+    # moment it is made, so the next one sees it in flight there, with its blocks pending:
+    # exactly the choices of the replay where every request was sent before the next.
+    # Before the hold, a run of such decisions saw the same idle engines, and four leaders
+    # went to one engine of two (the README's Fleet benchmark section).
+    for engine_id in ENGINES:
+        register(client, engine_id)
+
+    async def run() -> None:
+        index = PrefixIndex(redis_server.url)
+        selector = EngineSelector(RoutingConfig(), index, EnginePool())
+        try:
+            decisions = [await selector.decide(replay_prompt(p, i), "default")
+                         for i, p in enumerate(VLLM_ORDER)]
+            assert [(d.ranking[0].engine_id, d.reason) for d in decisions] == replay(VLLM_ORDER)
+            # Once sent (the dispatcher's claim), the hold is the pool's count: nothing twice.
+            for d in decisions:
+                assert d.claims is not None
+                d.claims.claim(d.ranking[0])
+            views = {v.engine_id: v for v in (await selector.decide(prompt(0), TENANT)).ranking}
+            assert {e: (v.in_flight, v.own_prefill_tokens) for e, v in views.items()} == {
+                e: (0, 0) for e in ENGINES}
+            await drain()
+        finally:
+            await index.close()
+
+    asyncio.run(run())

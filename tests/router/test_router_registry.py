@@ -22,6 +22,7 @@ from router.engines.discovery import DiscoveryConfig, EngineDiscovery
 from router.engines.pool import EnginePool
 from router.metrics import RouterMetrics
 from router.routing.decision import EngineSelector, RoutingConfig
+from router.routing.pending import drain
 from router.routing.prefix_index import (
     EngineRecord,
     PrefixIndex,
@@ -153,6 +154,7 @@ def test_a_busy_pool_routes_on_the_last_answer_and_keeps_using_redis(
         prompt = list(range(3, 40))
         try:
             assert (await selector.decide(prompt, "t")).used_index
+            await drain()  # the decision's pending claim, written in the background
             pause(client)
             paused, busy = await asyncio.gather(selector.decide(prompt, "t"),
                                                 selector.decide(prompt, "t"))

@@ -279,3 +279,18 @@ def test_claims_write_what_the_engine_lacks_and_release_in_order() -> None:
         ("mark", "o", "e1", 33, pytest.approx(2.0 + 3.0 * estimates["o"].ttft_s)),
         ("unmark", "o", "e1", 33, 0.0),
     ]
+
+
+def test_tied_new_prefixes_go_by_counted_work_not_by_the_estimates_noise() -> None:
+    # Estimates within the tolerance are equal: 91% KV usage costs HASH_FIRST 20% more
+    # (0.653 s against 0.544), yet with nothing queued on either, the hash decides.
+    engines = [engine(HASH_FIRST, kv_cache_usage=0.91), engine(HASH_SECOND)]
+    assert ttft(engines) == {HASH_FIRST: 0.65280, HASH_SECOND: 0.544}
+    assert ranked(engines) == [HASH_FIRST, HASH_SECOND]
+    assert reason(engines) == "hash"
+    # Counted work does decide a tie: 200 prompt tokens queued on HASH_FIRST against 100
+    # (0.744 s against 0.644: tied), and its fewer requests do not outweigh them.
+    engines = [engine(HASH_FIRST, queued_prefill_tokens=200),
+               engine(HASH_SECOND, num_running=3, num_waiting=1, queued_prefill_tokens=100)]
+    assert ranked(engines) == [HASH_SECOND, HASH_FIRST]
+    assert reason(engines) == "least_load"
