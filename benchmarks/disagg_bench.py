@@ -30,11 +30,13 @@ import random
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks import kv_transfer_cost
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.fleet_config import parse_engine_cpus
 from kvfleet.router_client import auth_metadata, build_request, channel
 from kvfleet.v1 import common_pb2, router_pb2_grpc
 
@@ -172,6 +174,13 @@ def main() -> None:
     parser.add_argument("--decode-caps", default="",
                         help="comma-separated --max-prefill-tokens-per-decode-step values, a "
                              "1P+1D fleet per transport and value (default: the engines' own)")
+    parser.add_argument("--prefill-nices", default="",
+                        help="comma-separated nice increments for the prefill engine, a "
+                             "1P+1D fleet each (default: the fleet's own)")
+    parser.add_argument("--cpu-binds", default="all",
+                        help="';'-separated engine CPU bindings (kvfleet up --engine-cpus: "
+                             "'all', or the prefill engine's CPUs|the decode engine's), a "
+                             "1P+1D fleet each, e.g. 'all;0|1' (default: %(default)s)")
     parser.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
                         help="also run 2 colocated engines (default: %(default)s)")
     parser.add_argument("--transfer-only", type=int, default=0, metavar="N",
@@ -189,26 +198,56 @@ def main() -> None:
     if args.transfer_only:
         _transfer_only(model, engine_args, args)
         return
-    caps = [cap.strip() for cap in args.decode_caps.split(",") if cap.strip()] or [None]
-    for cap in caps:
-        if cap is not None and not cap.isdigit():
-            parser.error(f"--decode-caps: {cap!r} is not a token count")
-    fleets: list[tuple[str, tuple[int, int], tuple[str, ...]]] = [
-        (f"1P+1D {transport}" + ("" if cap is None else f" cap {cap}"), (1, 1),
-         ("--kv-transfer", transport,
-          *(() if cap is None else ("--max-prefill-tokens-per-decode-step", cap))))
-        for transport in args.transports.split(",") for cap in caps]
+    caps = _list(parser, "--decode-caps", args.decode_caps, str.isdigit, "a token count")
+    nices = _list(parser, "--prefill-nices", args.prefill_nices,
+                  lambda nice: nice.isdigit() and int(nice) <= 19, "a nice increment 0-19")
+    binds = [_cpu_bind(parser, bind) for bind in args.cpu_binds.split(";")]
+    fleets: list[tuple[str, tuple[int, int], tuple[str, ...], int | None, Binding]] = [
+        (f"1P+1D {transport}" + ("" if cap is None else f" cap {cap}")
+         + ("" if nice is None else f" nice {nice}")
+         + ("" if not bind else f" cpus {_bind_label(bind)}"),
+         (1, 1), ("--kv-transfer", transport,
+                  *(() if cap is None else ("--max-prefill-tokens-per-decode-step", cap))),
+         None if nice is None else int(nice), bind)
+        for transport in args.transports.split(",") for cap in caps for nice in nices
+        for bind in binds]
     if args.colocated:
-        fleets.append(("2 colocated", (0, 0), ()))
+        fleets.append(("2 colocated", (0, 0), (), None, ()))
     with tempfile.TemporaryDirectory() as work:
-        for name, roles, transport_args in fleets:
+        for name, roles, transport_args, nice, bind in fleets:
             config = FleetConfig(
                 model_dir=model, num_engines=2, prefill_engines=roles[0],
                 decode_engines=roles[1], engine_args=(*engine_args, *transport_args),
                 router_args=threshold, log_dir=Path(work) / name.replace(" ", "-"),
-                engine_threads=1,
+                engine_threads=1, engine_cpus=bind,
             )
+            if nice is not None:
+                config = replace(config, prefill_nice=nice)
             _run(name, config, args)
+
+
+Binding = tuple[tuple[int, ...], ...]
+
+
+def _list(parser: argparse.ArgumentParser, flag: str, value: str,
+          valid: Callable[[str], bool], what: str) -> list[str | None]:
+    """A comma-separated A/B list; [None] (the fleet's default) when empty."""
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    for item in items:
+        if not valid(item):
+            parser.error(f"{flag}: {item!r} is not {what}")
+    return list(items) or [None]
+
+
+def _bind_label(bind: Binding) -> str:
+    return "|".join(",".join(map(str, cpus)) for cpus in bind)
+
+
+def _cpu_bind(parser: argparse.ArgumentParser, bind: str) -> Binding:
+    try:
+        return parse_engine_cpus(bind)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _transfer_only(model: Path, engine_args: tuple[str, ...], args: argparse.Namespace) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 DEFAULT_START_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 15.0
+# Prefill-role engines' nice increment in a local fleet (docs/disaggregation.md).
+DEFAULT_PREFILL_NICE = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,13 @@ class FleetConfig:
     # engines are these many prefill-role engines then decode-role ones (num_engines unused).
     prefill_engines: int = 0
     decode_engines: int = 0
+    # How much lower prefill-role engines run in the host's CPU priority (os.nice; 0: the
+    # same as every other service). A prefill engine's prompts are throughput work; the
+    # decode engine, router and clients sharing its cores are latency work.
+    prefill_nice: int = DEFAULT_PREFILL_NICE
+    # Engine i's CPUs (os.sched_setaffinity, like vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND);
+    # engines past the end of the tuple, or given (), may run on any CPU.
+    engine_cpus: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -70,6 +79,12 @@ class FleetConfig:
         if bool(self.prefill_engines) != bool(self.decode_engines):
             raise ValueError("a disaggregated fleet needs prefill and decode engines, got "
                              f"{self.prefill_engines} and {self.decode_engines}")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be 0-19 (a nice increment), got "
+                             f"{self.prefill_nice}")
+        for index, cpus in enumerate(self.engine_cpus):
+            if any(cpu < 0 for cpu in cpus):
+                raise ValueError(f"engine_cpus[{index}]: CPU numbers are >= 0, got {cpus}")
 
     @property
     def engine_roles(self) -> tuple[str, ...]:
@@ -78,6 +93,37 @@ class FleetConfig:
             return ("prefill",) * self.prefill_engines + ("decode",) * self.decode_engines
         return ("both",) * self.num_engines
 
+    def engine_nice(self, index: int) -> int:
+        """Engine i's nice increment: `prefill_nice` for a prefill-role engine, else 0."""
+        roles = self.engine_roles
+        return self.prefill_nice if index < len(roles) and roles[index] == "prefill" else 0
+
+    def engine_cpu_set(self, index: int) -> tuple[int, ...]:
+        """Engine i's CPUs (empty: any)."""
+        return self.engine_cpus[index] if index < len(self.engine_cpus) else ()
+
+
+
+def parse_engine_cpus(text: str) -> tuple[tuple[int, ...], ...]:
+    """`FleetConfig.engine_cpus` from vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND notation: engines
+    separated by `|`, each a comma-separated list of CPUs and ranges (`0-1|2,3`); empty or
+    `all`: no binding. ValueError naming `--engine-cpus` on anything else."""
+    if text.strip() in ("", "all"):
+        return ()
+    engines = []
+    for part in text.split("|"):
+        cpus: list[int] = []
+        for item in part.split(","):
+            low, dash, high = item.strip().partition("-")
+            if not low.isdigit() or (dash and not high.isdigit()):
+                raise ValueError(f"--engine-cpus: {item.strip()!r} in {text!r} is not a CPU "
+                                 "number or range (e.g. 0|1 or 0-3|4-7)")
+            first, last = int(low), int(high or low)
+            if last < first:
+                raise ValueError(f"--engine-cpus: empty range {item.strip()!r} in {text!r}")
+            cpus.extend(range(first, last + 1))
+        engines.append(tuple(cpus))
+    return tuple(engines)
 
 
 def engine_id(index: int) -> str:
