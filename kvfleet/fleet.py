@@ -317,7 +317,8 @@ class Fleet:
         ) + ["--http-port", str(http_port), "--http-port-file", str(http_port_file),
              "--router-secret-file", str(self.router_secret_file), *self._redis_flags(),
              *self.credentials.tls_flags("router"), *self.credentials.router_http_flags()]
-        router = self._launch(name, command, tls_name=ROUTER_ROLE)
+        router = self._launch(name, command, tls_name=ROUTER_ROLE,
+                              cpus=self.config.service_cpus())
         router.http_port_file = http_port_file
         self._wait_ready([router])
         return router
@@ -386,12 +387,13 @@ class Fleet:
 
     def _launch_tokenizer(self, port: int) -> ServiceProcess:
         command = tokenizer_command(self.config, port) + self.credentials.tls_flags("tokenizer")
-        return self._launch("tokenizer", command, tls_name=TOKENIZER_ROLE)
+        return self._launch("tokenizer", command, tls_name=TOKENIZER_ROLE,
+                            cpus=self.config.service_cpus())
 
     def _redis_shim(self) -> Path:
         """An executable that runs redis-server through the child shim (for RedisServer)."""
         shim = self.log_dir / "redis-server-shim"
-        code = _shim_code([find_redis_server()])
+        code = _shim_code([find_redis_server()], cpus=self.config.service_cpus())
         shim.write_text(f"#!{sys.executable}\n{code}")
         shim.chmod(0o755)
         return shim

@@ -8,6 +8,7 @@ reach the services as files (`kvfleet.fleet_credentials`), added by the fleet.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +103,24 @@ class FleetConfig:
         """Engine i's CPUs (empty: any)."""
         return self.engine_cpus[index] if index < len(self.engine_cpus) else ()
 
+    def service_cpus(self) -> tuple[int, ...]:
+        """The router's, tokenizer's and Redis's CPUs (empty: any): with engines bound, the
+        CPUs of this host no decoding engine (decode or both) is bound to. A floating router
+        woken by a decode engine's token is placed on that engine's CPU (the kernel's wake
+        affinity) and takes it from the next step; on the prefill engines' CPUs it takes
+        throughput work's time instead."""
+        if not self.engine_cpus:
+            return ()
+        roles = self.engine_roles
+        decoding = {cpu for index, cpus in enumerate(self.engine_cpus)
+                    if index < len(roles) and roles[index] != "prefill" for cpu in cpus}
+        return tuple(sorted(set(_host_cpus()) - decoding))
+
+
+
+def _host_cpus() -> set[int]:
+    """The CPUs this process may run on (a container's cpuset, not the whole machine)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 
 
 def parse_engine_cpus(text: str) -> tuple[tuple[int, ...], ...]:

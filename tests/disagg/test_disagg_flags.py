@@ -90,3 +90,19 @@ def test_child_shim_applies_nice_and_cpus() -> None:
     plain = subprocess.run([sys.executable, "-c", _shim_code([sys.executable, "-c", probe])],
                            capture_output=True, text=True, check=True, timeout=60).stdout
     assert int(plain.split()[0]) == before
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+def test_services_keep_off_decoding_engines_cpus(tmp_path: Path) -> None:
+    host = sorted(os.sched_getaffinity(0))
+    first = host[0]
+    disagg = FleetConfig(model_dir=tmp_path, prefill_engines=1, decode_engines=1,
+                         engine_cpus=((first,), (first + 1000,)))
+    # The router goes where the prefill engine is, never onto the decode engine's CPU.
+    assert disagg.service_cpus() == tuple(host)
+    decode_on_first = FleetConfig(model_dir=tmp_path, prefill_engines=1, decode_engines=1,
+                                  engine_cpus=((first + 1000,), (first,)))
+    assert decode_on_first.service_cpus() == tuple(cpu for cpu in host if cpu != first)
+    assert FleetConfig(model_dir=tmp_path).service_cpus() == ()  # nothing bound: float
+    every = FleetConfig(model_dir=tmp_path, num_engines=1, engine_cpus=(tuple(host),))
+    assert every.service_cpus() == ()  # no CPU left over: float rather than starve
