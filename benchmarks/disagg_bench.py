@@ -12,11 +12,17 @@ engine's push until the decode engine has the blocks in its cache; from its metr
 
     python -m benchmarks.disagg_bench [--model DIR] [--seconds 60] [--chats 4]
                                       [--long-tokens 2000] [--transports shm,grpc]
-                                      [--decode-caps 4,0]
+                                      [--decode-caps 4,0] [--prefill-nices 0,10]
+                                      [--cpu-binds 'all;0|1']
 
 `--decode-caps`: one 1P+1D fleet per transport and cap, its engines started with
 `--max-prefill-tokens-per-decode-step` (0: no cap; unset: the engines' default, 4 on a
 decode engine), for an A/B of the decode engine's prompt cap in one run.
+
+`--prefill-nices 0,10` and `--cpu-binds 'all;0|1'`: likewise one 1P+1D fleet per value of the
+prefill engine's nice increment (FleetConfig.prefill_nice) and of the engines' CPU binding
+(kvfleet up --engine-cpus; with engines bound, the router and this client run off the decode
+engine's CPUs, as the fleet places its own services).
 
 `--transfer-only N`: instead, the transfer's own cost per block on one idle engine, N pushes
 per transport (benchmarks.kv_transfer_cost; no prefill compute in the figure).
