@@ -141,7 +141,12 @@ def _metric(port: int | None, name: str) -> float:
 
 def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
     with Fleet(config) as fleet, _bound(config.service_cpus()):
+        pids = _processes(config, fleet)
+        before, start = {name: _cpu_seconds(pid) for name, pid in pids.items()}, time.monotonic()
         gaps = asyncio.run(_load(fleet.router_address, args))
+        wall = time.monotonic() - start
+        shares = ", ".join(f"{name} {(_cpu_seconds(pid) - before[name]) / wall:.0%}"
+                           for name, pid in pids.items())
         line = (f"{name:>16}: chats' inter-token latency p50 {gaps.percentile(0.5) * 1e3:.1f} ms"
                 f", p99 {gaps.percentile(0.99) * 1e3:.1f} ms ({len(gaps.seconds)} gaps, "
                 f"{len(gaps.seconds) + gaps.streams} chat tokens); TTFT p50 "
@@ -150,8 +155,25 @@ def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
         if config.prefill_engines:
             line += "; " + _transfer_cost(fleet.engines[0].metrics_port)
         phases = ", ".join(f"{name} {n}" for name, n in gaps.worst_by_phase().items())
-        print(f"{line}\n{'':>18}worst 1% of gaps during the long prompts' {phases}",
-              flush=True)
+        print(f"{line}\n{'':>18}worst 1% of gaps during the long prompts' {phases}\n"
+              f"{'':>18}CPU time a second: {shares}", flush=True)
+
+
+def _processes(config: FleetConfig, fleet: Fleet) -> dict[str, int]:
+    """The pids whose CPU time the run reports: this client, the router, each engine."""
+    engines = {f"{role} engine" if role != "both" else engine.name: engine.pid
+               for role, engine in zip(config.engine_roles, fleet.engines, strict=True)}
+    return {"client": os.getpid(), "router": fleet.router.pid if fleet.router else 0,
+            **engines}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all its threads (/proc, Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
