@@ -209,6 +209,24 @@ def _transfer_cost(port: int | None) -> str:
 
 
 def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from engine.models.default_model import prepare_default_model
+
+        model = prepare_default_model()
+    context = str(args.max_model_len or max(4096, args.long_tokens + 512))
+    engine_args = ("--max-model-len", context, *args.engine_arg)
+    if args.transfer_only:
+        _transfer_only(model, engine_args, args)
+        return
+    with tempfile.TemporaryDirectory() as work:
+        for name, config in _fleets(parser, args, model, engine_args, Path(work)):
+            _run(name, config, args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--seconds", type=float, default=60.0)
@@ -236,18 +254,14 @@ def main() -> None:
     parser.add_argument("--transfer-only", type=int, default=0, metavar="N",
                         help="only the transfer's cost: N pushes per transport to an idle "
                              "engine")
-    args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from engine.models.default_model import prepare_default_model
+    return parser
 
-        model = prepare_default_model()
-    context = str(args.max_model_len or max(4096, args.long_tokens + 512))
-    engine_args = ("--max-model-len", context, *args.engine_arg)
+
+def _fleets(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Path,
+            engine_args: tuple[str, ...], work: Path) -> list[tuple[str, FleetConfig]]:
+    """The fleets to run, in order: a 1P+1D one per transport, cap, nice and binding, then
+    the colocated one."""
     threshold = ("--disagg-prefill-threshold", str(max(1, args.long_tokens // 2)))
-    if args.transfer_only:
-        _transfer_only(model, engine_args, args)
-        return
     caps = _list(parser, "--decode-caps", args.decode_caps, str.isdigit, "a token count")
     nices = _list(parser, "--prefill-nices", args.prefill_nices,
                   lambda nice: nice.isdigit() and int(nice) <= 19, "a nice increment 0-19")
@@ -263,17 +277,16 @@ def main() -> None:
         for bind in binds]
     if args.colocated:
         fleets.append(("2 colocated", (0, 0), (), None, ()))
-    with tempfile.TemporaryDirectory() as work:
-        for name, roles, transport_args, nice, bind in fleets:
-            config = FleetConfig(
-                model_dir=model, num_engines=2, prefill_engines=roles[0],
-                decode_engines=roles[1], engine_args=(*engine_args, *transport_args),
-                router_args=threshold, log_dir=Path(work) / name.replace(" ", "-"),
-                engine_threads=1, engine_cpus=bind,
-            )
-            if nice is not None:
-                config = replace(config, prefill_nice=nice)
-            _run(name, config, args)
+    configs = []
+    for name, roles, transport_args, nice, bind in fleets:
+        config = FleetConfig(
+            model_dir=model, num_engines=2, prefill_engines=roles[0],
+            decode_engines=roles[1], engine_args=(*engine_args, *transport_args),
+            router_args=threshold, log_dir=work / name.replace(" ", "-"),
+            engine_threads=1, engine_cpus=bind,
+        )
+        configs.append((name, config if nice is None else replace(config, prefill_nice=nice)))
+    return configs
 
 
 Binding = tuple[tuple[int, ...], ...]
