@@ -130,7 +130,7 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                                             "--router-arg=--enable-auto-tool-choice")
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="torch threads per engine (default: cores / engines)")
-    parser.add_argument("--prefill-nice", type=int, default=None, metavar="N",
+    parser.add_argument("--prefill-nice", type=_nice, default=None, metavar="N",
                         help="run prefill-role engines N steps lower in CPU priority (os.nice, "
                              "0-19), so decode engines, the router and clients sharing their "
                              f"cores go first (default: {DEFAULT_PREFILL_NICE})")
@@ -314,6 +314,12 @@ def http_port_or_free(host: str, port: int) -> int:
             print(f"http port {port} is in use; the router takes a free one", flush=True)
             return 0
     return port
+
+
+def _nice(text: str) -> int:
+    if not text.isdigit() or int(text) > 19:
+        raise argparse.ArgumentTypeError(f"a nice increment is 0-19, got {text!r}")
+    return int(text)
 
 
 def _engine_cpus(text: str) -> tuple[tuple[int, ...], ...]:

@@ -83,9 +83,13 @@ class FleetConfig:
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError(f"prefill_nice must be 0-19 (a nice increment), got "
                              f"{self.prefill_nice}")
+        host = _host_cpus()
         for index, cpus in enumerate(self.engine_cpus):
             if any(cpu < 0 for cpu in cpus):
                 raise ValueError(f"engine_cpus[{index}]: CPU numbers are >= 0, got {cpus}")
+            if host and not set(cpus) <= host:  # else the engine would die at exec
+                raise ValueError(f"engine_cpus[{index}]: CPUs {sorted(set(cpus) - host)} are "
+                                 f"not among this host's {sorted(host)}")
 
     @property
     def engine_roles(self) -> tuple[str, ...]:

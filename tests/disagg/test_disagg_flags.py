@@ -52,13 +52,15 @@ def test_engine_and_router_flags() -> None:
 
 
 def test_up_prefill_nice_and_engine_cpus(tmp_path: Path) -> None:
+    assert parse_engine_cpus("0|1,2|3-4") == ((0,), (1, 2), (3, 4))
+    cpu = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
     args = build_parser().parse_args([
         "up", "--log-dir", str(tmp_path), "--http-port", "0", "--prefill-engines", "1",
-        "--decode-engines", "2", "--prefill-nice", "7", "--engine-cpus", "0|1,2|3-4",
+        "--decode-engines", "2", "--prefill-nice", "7", "--engine-cpus", f"{cpu}|{cpu}",
     ])
     config = up_config(args, tmp_path)
     assert [config.engine_nice(i) for i in range(3)] == [7, 0, 0]
-    assert [config.engine_cpu_set(i) for i in range(4)] == [(0,), (1, 2), (3, 4), ()]
+    assert [config.engine_cpu_set(i) for i in range(3)] == [(cpu,), (cpu,), ()]
     default = up_config(build_parser().parse_args(
         ["up", "--log-dir", str(tmp_path), "--http-port", "0"]), tmp_path)
     assert default.prefill_nice == DEFAULT_PREFILL_NICE and default.engine_cpus == ()
@@ -67,6 +69,12 @@ def test_up_prefill_nice_and_engine_cpus(tmp_path: Path) -> None:
         FleetConfig(model_dir=tmp_path, prefill_nice=20)
     with pytest.raises(ValueError, match="engine_cpus"):
         FleetConfig(model_dir=tmp_path, engine_cpus=((0,), (-1,)))
+
+
+def test_bad_prefill_nice_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--prefill-nice", "20"])
+    assert "--prefill-nice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["a|1", "0-|1", "3-1", "0||1"])
@@ -92,17 +100,20 @@ def test_child_shim_applies_nice_and_cpus() -> None:
     assert int(plain.split()[0]) == before
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux only")
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity")
+                    or len(os.sched_getaffinity(0)) < 2, reason="Linux, two CPUs")
 def test_services_keep_off_decoding_engines_cpus(tmp_path: Path) -> None:
     host = sorted(os.sched_getaffinity(0))
-    first = host[0]
+    first, second = host[:2]
     disagg = FleetConfig(model_dir=tmp_path, prefill_engines=1, decode_engines=1,
-                         engine_cpus=((first,), (first + 1000,)))
+                         engine_cpus=((first,), (second,)))
     # The router goes where the prefill engine is, never onto the decode engine's CPU.
-    assert disagg.service_cpus() == tuple(host)
+    assert disagg.service_cpus() == tuple(cpu for cpu in host if cpu != second)
     decode_on_first = FleetConfig(model_dir=tmp_path, prefill_engines=1, decode_engines=1,
-                                  engine_cpus=((first + 1000,), (first,)))
+                                  engine_cpus=((second,), (first,)))
     assert decode_on_first.service_cpus() == tuple(cpu for cpu in host if cpu != first)
+    with pytest.raises(ValueError, match=r"engine_cpus\[1\].*not among"):
+        FleetConfig(model_dir=tmp_path, engine_cpus=((first,), (max(host) + 1,)))
     assert FleetConfig(model_dir=tmp_path).service_cpus() == ()  # nothing bound: float
     every = FleetConfig(model_dir=tmp_path, num_engines=1, engine_cpus=(tuple(host),))
     assert every.service_cpus() == ()  # no CPU left over: float rather than starve
