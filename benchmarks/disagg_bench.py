@@ -12,11 +12,17 @@ engine's push until the decode engine has the blocks in its cache; from its metr
 
     python -m benchmarks.disagg_bench [--model DIR] [--seconds 60] [--chats 4]
                                       [--long-tokens 2000] [--transports shm,grpc]
-                                      [--decode-caps 4,0]
+                                      [--decode-caps 4,0] [--prefill-nices 0,10]
+                                      [--cpu-binds 'all;0|1']
 
 `--decode-caps`: one 1P+1D fleet per transport and cap, its engines started with
 `--max-prefill-tokens-per-decode-step` (0: no cap; unset: the engines' default, 4 on a
 decode engine), for an A/B of the decode engine's prompt cap in one run.
+
+`--prefill-nices 0,10` and `--cpu-binds 'all;0|1'`: likewise one 1P+1D fleet per value of the
+prefill engine's nice increment (FleetConfig.prefill_nice) and of the engines' CPU binding
+(kvfleet up --engine-cpus; with engines bound, the router and this client run off the decode
+engine's CPUs, as the fleet places its own services).
 
 `--transfer-only N`: instead, the transfer's own cost per block on one idle engine, N pushes
 per transport (benchmarks.kv_transfer_cost; no prefill compute in the figure).
@@ -26,15 +32,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import random
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks import kv_transfer_cost
 from kvfleet.fleet import Fleet, FleetConfig
+from kvfleet.fleet_config import parse_engine_cpus
 from kvfleet.router_client import auth_metadata, build_request, channel
 from kvfleet.v1 import common_pb2, router_pb2_grpc
 
@@ -130,8 +140,13 @@ def _metric(port: int | None, name: str) -> float:
 
 
 def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
-    with Fleet(config) as fleet:
+    with Fleet(config) as fleet, _bound(config.service_cpus()):
+        pids = _processes(config, fleet)
+        before, start = {name: _cpu_seconds(pid) for name, pid in pids.items()}, time.monotonic()
         gaps = asyncio.run(_load(fleet.router_address, args))
+        wall = time.monotonic() - start
+        shares = ", ".join(f"{name} {(_cpu_seconds(pid) - before[name]) / wall:.0%}"
+                           for name, pid in pids.items())
         line = (f"{name:>16}: chats' inter-token latency p50 {gaps.percentile(0.5) * 1e3:.1f} ms"
                 f", p99 {gaps.percentile(0.99) * 1e3:.1f} ms ({len(gaps.seconds)} gaps, "
                 f"{len(gaps.seconds) + gaps.streams} chat tokens); TTFT p50 "
@@ -140,8 +155,45 @@ def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
         if config.prefill_engines:
             line += "; " + _transfer_cost(fleet.engines[0].metrics_port)
         phases = ", ".join(f"{name} {n}" for name, n in gaps.worst_by_phase().items())
-        print(f"{line}\n{'':>18}worst 1% of gaps during the long prompts' {phases}",
-              flush=True)
+        print(f"{line}\n{'':>18}worst 1% of gaps during the long prompts' {phases}\n"
+              f"{'':>18}CPU time a second: {shares}", flush=True)
+
+
+def _processes(config: FleetConfig, fleet: Fleet) -> dict[str, int]:
+    """The pids whose CPU time the run reports: this client, the router, each engine."""
+    engines = {f"{role} engine" if role != "both" else engine.name: engine.pid
+               for role, engine in zip(config.engine_roles, fleet.engines, strict=True)}
+    return {"client": os.getpid(), "router": fleet.router.pid if fleet.router else 0,
+            **engines}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all its threads (/proc, Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def _bound(cpus: tuple[int, ...]) -> Iterator[None]:
+    """Run this client where the fleet runs its router (off the decode engines' CPUs when
+    engines are bound): every thread of this process, gRPC's included, then as before."""
+    if not cpus:
+        yield
+        return
+    threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    before = os.sched_getaffinity(0)
+    for tid in threads:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, cpus)
+    try:
+        yield
+    finally:
+        for thread in os.listdir("/proc/self/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(thread), before)
 
 
 def _transfer_cost(port: int | None) -> str:
@@ -157,6 +209,24 @@ def _transfer_cost(port: int | None) -> str:
 
 
 def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    model = args.model
+    if model is None:
+        from engine.models.default_model import prepare_default_model
+
+        model = prepare_default_model()
+    context = str(args.max_model_len or max(4096, args.long_tokens + 512))
+    engine_args = ("--max-model-len", context, *args.engine_arg)
+    if args.transfer_only:
+        _transfer_only(model, engine_args, args)
+        return
+    with tempfile.TemporaryDirectory() as work:
+        for name, config in _fleets(parser, args, model, engine_args, Path(work)):
+            _run(name, config, args)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--seconds", type=float, default=60.0)
@@ -172,43 +242,75 @@ def main() -> None:
     parser.add_argument("--decode-caps", default="",
                         help="comma-separated --max-prefill-tokens-per-decode-step values, a "
                              "1P+1D fleet per transport and value (default: the engines' own)")
+    parser.add_argument("--prefill-nices", default="",
+                        help="comma-separated nice increments for the prefill engine, a "
+                             "1P+1D fleet each (default: the fleet's own)")
+    parser.add_argument("--cpu-binds", default="all",
+                        help="';'-separated engine CPU bindings (kvfleet up --engine-cpus: "
+                             "'all', or the prefill engine's CPUs|the decode engine's), a "
+                             "1P+1D fleet each, e.g. 'all;0|1' (default: %(default)s)")
     parser.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
                         help="also run 2 colocated engines (default: %(default)s)")
     parser.add_argument("--transfer-only", type=int, default=0, metavar="N",
                         help="only the transfer's cost: N pushes per transport to an idle "
                              "engine")
-    args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from engine.models.default_model import prepare_default_model
+    return parser
 
-        model = prepare_default_model()
-    context = str(args.max_model_len or max(4096, args.long_tokens + 512))
-    engine_args = ("--max-model-len", context, *args.engine_arg)
+
+def _fleets(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Path,
+            engine_args: tuple[str, ...], work: Path) -> list[tuple[str, FleetConfig]]:
+    """The fleets to run, in order: a 1P+1D one per transport, cap, nice and binding, then
+    the colocated one."""
     threshold = ("--disagg-prefill-threshold", str(max(1, args.long_tokens // 2)))
-    if args.transfer_only:
-        _transfer_only(model, engine_args, args)
-        return
-    caps = [cap.strip() for cap in args.decode_caps.split(",") if cap.strip()] or [None]
-    for cap in caps:
-        if cap is not None and not cap.isdigit():
-            parser.error(f"--decode-caps: {cap!r} is not a token count")
-    fleets: list[tuple[str, tuple[int, int], tuple[str, ...]]] = [
-        (f"1P+1D {transport}" + ("" if cap is None else f" cap {cap}"), (1, 1),
-         ("--kv-transfer", transport,
-          *(() if cap is None else ("--max-prefill-tokens-per-decode-step", cap))))
-        for transport in args.transports.split(",") for cap in caps]
+    caps = _list(parser, "--decode-caps", args.decode_caps, str.isdigit, "a token count")
+    nices = _list(parser, "--prefill-nices", args.prefill_nices,
+                  lambda nice: nice.isdigit() and int(nice) <= 19, "a nice increment 0-19")
+    binds = [_cpu_bind(parser, bind) for bind in args.cpu_binds.split(";")]
+    fleets: list[tuple[str, tuple[int, int], tuple[str, ...], int | None, Binding]] = [
+        (f"1P+1D {transport}" + ("" if cap is None else f" cap {cap}")
+         + ("" if nice is None else f" nice {nice}")
+         + ("" if not bind else f" cpus {_bind_label(bind)}"),
+         (1, 1), ("--kv-transfer", transport,
+                  *(() if cap is None else ("--max-prefill-tokens-per-decode-step", cap))),
+         None if nice is None else int(nice), bind)
+        for transport in args.transports.split(",") for cap in caps for nice in nices
+        for bind in binds]
     if args.colocated:
-        fleets.append(("2 colocated", (0, 0), ()))
-    with tempfile.TemporaryDirectory() as work:
-        for name, roles, transport_args in fleets:
-            config = FleetConfig(
-                model_dir=model, num_engines=2, prefill_engines=roles[0],
-                decode_engines=roles[1], engine_args=(*engine_args, *transport_args),
-                router_args=threshold, log_dir=Path(work) / name.replace(" ", "-"),
-                engine_threads=1,
-            )
-            _run(name, config, args)
+        fleets.append(("2 colocated", (0, 0), (), None, ()))
+    configs = []
+    for name, roles, transport_args, nice, bind in fleets:
+        config = FleetConfig(
+            model_dir=model, num_engines=2, prefill_engines=roles[0],
+            decode_engines=roles[1], engine_args=(*engine_args, *transport_args),
+            router_args=threshold, log_dir=work / name.replace(" ", "-"),
+            engine_threads=1, engine_cpus=bind,
+        )
+        configs.append((name, config if nice is None else replace(config, prefill_nice=nice)))
+    return configs
+
+
+Binding = tuple[tuple[int, ...], ...]
+
+
+def _list(parser: argparse.ArgumentParser, flag: str, value: str,
+          valid: Callable[[str], bool], what: str) -> list[str | None]:
+    """A comma-separated A/B list; [None] (the fleet's default) when empty."""
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    for item in items:
+        if not valid(item):
+            parser.error(f"{flag}: {item!r} is not {what}")
+    return list(items) or [None]
+
+
+def _bind_label(bind: Binding) -> str:
+    return "|".join(",".join(map(str, cpus)) for cpus in bind)
+
+
+def _cpu_bind(parser: argparse.ArgumentParser, bind: str) -> Binding:
+    try:
+        return parse_engine_cpus(bind)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _transfer_only(model: Path, engine_args: tuple[str, ...], args: argparse.Namespace) -> None:

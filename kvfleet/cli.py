@@ -40,6 +40,7 @@ import grpc
 from kvfleet import router_client as router_client
 from kvfleet import run_logs
 from kvfleet.fleet import Fleet, FleetConfig, FleetError
+from kvfleet.fleet_config import DEFAULT_PREFILL_NICE, parse_engine_cpus
 from kvfleet.runtime.redis_access import describe
 from kvfleet.v1 import common_pb2, router_pb2_grpc
 
@@ -129,6 +130,13 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                                             "--router-arg=--enable-auto-tool-choice")
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="torch threads per engine (default: cores / engines)")
+    parser.add_argument("--prefill-nice", type=_nice, default=None, metavar="N",
+                        help="run prefill-role engines N steps lower in CPU priority (os.nice, "
+                             "0-19), so decode engines, the router and clients sharing their "
+                             f"cores go first (default: {DEFAULT_PREFILL_NICE})")
+    parser.add_argument("--engine-cpus", type=_engine_cpus, default=(), metavar="CPUS",
+                        help="bind engine i to the i-th '|'-separated CPU list, as vLLM-CPU's "
+                             "VLLM_CPU_OMP_THREADS_BIND (e.g. 0|1, 0-3|4-7; default: any CPU)")
     parser.add_argument("--demo", action="store_true",
                         help="send the demo prompts twice once the fleet is up")
 
@@ -235,6 +243,8 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
         policy=args.policy, api_keys=args.api_keys,
         engine_args=tuple(args.engine_args), router_args=tuple(args.router_args),
         log_dir=args.log_dir or run_logs.new_run_dir(),
+        **({} if args.prefill_nice is None else {"prefill_nice": args.prefill_nice}),
+        engine_cpus=args.engine_cpus,
         engine_threads=args.engine_threads or default_engine_threads(
             args.prefill_engines + args.decode_engines or args.engines
         ),
@@ -304,6 +314,19 @@ def http_port_or_free(host: str, port: int) -> int:
             print(f"http port {port} is in use; the router takes a free one", flush=True)
             return 0
     return port
+
+
+def _nice(text: str) -> int:
+    if not text.isdigit() or int(text) > 19:
+        raise argparse.ArgumentTypeError(f"a nice increment is 0-19, got {text!r}")
+    return int(text)
+
+
+def _engine_cpus(text: str) -> tuple[tuple[int, ...], ...]:
+    try:
+        return parse_engine_cpus(text)
+    except ValueError as exc:  # argparse would print only "invalid value"
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def default_engine_threads(num_engines: int) -> int:

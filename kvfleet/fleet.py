@@ -64,7 +64,9 @@ __all__ = [
 # Every child starts through this shim, then execs the real program (same pid):
 # - its own session, so a terminal's Ctrl-C reaches only the fleet's owner, which then stops
 #   the services in order (Redis included: it would otherwise quit first);
-# - on Linux, PR_SET_PDEATHSIG: SIGTERM when the owner dies, even by SIGKILL (no orphans).
+# - on Linux, PR_SET_PDEATHSIG: SIGTERM when the owner dies, even by SIGKILL (no orphans);
+# - its CPU priority (nice) and CPU set, if the fleet gives them, before exec: every thread the
+#   service later starts (torch's OpenMP pool, gRPC's) inherits them.
 # Done after fork in a fresh interpreter rather than with Popen(preexec_fn=...): running
 # Python between fork and exec in a process with gRPC threads can deadlock.
 _CHILD_SHIM = """\
@@ -76,6 +78,10 @@ if sys.platform == "linux":
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)
     if parent == 1 or os.getppid() != parent:
         sys.exit(1)  # the owner died before the death signal was armed
+if NICE:
+    os.nice(NICE)
+if CPUS:
+    os.sched_setaffinity(0, CPUS)
 argv = TARGET + sys.argv[1:]
 os.execv(argv[0], argv)
 """
@@ -268,7 +274,9 @@ class Fleet:
         if self.config.engine_threads is not None:
             threads = str(self.config.engine_threads)
             env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        return self._launch(name, command, env, tls_name=name)
+        return self._launch(name, command, env, tls_name=name,
+                            nice=self.config.engine_nice(index),
+                            cpus=self.config.engine_cpu_set(index))
 
     def restart_tokenizer(self, kill: bool = False) -> ServiceProcess:
         """Stop the tokenizer (SIGKILL if `kill`, else a graceful SIGTERM) and start it again
@@ -309,7 +317,8 @@ class Fleet:
         ) + ["--http-port", str(http_port), "--http-port-file", str(http_port_file),
              "--router-secret-file", str(self.router_secret_file), *self._redis_flags(),
              *self.credentials.tls_flags("router"), *self.credentials.router_http_flags()]
-        router = self._launch(name, command, tls_name=ROUTER_ROLE)
+        router = self._launch(name, command, tls_name=ROUTER_ROLE,
+                              cpus=self.config.service_cpus())
         router.http_port_file = http_port_file
         self._wait_ready([router])
         return router
@@ -378,19 +387,20 @@ class Fleet:
 
     def _launch_tokenizer(self, port: int) -> ServiceProcess:
         command = tokenizer_command(self.config, port) + self.credentials.tls_flags("tokenizer")
-        return self._launch("tokenizer", command, tls_name=TOKENIZER_ROLE)
+        return self._launch("tokenizer", command, tls_name=TOKENIZER_ROLE,
+                            cpus=self.config.service_cpus())
 
     def _redis_shim(self) -> Path:
         """An executable that runs redis-server through the child shim (for RedisServer)."""
         shim = self.log_dir / "redis-server-shim"
-        code = _shim_code([find_redis_server()])
+        code = _shim_code([find_redis_server()], cpus=self.config.service_cpus())
         shim.write_text(f"#!{sys.executable}\n{code}")
         shim.chmod(0o755)
         return shim
 
     def _launch(
         self, name: str, command: list[str], env: dict[str, str] | None = None,
-        tls_name: str | None = None,
+        tls_name: str | None = None, nice: int = 0, cpus: tuple[int, ...] = (),
     ) -> ServiceProcess:
         port_file = self.log_dir / f"{name}.port"
         port_file.unlink(missing_ok=True)
@@ -405,7 +415,7 @@ class Fleet:
             command = [*command, "--no-metrics"]
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                [sys.executable, "-c", _shim_code([]), *command,
+                [sys.executable, "-c", _shim_code([], nice, cpus), *command,
                  "--port-file", str(port_file), "--log-level", self.config.log_level],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -461,5 +471,8 @@ def health_serving(
     return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-def _shim_code(target: list[str]) -> str:
-    return _CHILD_SHIM.replace("TARGET", repr(target))
+def _shim_code(target: list[str], nice: int = 0, cpus: tuple[int, ...] = ()) -> str:
+    # TARGET last: a path in it must not be taken for a placeholder.
+    return (_CHILD_SHIM.replace("NICE", repr(nice))
+            .replace("CPUS", repr(sorted(set(cpus)) if cpus else None))
+            .replace("TARGET", repr(target)))

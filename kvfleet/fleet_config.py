@@ -8,12 +8,15 @@ reach the services as files (`kvfleet.fleet_credentials`), added by the fleet.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_START_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 15.0
+# Prefill-role engines' nice increment in a local fleet (docs/disaggregation.md).
+DEFAULT_PREFILL_NICE = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,13 @@ class FleetConfig:
     # engines are these many prefill-role engines then decode-role ones (num_engines unused).
     prefill_engines: int = 0
     decode_engines: int = 0
+    # How much lower prefill-role engines run in the host's CPU priority (os.nice; 0: the
+    # same as every other service). A prefill engine's prompts are throughput work; the
+    # decode engine, router and clients sharing its cores are latency work.
+    prefill_nice: int = DEFAULT_PREFILL_NICE
+    # Engine i's CPUs (os.sched_setaffinity, like vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND);
+    # engines past the end of the tuple, or given (), may run on any CPU.
+    engine_cpus: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -70,6 +80,16 @@ class FleetConfig:
         if bool(self.prefill_engines) != bool(self.decode_engines):
             raise ValueError("a disaggregated fleet needs prefill and decode engines, got "
                              f"{self.prefill_engines} and {self.decode_engines}")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"prefill_nice must be 0-19 (a nice increment), got "
+                             f"{self.prefill_nice}")
+        host = _host_cpus()
+        for index, cpus in enumerate(self.engine_cpus):
+            if any(cpu < 0 for cpu in cpus):
+                raise ValueError(f"engine_cpus[{index}]: CPU numbers are >= 0, got {cpus}")
+            if host and not set(cpus) <= host:  # else the engine would die at exec
+                raise ValueError(f"engine_cpus[{index}]: CPUs {sorted(set(cpus) - host)} are "
+                                 f"not among this host's {sorted(host)}")
 
     @property
     def engine_roles(self) -> tuple[str, ...]:
@@ -78,6 +98,55 @@ class FleetConfig:
             return ("prefill",) * self.prefill_engines + ("decode",) * self.decode_engines
         return ("both",) * self.num_engines
 
+    def engine_nice(self, index: int) -> int:
+        """Engine i's nice increment: `prefill_nice` for a prefill-role engine, else 0."""
+        roles = self.engine_roles
+        return self.prefill_nice if index < len(roles) and roles[index] == "prefill" else 0
+
+    def engine_cpu_set(self, index: int) -> tuple[int, ...]:
+        """Engine i's CPUs (empty: any)."""
+        return self.engine_cpus[index] if index < len(self.engine_cpus) else ()
+
+    def service_cpus(self) -> tuple[int, ...]:
+        """The router's, tokenizer's and Redis's CPUs (empty: any): with engines bound, the
+        CPUs of this host no decoding engine (decode or both) is bound to. A floating router
+        woken by a decode engine's token is placed on that engine's CPU (the kernel's wake
+        affinity) and takes it from the next step; on the prefill engines' CPUs it takes
+        throughput work's time instead."""
+        if not self.engine_cpus:
+            return ()
+        roles = self.engine_roles
+        decoding = {cpu for index, cpus in enumerate(self.engine_cpus)
+                    if index < len(roles) and roles[index] != "prefill" for cpu in cpus}
+        return tuple(sorted(set(_host_cpus()) - decoding))
+
+
+
+def _host_cpus() -> set[int]:
+    """The CPUs this process may run on (a container's cpuset, not the whole machine)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+
+
+def parse_engine_cpus(text: str) -> tuple[tuple[int, ...], ...]:
+    """`FleetConfig.engine_cpus` from vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND notation: engines
+    separated by `|`, each a comma-separated list of CPUs and ranges (`0-1|2,3`); empty or
+    `all`: no binding. ValueError naming `--engine-cpus` on anything else."""
+    if text.strip() in ("", "all"):
+        return ()
+    engines = []
+    for part in text.split("|"):
+        cpus: list[int] = []
+        for item in part.split(","):
+            low, dash, high = item.strip().partition("-")
+            if not low.isdigit() or (dash and not high.isdigit()):
+                raise ValueError(f"--engine-cpus: {item.strip()!r} in {text!r} is not a CPU "
+                                 "number or range (e.g. 0|1 or 0-3|4-7)")
+            first, last = int(low), int(high or low)
+            if last < first:
+                raise ValueError(f"--engine-cpus: empty range {item.strip()!r} in {text!r}")
+            cpus.extend(range(first, last + 1))
+        engines.append(tuple(cpus))
+    return tuple(engines)
 
 
 def engine_id(index: int) -> str:
