@@ -3,7 +3,8 @@
 The router is one [experts, hidden] matmul; softmax in float32 over all experts, top-k, then
 (Mixtral always; Qwen3-MoE with norm_topk_prob) the k weights renormalised to sum 1, as
 transformers' TopKRouter does (float32 on CPU with the C++ kernels: all after the matmul in
-one op, kvfleet_cpu::moe_route in kernels/cpu/fused_moe.cpp). The experts then run on one of three paths:
+one op, kvfleet_cpu::moe_route in kernels/cpu/fused_moe.cpp). The experts then run on one of
+three paths:
 
 - the fused C++ kernels on CPU, for the row counts where start-up timing found them faster
   (`MoePlan`, engine.models.moe_select): in float32 kernels/cpu/fused_moe_panel.cpp on a
