@@ -2,7 +2,9 @@
 
 The router is one [experts, hidden] matmul; softmax in float32 over all experts, top-k, then
 (Mixtral always; Qwen3-MoE with norm_topk_prob) the k weights renormalised to sum 1, as
-transformers' TopKRouter does. The experts then run on one of three paths:
+transformers' TopKRouter does (float32 on CPU with the C++ kernels: all after the matmul in
+one op, kvfleet_cpu::moe_route in kernels/cpu/fused_moe.cpp). The experts then run on one of
+three paths:
 
 - the fused C++ kernels on CPU, for the row counts where start-up timing found them faster
   (`MoePlan`, engine.models.moe_select): in float32 kernels/cpu/fused_moe_panel.cpp on a
@@ -96,10 +98,22 @@ class SparseMoeBlock(nn.Module):
         # "auto": Triton on CUDA, `plan` on CPU; "triton": Triton on any device (tests run it
         # interpreted on CPU).
         self.backend = "auto"
+        # True: CPU batches route through kvfleet_cpu::moe_route (set at start with the plan,
+        # where the C++ kernels are on).
+        self.fused_route = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) per token."""
-        probs = F.softmax(F.linear(x, self.gate).float(), dim=-1)
+        logits = F.linear(x, self.gate)
+        if self.fused_route and logits.dtype == torch.float32 and x.device.type == "cpu":
+            # One op for softmax, top-k and the renormalisation instead of five ATen calls and
+            # their dispatch per layer and step: the same operations in the same order; only
+            # exp's last bit may differ from PyTorch's. float32 only: bfloat16 logits tie, and
+            # ties are torch.topk's to break.
+            weights, ids = torch.ops.kvfleet_cpu.moe_route(
+                logits.contiguous(), self.top_k, self.norm_topk_prob)
+            return (weights.to(x.dtype) if self.cast_weights else weights), ids
+        probs = F.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights /= weights.sum(dim=-1, keepdim=True)

@@ -87,8 +87,10 @@ def configure_moe(layers: nn.ModuleList, enabled: bool, max_rows: int) -> MoePla
         return None
     start = time.perf_counter()
     if enabled and fused_available(blocks[0].gate_up.dtype):
+        route_op = hasattr(torch.ops.kvfleet_cpu, "moe_route")
         for block in blocks:  # float32: the panel copy the kernel runs fastest on
             block.pack_panels()
+            block.fused_route = route_op and block.gate.device.type == "cpu"
     plan = choose_plan(blocks[0], max_rows) if enabled else MoePlan()
     if enabled:
         logger.info("MoE expert paths chosen in %.1f s: %s", time.perf_counter() - start, plan)

@@ -67,9 +67,7 @@ void rotary_rows<float>(float* x, int64_t rows, int64_t heads, int64_t dim, int6
         float* x2 = x1 + half;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
+          rotate_pair(x1[i], x2[i], c[i], s[i], x1[i], x2[i]);
         }
       }
     }

@@ -53,6 +53,15 @@ template <typename T>
 void rotary_rows(T* x, int64_t rows, int64_t heads, int64_t dim, int64_t row_stride,
                  const T* cos, const T* sin);
 
+// One rotate-half RoPE pair: (a, b) = a head's elements i and i + dim / 2, (c, s) = cos and
+// sin of their angle. The float32 expression of both rotations (rotary_rows here, and
+// qk_norm_rotary_rows in fused_gemma.cpp after the norm), kept in one place so that the two
+// ops round identically; inlined into their `omp simd` loops.
+inline void rotate_pair(float a, float b, float c, float s, float& x1, float& x2) {
+  x1 = a * c - b * s;
+  x2 = b * c + a * s;
+}
+
 template <>
 void rms_norm_rows<float>(float*, float*, float*, const float*, int64_t, int64_t, double);
 template <>

@@ -85,8 +85,7 @@ void qk_norm_rotary_rows<float>(float* qkv, int64_t rows, int64_t row_stride, in
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float a = x1[i] * inv * (bias + w[i]), b = x2[i] * inv * (bias + w[half + i]);
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
+          rotate_pair(a, b, c[i], s[i], x1[i], x2[i]);
         }
       }
     }

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -264,12 +265,71 @@ void fused_moe(at::Tensor out, const at::Tensor& x, const at::Tensor& topk_ids,
     run<BF16>(out, x, topk_ids, topk_weights, gate_up, down);
 }
 
+// One token's routing: softmax in float32 over its E logits, the k largest probabilities
+// (descending; on equal ones the lower expert first), renormalised to sum 1 when asked. The
+// operations and their order are engine/models/moe.py's PyTorch route (max-subtracted exp,
+// divide by the sum, top-k, divide by the k weights' sum); only exp's last bit may differ.
+void route_row(const float* logits, int64_t experts, int64_t topk, bool renorm, float* probs,
+               float* weights, int64_t* ids) {
+  float top = logits[0];  // not -inf: -ffast-math assumes finite values
+  for (int64_t e = 1; e < experts; ++e) top = std::max(top, logits[e]);
+  float sum = 0.f;
+  for (int64_t e = 0; e < experts; ++e) {
+    probs[e] = std::exp(logits[e] - top);
+    sum += probs[e];
+  }
+  for (int64_t e = 0; e < experts; ++e) probs[e] /= sum;
+  float picked = 0.f;
+  for (int64_t s = 0; s < topk; ++s) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < experts; ++e)
+      if (probs[e] >= 0.f && (best < 0 || probs[e] > probs[best])) best = e;
+    ids[s] = best;
+    weights[s] = probs[best];
+    picked += probs[best];
+    probs[best] = -1.f;  // taken
+  }
+  if (renorm)
+    for (int64_t s = 0; s < topk; ++s) weights[s] /= picked;
+}
+
+// (weights [T, k], ids [T, k] int64) from float32 router logits [T, E]: route_row per token,
+// in place of five ATen calls (softmax, topk, sum, divide, and the copies) per MoE layer.
+// float32 only: bfloat16 logits tie often, and on ties torch.topk's choice (unspecified) is
+// what the PyTorch path and transformers make, so bfloat16 keeps that path.
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t topk,
+                                             bool renorm) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat, "moe_route: logits must be float32");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(),
+              "moe_route: logits must be a contiguous [T, experts] tensor");
+  const int64_t rows = logits.size(0), experts = logits.size(1);
+  TORCH_CHECK(topk >= 1 && topk <= experts, "moe_route: top_k must be in [1, experts], got ",
+              topk);
+  at::Tensor weights = at::empty({rows, topk}, logits.options());
+  at::Tensor ids = at::empty({rows, topk}, logits.options().dtype(at::kLong));
+  const float* l = logits.data_ptr<float>();
+  float* w = weights.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  // Decode batches run inline (no thread barrier); prefill chunks split.
+  at::parallel_for(0, rows, 256, [&](int64_t t0, int64_t t1) {
+    std::vector<float> probs(experts);
+    for (int64_t t = t0; t < t1; ++t)
+      route_row(l + t * experts, experts, topk, renorm, probs.data(), w + t * topk,
+                id + t * topk);
+  });
+  return {weights, ids};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.def(
       "fused_moe(Tensor(a!) out, Tensor x, Tensor topk_ids, Tensor topk_weights, "
       "Tensor gate_up, Tensor down) -> ()");
+  m.def("moe_route(Tensor logits, int top_k, bool renorm) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
+TORCH_LIBRARY_IMPL(kvfleet_cpu, CPU, m) {
+  m.impl("fused_moe", &fused_moe);
+  m.impl("moe_route", &moe_route);
+}

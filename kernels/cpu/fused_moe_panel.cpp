@@ -183,20 +183,25 @@ void run_phase(const Phase& ph, const std::vector<Unit>& units) {
         const Unit& nw = units[u_next];
         after = ph.panels + (nw.expert * ph.panels_per_e + nw.p0) * panel_elems;
       }
-      const int64_t tiles = (w.r1 - w.r0 + kMaxRows - 1) / kMaxRows;
+      // Tiles of near-equal rows (13 rows: 7 + 6, not 12 + 1): a decode batch gives each
+      // expert a few to a dozen-odd rows, and a 1- or 2-row tile streams a whole panel for a
+      // few FMAs a k step whose latency it cannot hide. Each output is the same FMA chain
+      // whichever tile holds its row.
+      const int64_t n = w.r1 - w.r0, tiles = (n + kMaxRows - 1) / kMaxRows;
+      const int64_t per = n / tiles, extra = n % tiles;  // the first `extra` tiles get one more
       for (int64_t p = w.p0; p < w.p1; ++p) {
         const float* b = base + p * panel_elems;
         const float* nxt = p + 1 < w.p1 ? b + panel_elems : after;
         const int cols =
             static_cast<int>(std::min<int64_t>(ph.out_step, ph.out_cols - p * ph.out_step));
-        for (int64_t r = w.r0; r < w.r1; r += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, w.r1 - r));
+        for (int64_t tile = 0, r = w.r0; tile < tiles; ++tile) {
+          const int rows = static_cast<int>(per + (tile < extra ? 1 : 0));
           const float* a[kMaxRows];
           for (int i = 0; i < rows; ++i) a[i] = ph.row(ph.ctx, r + i);
-          const int64_t tile = (r - w.r0) / kMaxRows;
           const Prefetch pf{nxt ? nxt + tile * kPanel : nullptr, tiles};
           ph.pick(rows)(a, b, ph.k_len, pf, ph.out + r * ph.out_cols + p * ph.out_step,
                         ph.out_cols, ph.scale ? ph.scale + r : nullptr, cols);
+          r += rows;
         }
       }
       u = u_next;

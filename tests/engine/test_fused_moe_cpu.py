@@ -158,3 +158,50 @@ def test_panels_only_where_they_apply():
         with pytest.raises(RuntimeError, match="must be packed"):
             torch.ops.kvfleet_cpu.fused_moe_panel(torch.empty_like(x), x, ids, weights,
                                                   block.gate_up, block.down)
+
+
+@pytest.mark.parametrize(("experts", "top_k", "renorm"), [(8, 2, True), (6, 3, False),
+                                                          (16, 1, True)])
+def test_route_op_matches_pytorch_route(experts, top_k, renorm):
+    """kvfleet_cpu::moe_route: the experts of PyTorch's softmax + top-k (same order), their
+    weights to float32 rounding (only exp's last bit may differ)."""
+    block = make_block(64, 32, experts, top_k)
+    block.norm_topk_prob = renorm
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(experts))
+    with torch.inference_mode():
+        expected_w, expected_ids = block.route(x)
+        block.fused_route = True
+        got_w, got_ids = block.route(x)
+    assert torch.equal(got_ids, expected_ids)
+    torch.testing.assert_close(got_w, expected_w, atol=1e-6, rtol=1e-6)
+    if renorm:
+        torch.testing.assert_close(got_w.sum(dim=-1), torch.ones(300), atol=1e-6, rtol=0)
+    with torch.inference_mode():  # bfloat16 logits (ties) stay on the PyTorch path
+        block.to(torch.bfloat16)
+        block.fused_route = False
+        expected_bf16 = block.route(x.bfloat16())
+        block.fused_route = True
+        got_bf16 = block.route(x.bfloat16())
+    assert all(torch.equal(a, b) for a, b in zip(got_bf16, expected_bf16, strict=True))
+
+
+def test_route_op_refuses_bad_inputs():
+    logits = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="top_k must be in"):
+        torch.ops.kvfleet_cpu.moe_route(logits, 9, True)
+    with pytest.raises(RuntimeError, match="logits must be float32"):
+        torch.ops.kvfleet_cpu.moe_route(logits.bfloat16(), 2, True)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.kvfleet_cpu.moe_route(logits.t(), 2, True)
+
+
+def test_configure_moe_turns_the_route_op_on():
+    from torch import nn
+
+    from engine.models.moe_select import configure_moe
+
+    blocks = nn.ModuleList([make_block(64, 96, 8, 2)])
+    configure_moe(blocks, enabled=False, max_rows=8)
+    assert not blocks[0].fused_route
+    configure_moe(blocks, enabled=True, max_rows=8)
+    assert blocks[0].fused_route

@@ -36,8 +36,11 @@ def test_interleaved_layout() -> None:
     assert torch.equal(packed[1, 2, 16:], w[inter + 16 : inter + 32, 2])  # their up columns
 
 
-@pytest.mark.parametrize(("rows", "k", "inter"), [(1, 64, 16), (13, 97, 48), (64, 576, 1536),
-                                                  (300, 576, 160)])
+# (rows, k, inter): one row, shapes off every block size, SmolLM2's MLP, a prefill-sized batch.
+SHAPES = [(1, 64, 16), (13, 97, 48), (64, 576, 1536), (300, 576, 160)]
+
+
+@pytest.mark.parametrize(("rows", "k", "inter"), SHAPES)
 def test_split_output_equals_plain_gemm(rows: int, k: int, inter: int) -> None:
     x, w = _case(rows, k, inter, seed=rows + k)
     out = torch.empty(rows, 2 * inter)
@@ -46,31 +49,27 @@ def test_split_output_equals_plain_gemm(rows: int, k: int, inter: int) -> None:
     assert torch.equal(out, panel_linear(x, pack_panels(w), 2 * inter, None))
 
 
-@pytest.mark.parametrize(("rows", "k", "inter"), [(1, 64, 16), (13, 97, 48), (64, 576, 1536),
-                                                  (300, 576, 160)])
-def test_fused_silu_equals_unfused_kernels(rows: int, k: int, inter: int) -> None:
+# The epilogue, its unfused kernel, and PyTorch's expression of it.
+ACTS = {
+    "silu": ("silu_and_mul", lambda g, u: F.silu(g) * u),
+    "gelu_tanh": ("gelu_tanh_and_mul", lambda g, u: F.gelu(g, approximate="tanh") * u),
+}
+
+
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize(("rows", "k", "inter"), SHAPES)
+def test_fused_act_equals_unfused_kernels(act: str, rows: int, k: int, inter: int) -> None:
+    unfused_op, reference = ACTS[act]
     x, w = _case(rows, k, inter, seed=rows * 7 + k)
+    x[0] *= 8.0  # row 0's gates reach the activation's far tails
     fused = torch.empty(rows, inter)
-    torch.ops.kvfleet_cpu.panel_gate_up(fused, x, pack_gate_up_panels(w), inter, "silu")
+    torch.ops.kvfleet_cpu.panel_gate_up(fused, x, pack_gate_up_panels(w), inter, act)
     gate_up = panel_linear(x, pack_panels(w), 2 * inter, None)
     unfused = torch.empty(rows, inter)
-    torch.ops.kvfleet_cpu.silu_and_mul(unfused, gate_up)
+    getattr(torch.ops.kvfleet_cpu, unfused_op)(unfused, gate_up)
     assert torch.equal(fused, unfused)
-
-
-@pytest.mark.parametrize(("rows", "k", "inter"), [(1, 64, 16), (13, 97, 48), (64, 576, 1536),
-                                                  (300, 576, 160)])
-def test_fused_gelu_equals_unfused_kernels(rows: int, k: int, inter: int) -> None:
-    x, w = _case(rows, k, inter, seed=rows * 5 + k)
-    x[0] *= 8.0  # row 0's gates reach gelu's far tails
-    fused = torch.empty(rows, inter)
-    torch.ops.kvfleet_cpu.panel_gate_up(fused, x, pack_gate_up_panels(w), inter, "gelu_tanh")
-    gate_up = panel_linear(x, pack_panels(w), 2 * inter, None)
-    unfused = torch.empty(rows, inter)
-    torch.ops.kvfleet_cpu.gelu_tanh_and_mul(unfused, gate_up)
-    assert torch.equal(fused, unfused)
-    reference = F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
-    assert torch.allclose(fused, reference, rtol=1e-4, atol=1e-5)
+    expected = reference(gate_up[:, :inter], gate_up[:, inter:])
+    assert torch.allclose(fused, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_unknown_activation_is_refused() -> None:
@@ -118,8 +117,7 @@ BF16_PANELS = hasattr(torch.ops.kvfleet_cpu, "panel_gate_up_bf16")
 
 
 @pytest.mark.skipif(not BF16_PANELS, reason="no AVX512-BF16 panel kernels on this CPU")
-@pytest.mark.parametrize(("rows", "k", "inter"), [(1, 64, 16), (13, 97, 48), (64, 576, 1536),
-                                                  (300, 576, 160)])
+@pytest.mark.parametrize(("rows", "k", "inter"), SHAPES)
 def test_bf16_geglu_equals_unfused_kernels(rows: int, k: int, inter: int) -> None:
     x, w = _case(rows, k, inter, seed=rows * 3 + k)
     x[0] *= 8.0  # row 0's gates reach gelu's far tails
