@@ -57,7 +57,7 @@ from engine.disagg.kv_imports import ImportedStart
 from engine.service.engine_commands import Add as _Add
 from engine.service.engine_commands import Call as _Call
 from engine.service.engine_commands import Command as _Command
-from engine.service.engine_state import EngineLoad, GenerateOutput, StepProgress, coalesce
+from engine.service.engine_state import EngineLoad, GenerateOutput, StepProgress
 from engine.service.engine_thread import EngineThread
 from engine.service.prefill_work import StepRates
 from kvfleet.contracts.block_hash import BlockHash
@@ -221,13 +221,9 @@ class AsyncEngine:
             self._check_running()
         finished = False
         seen = self._progress.iterations  # for keep-alives: has the loop advanced since?
-        held: BaseException | None = None  # met while coalescing: raised next
         try:
             while not finished:
-                item: GenerateOutput | BaseException | None = held
-                if held is None:
-                    item = await _next_item(stream.queue, keepalive_s)
-                held = None
+                item = await _next_item(stream.queue, keepalive_s)
                 if item is None:
                     if self._progress.iterations != seen:
                         seen = self._progress.iterations
@@ -237,8 +233,6 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True  # the engine no longer holds this request
                     raise item
-                if not prefill_only:  # a prefill's first token and hand-off stay apart
-                    item, held = coalesce(item, stream.queue)
                 finished = item.finished
                 yield item
         finally:

@@ -8,9 +8,8 @@ loop's heartbeat, which the watchdog reads.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from engine.core.llm_engine import LLMEngine
 from engine.core.request import Request, RequestTiming
@@ -69,37 +68,6 @@ class GenerateOutput:
             timing=RequestTiming.of(request) if finished else None,
             kv_export=request.exported_kv if finished else None,
         )
-
-    def then(self, later: GenerateOutput) -> GenerateOutput:
-        """This delta followed by `later` of the same request, as one delta (a stream that
-        fell behind sends what is waiting as one message, as vLLM's output processor does):
-        tokens and logprobs concatenate, prompt logprobs stay the first's, totals are later's."""
-        logprobs = None
-        if self.logprobs is not None or later.logprobs is not None:
-            logprobs = [*(self.logprobs or ()), *(later.logprobs or ())]
-        return replace(
-            later,
-            token_ids=[*self.token_ids, *later.token_ids],
-            logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs if self.prompt_logprobs is not None
-            else later.prompt_logprobs,
-        )
-
-
-def coalesce(
-    item: GenerateOutput, queue: asyncio.Queue[GenerateOutput | BaseException]
-) -> tuple[GenerateOutput, BaseException | None]:
-    """`item` with the outputs already waiting behind it, as one; and an exception met there.
-
-    A consumer slower than the engine (a busy event loop) then pays its per-message work
-    (detokenize, proto, gRPC frame, the router's and the client's) once per catch-up, not
-    once per step; a consumer that keeps up sees one output per step as before."""
-    while not item.finished and not queue.empty():
-        later = queue.get_nowait()
-        if isinstance(later, BaseException):
-            return item, later
-        item = item.then(later)
-    return item, None
 
 
 @dataclass(frozen=True)
