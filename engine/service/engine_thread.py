@@ -27,6 +27,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from kvfleet.runtime.thread_names import name_os_thread
+
 T = TypeVar("T")
 
 _Job = tuple[Callable[[], object], "concurrent.futures.Future[object]", bool]
@@ -66,6 +68,7 @@ class EngineThread:
         return future
 
     def _work(self) -> None:
+        name_os_thread()  # tells the step loop's CPU time from torch's threads' in /proc
         while (job := self._jobs.get()) is not None:
             fn, future, last = job
             if future.set_running_or_notify_cancel():

@@ -60,6 +60,7 @@ from engine.service.engine_state import EngineLoad
 from kvfleet.contracts import redis_schema
 from kvfleet.contracts.block_hash import BlockHash
 from kvfleet.runtime.redis_access import NO_ACCESS, RedisAccess
+from kvfleet.runtime.thread_names import name_os_thread
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,7 @@ class RedisPublisher:
     # -- publisher thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             pending = self._wait_for_work()
             if pending is None:
