@@ -6,7 +6,8 @@ shared-memory segment the header names (same host, engine.disagg.shm) on the han
 copier thread (engine.disagg.import_writer), mark the import complete at the end (engine
 thread). Whatever goes wrong (a bad header, a short or failed stream, the sender gone, a
 segment that is not here) frees the reserved blocks, once no copy touches them, before the
-error goes back.
+error goes back; a sender gone while the engine thread is making the reservation has it
+freed right after it is made.
 
 Invariants: every KV manager change runs on the engine thread (`call_in_engine_thread`);
 steps never wait for an import's copy, and a segment's batches run one per step; bytes are
@@ -78,10 +79,10 @@ async def receive_kv(
                       if header.HasField("shm") else (None, False))
     transfer_id = header.transfer_id
     try:
-        block_ids = await _on_engine(engine, functools.partial(
+        block_ids = await _reserve(engine, functools.partial(
             llm.handoff.begin_import, transfer_id, header.num_blocks, header.num_tokens,
             list(header.block_hashes), header.first_block,
-        ))
+        ), functools.partial(llm.handoff.imports.abort, transfer_id))
         _expire_later(engine)
         writer = ImportWriter(llm.handoff, block_ids, header.first_block)
         try:
@@ -175,6 +176,23 @@ def _check_header(header: engine_pb2.KVTransferHeader, block_size: int) -> Block
 
 async def _on_engine(engine: AsyncEngine, fn: Callable[[], T]) -> T:
     return await asyncio.wrap_future(engine.call_in_engine_thread(fn))
+
+
+async def _reserve(engine: AsyncEngine, reserve: Callable[[], T], release: Callable[[], object],
+                   ) -> T:
+    """`reserve` on the engine thread; if this call is cancelled meanwhile (the sender gone
+    right after its header, while a busy engine thread had not reached the reservation), the
+    reservation still happens there, so `release` follows it once it succeeded."""
+    future = engine.call_in_engine_thread(reserve)
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        # Only a reservation that was made is released: one refused (a duplicate transfer id)
+        # must not free the live transfer of that id.
+        future.add_done_callback(
+            lambda done: None if done.cancelled() or done.exception() is not None
+            else engine.call_in_engine_thread(release))
+        raise
 
 
 def _expire_later(engine: AsyncEngine) -> None:

@@ -7,6 +7,7 @@ and no shared-memory segment is left behind."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -191,6 +192,53 @@ def test_stream_cut_mid_transfer_frees_reserved_blocks(engines):
     wait_all_blocks_free(_stub(decode))
     imports = decode.server.async_engine.engine.handoff.imports
     assert decode.in_engine_thread(lambda: len(imports)) == 0
+
+
+def test_sender_gone_while_the_reservation_runs_frees_it(engines, monkeypatch):
+    """The sender dies while the decode engine thread is inside the reservation (a busy
+    engine: the cancelled call can no longer be skipped): the blocks it then reserves are
+    freed right after, not left until some later transfer's expiry."""
+    _, decode = engines
+    handoff = decode.server.async_engine.engine.handoff
+    inside, go_on = threading.Event(), threading.Event()
+    reserve = handoff.begin_import
+
+    def held_reservation(*args, **kwargs):  # runs on the engine thread
+        inside.set()
+        go_on.wait(TIMEOUT_S)
+        return reserve(*args, **kwargs)
+
+    monkeypatch.setattr(handoff, "begin_import", held_reservation)
+    fmt = BlockFormat.of(decode.server.async_engine.engine.runner.kv_caches)
+    header = engine_pb2.KVTransferHeader(
+        transfer_id="gone", request_id="gone", prompt_token_ids=make_prompt(6, 40),
+        block_size=16, num_blocks=3, num_tokens=40, dtype=fmt.dtype, block_shape=fmt.shape,
+    )
+    failed_before = _failed_receives(decode)
+
+    def chunks() -> Iterator[engine_pb2.KVTransferChunk]:
+        yield engine_pb2.KVTransferChunk(header=header)
+        assert inside.wait(TIMEOUT_S)
+        raise RuntimeError("sender died")
+
+    try:
+        with pytest.raises(grpc.RpcError):
+            _stub(decode).ReceiveKV(chunks(), timeout=TIMEOUT_S)
+        # The handler has seen the cancellation before the reservation goes on.
+        wait_until(lambda: _failed_receives(decode) > failed_before)
+    finally:
+        go_on.set()
+    wait_all_blocks_free(_stub(decode))
+    imports = handoff.imports
+    assert decode.in_engine_thread(lambda: len(imports)) == 0
+
+
+def _failed_receives(harness: EngineHarness) -> float:
+    return sum(sample.value for metric in harness.server.metrics.registry.collect()
+               for sample in metric.samples
+               if sample.name == "kvfleet:kv_transfers_total"
+               and sample.labels.get("side") == "receive"
+               and sample.labels.get("outcome") == "failed")
 
 
 def test_roles_are_published_and_transfers_counted(engines, redis_server):
