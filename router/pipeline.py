@@ -232,7 +232,7 @@ class GenerationPipeline:
             check_fits(len(prompt_ids), params.max_tokens, largest, field)
         decision = await self._decide(prompt_ids, tenant.name, rules.model, request_id)
         try:
-            max_model_len = await self._windows.max_model_len(decision.ranking[0])
+            max_model_len = await self._max_model_len(decision.ranking[0])
             if max_model_len is not None:
                 check_fits(len(prompt_ids), params.max_tokens, max_model_len, field)
             max_tokens = rules.max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
@@ -245,6 +245,14 @@ class GenerationPipeline:
                 decision.claims.cancel()  # never sent: the engine it held is free again
             raise
         return _Plan(request_id, prompt_ids, params, decision, samples)
+
+    async def _max_model_len(self, engine: EngineView) -> int | None:
+        """The chosen engine's context length: the one it published (no wait while the
+        decision holds the engine), else its GetLoad answer (an engine that publishes none)."""
+        published = self._windows.published(engine)
+        if published is not None:
+            return published
+        return await self._windows.fetch(engine)
 
     async def _decide(
         self, prompt_ids: Sequence[int], tenant: str, model: str, request_id: str

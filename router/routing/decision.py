@@ -387,6 +387,7 @@ class EngineSelector:
                 own_prefilling=self._pool.prefilling(r.engine_id),
                 own_prefill_tokens=self._pool.prefill_tokens(r.engine_id),
                 role=r.fields.get("role", "both"),
+                max_model_len=r.int_field("max_model_len"),
             )
             for r in records
             if r.address
