@@ -92,6 +92,8 @@ from router.routing.ttft_cost import estimate_all
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
+# (ranking, the decision's LoRA adapter) -> the engine the request is sent to first.
+FirstEngine = Callable[[Sequence[EngineView], str], EngineView | None]
 # At most one "Redis connections busy" warning per this many seconds.
 BUSY_LOG_EVERY_S = 10.0
 
@@ -169,7 +171,13 @@ class EngineSelector:
         # Decisions not sent yet, counted as in flight on their first engine (pending.py).
         self._reservations = Reservations(clock)
 
-    async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
+    async def decide(
+        self, prompt_ids: Sequence[int], tenant: str, model: str = "",
+        first: FirstEngine | None = None,
+    ) -> Decision:
+        """Engines ranked for the prompt. `first(ranking, lora_id)`: the engine the request
+        will be sent to first, which the decision holds (`PendingClaims.reserve`); by
+        default the first engine when it takes whole requests (role both), else none."""
         lora_hint = model if model in self._adapters else ""
         tie_key = _tie_key(prompt_ids, tenant)
         records, used_index, hashes = await self._records(prompt_ids, tenant, lora_hint, model,
@@ -215,8 +223,9 @@ class EngineSelector:
         if (self._index is not None and used_index and hashes and estimates is not None):
             claims = PendingClaims(self._index, hashes, estimates, self.config.pending,
                                    self._local_pending, self._reservations)
-            if ranking[0].role == "both":  # a prefill-role engine may not be sent to first
-                claims.reserve(ranking[0])
+            held = (first or _whole_first)(ranking, lora_id)
+            if held is not None:
+                claims.reserve(held)
         return Decision(ranking, self._block_size, used_index, policy, lora_id, reason, claims,
                         len(prompt_ids))
 
@@ -392,6 +401,12 @@ class EngineSelector:
             for r in records
             if r.address
         ]
+
+
+def _whole_first(ranking: Sequence[EngineView], lora_id: str) -> EngineView | None:
+    """Without the dispatcher's rules: the first engine if it surely takes the request whole
+    (a prefill-role one may be skipped, a decode-role one may come second to a prefill)."""
+    return ranking[0] if ranking and ranking[0].role == "both" else None
 
 
 def _needs_whole_fleet(candidates: Sequence[EngineRecord], model: str) -> bool:
