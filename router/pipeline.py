@@ -320,6 +320,9 @@ class GenerationPipeline:
         reason = plan.decision.reason_for(chosen.engine_id)
         policy = plan.decision.policy.value
         self._metrics.record_decision(policy, chosen.engine_id, predicted, reason)
+        claims = plan.decision.claims
+        if claims is not None and claims.held_s is not None:
+            self._metrics.decision_hold.observe(claims.held_s)
         span.set_attribute("kvfleet.routing.reason", reason)
         span.set_attribute("kvfleet.routing.policy", policy)
         span.set_attribute("kvfleet.routing.engine_id", chosen.engine_id)
