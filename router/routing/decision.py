@@ -21,8 +21,9 @@ Invariants:
   marked pending in the background (`router.routing.pending`; the decision's own latency
   stays one round trip) on its first engine at once, and on any other engine the dispatcher
   sends the request to after a failure. This replica's own claims count for its next
-  decisions at once, before their writes land. The decision also holds its first engine
-  (`PendingClaims.reserve`): until the request is sent there (or given up), this replica's
+  decisions at once, before their writes land. The decision also holds the engine the
+  request is sent to first (`decide`'s `first`: a prefill engine in a disaggregated fleet;
+  `PendingClaims.reserve`): until the request is sent there (or given up), this replica's
   next decisions count it in flight and prefilling on that engine, so a burst decided
   before any of it is sent spreads as if sent one by one.
 - Each decision names why its first engine won (`Decision.reason`) and predicts the cached

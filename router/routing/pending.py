@@ -34,10 +34,14 @@ Invariants:
   (`Reservations`, added to `EnginePool`'s counts by `router.routing.decision`) until the
   dispatcher sends it (`claim`: the pool's own counts take over in the same step) or gives it
   up (`cancel`: the claim then just expires), at the latest after the claim's TTL. Between
-  the decision and the send the request may wait (a context-window lookup, a busy event loop:
+  the decision and the send the request waited (a context-window GetLoad, a busy event loop:
   250 ms and more in a measured burst); every decision made meanwhile saw the engines
   without it, and at rate inf four new prefixes went to one engine of two that way
-  (`make bench-fleet`, the README's Fleet section).
+  (`make bench-fleet`, the README's Fleet section). The GetLoad is gone from that gap (the
+  published max_model_len is used); `held_s` measures what is left.
+- The engine held is the one the request is sent to first, which the caller names
+  (`router.engines.disagg.first_engine`: a prefill engine in a disaggregated fleet); without
+  the caller's rules, only a first engine taking whole requests (role both) is held.
 """
 
 from __future__ import annotations
