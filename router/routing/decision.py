@@ -221,7 +221,8 @@ class EngineSelector:
                 ranking = [target, *(v for v in ranking if v.engine_id != target.engine_id)]
                 reason = "lora_placement"
         claims = None
-        if (self._index is not None and used_index and hashes and estimates is not None):
+        # A prompt shorter than a block has no hashes to claim, but is held all the same.
+        if self._index is not None and used_index and estimates is not None:
             claims = PendingClaims(self._index, hashes, estimates, self.config.pending,
                                    self._local_pending, self._reservations)
             held = (first or _whole_first)(ranking, lora_id)

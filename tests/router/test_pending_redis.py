@@ -281,3 +281,23 @@ def test_a_disaggregated_decision_holds_its_prefill_engine(
             await index.close()
 
     asyncio.run(run())
+
+
+def test_a_prompt_shorter_than_a_block_is_held_too(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    register(client, "a")
+
+    async def run() -> None:
+        index = PrefixIndex(redis_server.url)
+        selector = EngineSelector(RoutingConfig(), index, EnginePool())
+        try:
+            short = await selector.decide(list(range(10)), TENANT)  # no full block to claim
+            assert short.claims is not None
+            view = (await selector.decide(list(range(10)), TENANT)).ranking[0]
+            assert (view.in_flight, view.own_prefilling, view.own_prefill_tokens) == (1, 1, 10)
+            await drain()
+        finally:
+            await index.close()
+
+    asyncio.run(run())
