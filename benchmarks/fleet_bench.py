@@ -98,6 +98,7 @@ def run_system(system: str, ctx: Ctx, dataset: list[str], num_prompts: int, rate
         fleet_systems.warm_up(handle, ctx.model_dir.name, args.num_warmups)
         before = fleet_systems.scrape(handle)
         reasons_before = fleet_systems.decision_reasons(handle)
+        holds_before = fleet_systems.decision_holds(handle)
         raw = bench_serve(handle.base_url, ctx.model_dir.name, ctx.model_dir, dataset, ctx.cfg,
                           work / f"{stem}.json", work / f"{stem}.log", num_prompts=num_prompts,
                           num_warmups=0, seed=seed, timeout_s=args.timeout_s,
@@ -105,6 +106,8 @@ def run_system(system: str, ctx: Ctx, dataset: list[str], num_prompts: int, rate
         change = fleet_metrics.delta(before, settle(handle, before, int(raw.get("completed", 0))))
         reasons = {k: round(v - reasons_before.get(k, 0.0))
                    for k, v in sorted(fleet_systems.decision_reasons(handle).items())}
+        holds = {k: v - holds_before.get(k, 0.0)
+                 for k, v in fleet_systems.decision_holds(handle).items()}
     row = summary(raw)
     row.update(
         hit_rate=fleet_metrics.hit_rate(change), block_size=handle.block_size,
@@ -115,6 +118,10 @@ def run_system(system: str, ctx: Ctx, dataset: list[str], num_prompts: int, rate
         prefix_cache_hits=sum(v["prefix_cache_hits"] for v in change.values()))
     if reasons:
         row["decision_reasons"] = {k: v for k, v in reasons.items() if v}
+    if holds.get("count"):
+        row["decision_hold"] = {"count": round(holds["count"]),
+                                "mean_ms": round(1e3 * holds["sum"] / holds["count"], 2),
+                                "within_10ms": round(holds.get("within_10ms", 0.0))}
     return row, handle.lines
 
 

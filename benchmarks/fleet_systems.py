@@ -130,6 +130,21 @@ def decision_reasons(handle: Handle) -> dict[str, float]:
                                           "kvfleet:router_routing_decisions", "reason")
 
 
+def decision_holds(handle: Handle) -> dict[str, float]:
+    """kvfleet's router decision-to-send holds so far: count, sum (s) and how many were
+    within 10 ms; empty for systems without our router."""
+    if handle.router_metrics is None:
+        return {}
+    name = "kvfleet:router_decision_hold_seconds"
+    holds: dict[str, float] = {}
+    for line in fetch(handle.router_metrics).splitlines():
+        if line.startswith((f"{name}_count ", f"{name}_sum ")):
+            holds[line.split()[0].rsplit("_", 1)[1]] = float(line.split()[1])
+        elif line.startswith(f'{name}_bucket{{le="0.01"}}'):
+            holds["within_10ms"] = float(line.split()[-1])
+    return holds
+
+
 def _start_all(starters: list[Callable[[], VllmServer]]) -> list[VllmServer]:
     """Start servers together (start-up is mostly one core each); all or none. Interrupted
     (Ctrl-C), it waits for the starts to end and closes what came up: none is left unowned."""

@@ -48,6 +48,8 @@ PREFIX = "kvfleet:router"
 REDIS_LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )
+# Decision to send: ~0 when nothing is awaited between them, a GetLoad or a busy loop shows.
+HOLD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 DRIFT_BUCKETS = (0, 1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Signed: both directions of a misprediction, in the same steps as DRIFT_BUCKETS.
 ERROR_BUCKETS = tuple(-b for b in reversed(DRIFT_BUCKETS[2:])) + (-1, 0) + DRIFT_BUCKETS[2:]
@@ -115,6 +117,11 @@ class RouterMetrics:
         self.engine_in_flight = Gauge(
             f"{PREFIX}_engine_in_flight", "Streams this router has open to an engine",
             ["engine_id"], registry=r,
+        )
+        self.decision_hold = Histogram(
+            f"{PREFIX}_decision_hold_seconds",
+            "From a routing decision to its request's send (the engine held meanwhile)",
+            buckets=HOLD_BUCKETS, registry=r,
         )
         self.redis_latency = Histogram(
             f"{PREFIX}_redis_latency_seconds", "Prefix-index lookup round trips to Redis",

@@ -74,7 +74,7 @@ from router.engine_requests import (
     validate_request,
 )
 from router.engines.context_window import ContextWindows, check_fits
-from router.engines.disagg import DisaggConfig, open_request_stream
+from router.engines.disagg import DisaggConfig, first_engine, open_request_stream
 from router.engines.dispatch import EngineStream, StreamDeadlines, open_engine_stream
 from router.engines.merge import merge_tagged
 from router.engines.pool import EnginePool
@@ -230,9 +230,10 @@ class GenerationPipeline:
         largest = self._windows.largest_known()  # before hashing a prompt that cannot fit
         if largest is not None:
             check_fits(len(prompt_ids), params.max_tokens, largest, field)
-        decision = await self._decide(prompt_ids, tenant.name, rules.model, request_id)
+        decision = await self._decide(prompt_ids, tenant.name, rules.model, request_id,
+                                      params.n)
         try:
-            max_model_len = await self._windows.max_model_len(decision.ranking[0])
+            max_model_len = await self._max_model_len(decision.ranking[0])
             if max_model_len is not None:
                 check_fits(len(prompt_ids), params.max_tokens, max_model_len, field)
             max_tokens = rules.max_tokens(params.max_tokens, len(prompt_ids), max_model_len)
@@ -246,11 +247,26 @@ class GenerationPipeline:
             raise
         return _Plan(request_id, prompt_ids, params, decision, samples)
 
+    async def _max_model_len(self, engine: EngineView) -> int | None:
+        """The chosen engine's context length: the one it published (no wait while the
+        decision holds the engine), else its GetLoad answer (an engine that publishes none)."""
+        published = self._windows.published(engine)
+        if published is not None:
+            return published
+        return await self._windows.fetch(engine)
+
     async def _decide(
-        self, prompt_ids: Sequence[int], tenant: str, model: str, request_id: str
+        self, prompt_ids: Sequence[int], tenant: str, model: str, request_id: str,
+        num_samples: int,
     ) -> Decision:
+        def first(ranking: Sequence[EngineView], lora_id: str) -> EngineView | None:
+            # The engine `_open_first` will send to (a prefill engine in a disaggregated
+            # fleet): the decision holds it until the send.
+            return first_engine(ranking, len(prompt_ids), self._disagg,
+                                num_samples=num_samples, lora_id=lora_id)
+
         with tracer().start_as_current_span("route") as route_span:
-            decision = await self._selector.decide(prompt_ids, tenant, model)
+            decision = await self._selector.decide(prompt_ids, tenant, model, first)
             route_span.set_attribute("kvfleet.routing.policy", decision.policy.value)
             route_span.set_attribute("kvfleet.routing.used_index", decision.used_index)
             route_span.set_attribute(
@@ -304,6 +320,9 @@ class GenerationPipeline:
         reason = plan.decision.reason_for(chosen.engine_id)
         policy = plan.decision.policy.value
         self._metrics.record_decision(policy, chosen.engine_id, predicted, reason)
+        claims = plan.decision.claims
+        if claims is not None and claims.held_s is not None:
+            self._metrics.decision_hold.observe(claims.held_s)
         span.set_attribute("kvfleet.routing.reason", reason)
         span.set_attribute("kvfleet.routing.policy", policy)
         span.set_attribute("kvfleet.routing.engine_id", chosen.engine_id)

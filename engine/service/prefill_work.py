@@ -15,10 +15,17 @@ kvfleet/contracts/redis_schema.py).
   work per step for pathological queues).
 - `StepRates`: EWMAs over the engine's own steps. A step of d decoding requests and p prompt
   tokens took t seconds: pure decode steps (p = 0) measure `decode_s_per_seq` = t / d; steps
-  with prompt tokens measure the prefill rate as EWMA(p) / EWMA(t - d x decode_s_per_seq),
-  a token-weighted throughput (a ratio of averages: a few small chunks with their fixed
-  overhead do not drag it down as an average of ratios would). Until a kind of step has been
-  seen its figure is 0.0, which routers read as "unknown".
+  with prompt tokens give a point (p, t - d x decode_s_per_seq), and the prefill rate is
+  1 / the slope of an exponentially weighted least-squares line through them,
+  t = a + p / rate: a step's fixed cost (scheduling, the sampler, a layer pass whatever its
+  width: tens of ms on CPU) is the intercept, not a per-token cost. A ratio of averages
+  charged it to the tokens: after a warm-up of a few tiny prompts (p ~ 5, t ~ 65 ms) it read
+  ~75 tok/s on an engine computing well over 1,000, and routers overvalued a prefill ~13x
+  until real traffic moved it. The slope is trusted once p has spread (`MIN_FIT_SPREAD_TOKENS`);
+  before that, steps averaging `MIN_RATIO_TOKENS` prompt tokens or more give the ratio of
+  averages (steady large chunks: the fixed cost is a minor share), smaller ones give 0.0.
+  Until a kind of step has been measured its figure is 0.0, which routers read as "unknown"
+  (their default rate, router.routing.ttft_cost).
 
 Invariants: engine thread only (it walks the scheduler's queues and the block pool); reads,
 never changes, the cache or the queues. Draft tokens of speculative decoding count as prompt
@@ -44,6 +51,12 @@ EWMA_ALPHA = 0.1
 # The prompt part of a mixed step is at least this share of it (a stale decode estimate
 # must not make the prefill rate explode).
 MIN_PREFILL_SHARE = 0.25
+# The affine fit's slope is trusted once the steps' prompt tokens have this standard
+# deviation: at ~1,000 tok/s that is ~64 ms of signal against a few ms of step jitter.
+MIN_FIT_SPREAD_TOKENS = 64.0
+# Without that spread, steps averaging this many prompt tokens give the ratio of averages
+# (a fixed cost of tens of ms is a minor share of them); smaller ones give "unknown".
+MIN_RATIO_TOKENS = 256.0
 
 
 def queued_prefill_tokens(engine: LLMEngine) -> int:
@@ -96,19 +109,63 @@ def _cached(kv: KVCacheManager, block_hash: BlockHash) -> bool:
     return kv.host_tier is not None and kv.host_tier.get(block_hash) is not None
 
 
+class _AffineFit:
+    """Exponentially weighted least squares of y = a + b x (each sample's weight decays by
+    1 - EWMA_ALPHA per newer sample): the moments are EWMA'd sums, so the fit follows the
+    engine as the EWMAs do, and data lying exactly on a line gives that line exactly."""
+
+    def __init__(self) -> None:
+        self.weight = 0.0
+        self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        keep = 1.0 - EWMA_ALPHA
+        self.weight = keep * self.weight + 1.0
+        self._x = keep * self._x + x
+        self._y = keep * self._y + y
+        self._xx = keep * self._xx + x * x
+        self._xy = keep * self._xy + x * y
+
+    def mean_x(self) -> float:
+        return self._x / self.weight if self.weight else 0.0
+
+    def mean_y(self) -> float:
+        return self._y / self.weight if self.weight else 0.0
+
+    def var_x(self) -> float:
+        return max(self._xx / self.weight - self.mean_x() ** 2, 0.0) if self.weight else 0.0
+
+    def slope(self) -> float:
+        """b, or 0.0 while x has not varied."""
+        var = self.var_x()
+        if var <= 0.0:
+            return 0.0
+        return (self._xy / self.weight - self.mean_x() * self.mean_y()) / var
+
+
 class StepRates:
     """The engine's measured prefill rate and decode step time (module docstring)."""
 
     def __init__(self) -> None:
-        self._tokens = 0.0  # EWMA of prompt tokens per prefill step
-        self._seconds = 0.0  # EWMA of the prompt share of those steps' time
+        # Prompt tokens of a step -> the prompt share of its time (seconds).
+        self._prefill = _AffineFit()
         self._decode_s_per_seq = 0.0
         self._started = 0.0
         self._decoding = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self._tokens / self._seconds if self._seconds > 0 else 0.0
+        """1 / the fitted seconds per prompt token once the steps' sizes spread enough to
+        tell a token's cost from the step's fixed cost; before that, the ratio of averages
+        when steps are large (the fixed cost is then a small share), else 0.0 (unknown)."""
+        fit = self._prefill
+        if fit.var_x() >= MIN_FIT_SPREAD_TOKENS ** 2:
+            per_token = fit.slope()
+            if per_token > 0.0:
+                return 1.0 / per_token
+        if fit.mean_x() >= MIN_RATIO_TOKENS and fit.mean_y() > 0.0:
+            return fit.mean_x() / fit.mean_y()
+        return 0.0
 
     @property
     def decode_s_per_seq(self) -> float:
@@ -132,8 +189,7 @@ class StepRates:
             return
         decode_s = num_decoding * self._decode_s_per_seq
         prompt_s = max(seconds - decode_s, MIN_PREFILL_SHARE * seconds)
-        self._tokens = _ewma(self._tokens, prompt_tokens)
-        self._seconds = _ewma(self._seconds, prompt_s)
+        self._prefill.add(prompt_tokens, prompt_s)
 
 
 def _ewma(average: float, sample: float) -> float:

@@ -5,9 +5,14 @@ error naming the field (vLLM's wording), and document what "max_tokens unset" me
 max_model_len - prompt tokens of the engine that serves the request.
 
 Invariants:
-- The figure is the engine's own (`GetLoad().max_model_len`, the engine's --max-model-len,
-  not the model config's), cached per (engine id, address) for `ttl_s`; concurrent requests
-  share one GetLoad, and an engine that did not answer is not asked again for `retry_s`.
+- The figure is the engine's own (its --max-model-len, not the model config's). An engine
+  publishes it in its registry record, which the routing decision already read
+  (`EngineView.max_model_len`): `published` takes it from there, with no wait between the
+  decision and the send. Only for an engine that did not publish it (an older engine) is it
+  asked over gRPC (`GetLoad().max_model_len`, `fetch`), cached per (engine id, address) for
+  `ttl_s`; concurrent requests share one GetLoad, and an engine that did not answer is not
+  asked again for `retry_s`. A GetLoad on the request path waits for a busy engine (up to
+  `timeout_s`) while the decision's reservation holds that engine for everyone else.
 - Best effort: when an engine does not answer in time the check is skipped. The engine
   validates every request itself, so the router's check only makes the error earlier and
   clearer; it never admits what the engine would refuse.
@@ -52,8 +57,21 @@ class ContextWindows:
         self._known: dict[tuple[str, str], tuple[float, int | None]] = {}
         self._pending: dict[tuple[str, str], asyncio.Future[int | None]] = {}
 
-    async def max_model_len(self, engine: EngineView) -> int | None:
-        """The engine's max_model_len, or None when it did not say in time."""
+    def published(self, engine: EngineView) -> int | None:
+        """The max_model_len the engine published with its load (None: it did not); it
+        counts for `largest_known` like an answered GetLoad."""
+        if engine.max_model_len <= 0:
+            return None
+        key = (engine.engine_id, engine.address)
+        known = self._known.get(key)
+        now = self._clock()
+        # Refreshed at most every ttl_s / 2: this runs once per request.
+        if known is None or known[1] != engine.max_model_len or known[0] - now < self._ttl_s / 2:
+            self._known[key] = (now + self._ttl_s, engine.max_model_len)
+        return engine.max_model_len
+
+    async def fetch(self, engine: EngineView) -> int | None:
+        """The engine's GetLoad answer (cached), or None when it did not say in time."""
         key = (engine.engine_id, engine.address)
         known = self._known.get(key)
         if known is not None and known[0] > self._clock():

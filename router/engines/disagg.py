@@ -93,6 +93,20 @@ def plan_disagg(
     return DisaggPlan(prefill, ordered[0], tuple(ordered[1:]))
 
 
+def first_engine(
+    ranking: Sequence[EngineView], num_prompt_tokens: int, config: DisaggConfig,
+    *, num_samples: int = 1, lora_id: str = "",
+) -> EngineView | None:
+    """The engine `open_request_stream` sends the request to first: the first prefill
+    engine of a disaggregated plan, else the first engine taking whole requests (what a
+    decision holds until the send, router.routing.pending)."""
+    if not ranking:
+        return None
+    plan = plan_disagg(ranking, num_prompt_tokens, config, num_samples=num_samples,
+                       lora_id=lora_id)
+    return plan.prefill[0] if plan is not None else without_prefill_engines(ranking)[0]
+
+
 class DisaggStream(EngineStream):
     """The prefill engine's first token, then the decode engine's stream."""
 

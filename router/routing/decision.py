@@ -21,8 +21,9 @@ Invariants:
   marked pending in the background (`router.routing.pending`; the decision's own latency
   stays one round trip) on its first engine at once, and on any other engine the dispatcher
   sends the request to after a failure. This replica's own claims count for its next
-  decisions at once, before their writes land. The decision also holds its first engine
-  (`PendingClaims.reserve`): until the request is sent there (or given up), this replica's
+  decisions at once, before their writes land. The decision also holds the engine the
+  request is sent to first (`decide`'s `first`: a prefill engine in a disaggregated fleet;
+  `PendingClaims.reserve`): until the request is sent there (or given up), this replica's
   next decisions count it in flight and prefilling on that engine, so a burst decided
   before any of it is sent spreads as if sent one by one.
 - Each decision names why its first engine won (`Decision.reason`) and predicts the cached
@@ -92,6 +93,8 @@ from router.routing.ttft_cost import estimate_all
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
+# (ranking, the decision's LoRA adapter) -> the engine the request is sent to first.
+FirstEngine = Callable[[Sequence[EngineView], str], EngineView | None]
 # At most one "Redis connections busy" warning per this many seconds.
 BUSY_LOG_EVERY_S = 10.0
 
@@ -169,7 +172,13 @@ class EngineSelector:
         # Decisions not sent yet, counted as in flight on their first engine (pending.py).
         self._reservations = Reservations(clock)
 
-    async def decide(self, prompt_ids: Sequence[int], tenant: str, model: str = "") -> Decision:
+    async def decide(
+        self, prompt_ids: Sequence[int], tenant: str, model: str = "",
+        first: FirstEngine | None = None,
+    ) -> Decision:
+        """Engines ranked for the prompt. `first(ranking, lora_id)`: the engine the request
+        will be sent to first, which the decision holds (`PendingClaims.reserve`); by
+        default the first engine when it takes whole requests (role both), else none."""
         lora_hint = model if model in self._adapters else ""
         tie_key = _tie_key(prompt_ids, tenant)
         records, used_index, hashes = await self._records(prompt_ids, tenant, lora_hint, model,
@@ -212,11 +221,13 @@ class EngineSelector:
                 ranking = [target, *(v for v in ranking if v.engine_id != target.engine_id)]
                 reason = "lora_placement"
         claims = None
-        if (self._index is not None and used_index and hashes and estimates is not None):
+        # A prompt shorter than a block has no hashes to claim, but is held all the same.
+        if self._index is not None and used_index and estimates is not None:
             claims = PendingClaims(self._index, hashes, estimates, self.config.pending,
                                    self._local_pending, self._reservations)
-            if ranking[0].role == "both":  # a prefill-role engine may not be sent to first
-                claims.reserve(ranking[0])
+            held = (first or _whole_first)(ranking, lora_id)
+            if held is not None:
+                claims.reserve(held)
         return Decision(ranking, self._block_size, used_index, policy, lora_id, reason, claims,
                         len(prompt_ids))
 
@@ -387,10 +398,17 @@ class EngineSelector:
                 own_prefilling=self._pool.prefilling(r.engine_id),
                 own_prefill_tokens=self._pool.prefill_tokens(r.engine_id),
                 role=r.fields.get("role", "both"),
+                max_model_len=r.int_field("max_model_len"),
             )
             for r in records
             if r.address
         ]
+
+
+def _whole_first(ranking: Sequence[EngineView], lora_id: str) -> EngineView | None:
+    """Without the dispatcher's rules: the first engine if it surely takes the request whole
+    (a prefill-role one may be skipped, a decode-role one may come second to a prefill)."""
+    return ranking[0] if ranking and ranking[0].role == "both" else None
 
 
 def _needs_whole_fleet(candidates: Sequence[EngineRecord], model: str) -> bool:

@@ -52,6 +52,9 @@ class EngineView:
     own_prefill_tokens: int = 0
     # prefill, decode or both (kvfleet.contracts.redis_schema.ROLES; router.engines.disagg).
     role: str = "both"
+    # The engine's context length (its --max-model-len) as published with its load (0: not
+    # published): the pipeline checks the prompt against it without asking the engine.
+    max_model_len: int = 0
 
     @property
     def load(self) -> int:

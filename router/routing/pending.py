@@ -34,10 +34,14 @@ Invariants:
   (`Reservations`, added to `EnginePool`'s counts by `router.routing.decision`) until the
   dispatcher sends it (`claim`: the pool's own counts take over in the same step) or gives it
   up (`cancel`: the claim then just expires), at the latest after the claim's TTL. Between
-  the decision and the send the request may wait (a context-window lookup, a busy event loop:
+  the decision and the send the request waited (a context-window GetLoad, a busy event loop:
   250 ms and more in a measured burst); every decision made meanwhile saw the engines
   without it, and at rate inf four new prefixes went to one engine of two that way
-  (`make bench-fleet`, the README's Fleet section).
+  (`make bench-fleet`, the README's Fleet section). The GetLoad is gone from that gap (the
+  published max_model_len is used); `held_s` measures what is left.
+- The engine held is the one the request is sent to first, which the caller names
+  (`router.engines.disagg.first_engine`: a prefill engine in a disaggregated fleet); without
+  the caller's rules, only a first engine taking whole requests (role both) is held.
 """
 
 from __future__ import annotations
@@ -130,6 +134,9 @@ class Reservations:
         self._entries: dict[str, dict[int, tuple[int, float]]] = {}
         self._keys = itertools.count()
 
+    def now(self) -> float:
+        return self._clock()
+
     def add(self, engine_id: str, tokens: int, ttl_s: float) -> int:
         key = next(self._keys)
         self._entries.setdefault(engine_id, {})[key] = (tokens, self._clock() + ttl_s)
@@ -178,6 +185,10 @@ class PendingClaims:
         self._claims: dict[str, asyncio.Task[None]] = {}
         self._reservations = reservations
         self._held: tuple[EngineView, int] | None = None  # (engine, reservation key)
+        self._reserved_at = 0.0
+        # Seconds from the decision to the send (or give-up): how long other decisions saw
+        # the engine only through the reservation (None: nothing was held).
+        self.held_s: float | None = None
 
     def uncached_tokens(self, engine_id: str) -> int:
         """Prompt tokens the request makes this engine compute (0 when not estimated)."""
@@ -193,6 +204,7 @@ class PendingClaims:
             key = self._reservations.add(engine.engine_id,
                                          self.uncached_tokens(engine.engine_id), ttl)
             self._held = (engine, key)
+            self._reserved_at = self._reservations.now()
 
     def cancel(self) -> None:
         """The request will not be sent (refused before dispatch, client gone): drop the
@@ -229,6 +241,9 @@ class PendingClaims:
         held, self._held = self._held, None
         if held is not None and self._reservations is not None:
             self._reservations.drop(held[0].engine_id, held[1])
+            self.held_s = self._reservations.now() - self._reserved_at
+            logger.debug("held %s %.1f ms from decision to send", held[0].engine_id,
+                         self.held_s * 1e3)
 
     async def _unmark(
         self, claim: asyncio.Task[None], engine: EngineView, hashes: list[bytes]

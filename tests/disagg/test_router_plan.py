@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from router.engines.disagg import DisaggConfig, plan_disagg, without_prefill_engines
+from router.engines.disagg import (
+    DisaggConfig,
+    first_engine,
+    plan_disagg,
+    without_prefill_engines,
+)
 from router.routing.engine_view import EngineView
 
 
@@ -35,3 +40,15 @@ def test_what_skips_the_prefill_stage():
 def test_whole_requests_avoid_prefill_engines():
     assert [v.engine_id for v in without_prefill_engines(RANKING)] == [
         "d1", "d0", "d2", "b0", "p1", "p0"]
+
+
+def test_the_first_engine_is_the_one_sent_to_first():
+    def first(*args, **kwargs):
+        engine = first_engine(*args, **kwargs)
+        return engine.engine_id if engine is not None else None
+
+    assert first(RANKING, 100, CONFIG) == "p1"  # the plan's first prefill engine
+    assert first(RANKING, 99, CONFIG) == "d1"  # whole: prefill engines skipped
+    assert first(RANKING, 500, CONFIG, num_samples=2) == "d1"
+    assert first([_view("p0", "prefill")], 500, CONFIG) == "p0"  # the last resort
+    assert first([], 500, CONFIG) is None

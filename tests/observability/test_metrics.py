@@ -143,6 +143,8 @@ def test_metrics_move_with_requests(fleet: Fleet) -> None:
     assert value(routed, "kvfleet:router_actual_cached_tokens_total") >= 48
     assert value(routed, "kvfleet:router_cached_tokens_drift_count") == num_requests
     assert value(routed, "kvfleet:router_redis_latency_seconds_count") >= num_requests
+    # Every request was held on its engine from its decision to its send.
+    assert value(routed, "kvfleet:router_decision_hold_seconds_count") == num_requests
     assert value(routed, "kvfleet:router_redis_errors_total") == 0
     assert ("kvfleet:router_engine_num_running", frozenset({("engine_id", "engine-0")})) in routed
 

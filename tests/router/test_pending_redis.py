@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import redis
@@ -17,8 +17,10 @@ import redis
 from kvfleet.contracts import redis_schema
 from kvfleet.contracts.block_hash import hash_token_blocks
 from kvfleet.redis_server import RedisServer
+from router.engines.disagg import DisaggConfig, first_engine
 from router.engines.pool import EnginePool
 from router.routing.decision import EngineSelector, RoutingConfig
+from router.routing.engine_view import EngineView
 from router.routing.pending import drain
 from router.routing.prefix_index import EngineRecord, PrefixIndex
 from tests.unit.test_routing_replay import ENGINES, VLLM_ORDER, replay
@@ -232,6 +234,68 @@ def test_a_burst_decided_before_any_send_spreads_as_if_sent_one_by_one(
             views = {v.engine_id: v for v in (await selector.decide(prompt(0), TENANT)).ranking}
             assert {e: (v.in_flight, v.own_prefill_tokens) for e, v in views.items()} == {
                 e: (0, 0) for e in ENGINES}
+            await drain()
+        finally:
+            await index.close()
+
+    asyncio.run(run())
+
+
+def test_a_disaggregated_decision_holds_its_prefill_engine(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    # The request goes to a prefill engine first: that engine is held from the decision
+    # on, with the prompt's 544 uncached tokens, and the views carry the published context.
+    for engine_id, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+        register(client, engine_id)
+        client.hset(redis_schema.engine_key(engine_id),
+                    mapping={"role": role, "max_model_len": 4096})
+    config = DisaggConfig(prefill_threshold=100)
+
+    def first(ranking: Sequence[EngineView], lora_id: str) -> EngineView | None:
+        return first_engine(ranking, len(prompt(0)), config, lora_id=lora_id)
+
+    async def run() -> None:
+        index = PrefixIndex(redis_server.url)
+        selector = EngineSelector(RoutingConfig(), index, EnginePool())
+        try:
+            unheld = await selector.decide(prompt(0), TENANT)  # the default holds no
+            assert unheld.ranking[0].role == "prefill"  # prefill engine
+            assert unheld.claims is not None
+            unheld.claims.cancel()
+            decided = await selector.decide(prompt(0), TENANT, first=first)
+            held = decided.ranking[0]
+            assert (held.role, held.max_model_len) == ("prefill", 4096)
+            views = {v.engine_id: v for v in (await selector.decide(prompt(9000), TENANT)).ranking}
+            other = "p1" if held.engine_id == "p0" else "p0"
+            assert (views[held.engine_id].in_flight, views[held.engine_id].own_prefilling,
+                    views[held.engine_id].own_prefill_tokens) == (1, 1, 544)
+            assert (views[other].in_flight, views["d0"].in_flight) == (0, 0)
+            assert decided.claims is not None
+            decided.claims.claim(held)  # sent: the hold ends, the pool counts it from now
+            assert decided.claims.held_s is not None and decided.claims.held_s >= 0.0
+            views = {v.engine_id: v for v in (await selector.decide(prompt(0), TENANT)).ranking}
+            assert views[held.engine_id].in_flight == 0
+            await drain()
+        finally:
+            await index.close()
+
+    asyncio.run(run())
+
+
+def test_a_prompt_shorter_than_a_block_is_held_too(
+    client: redis.Redis, redis_server: RedisServer
+) -> None:
+    register(client, "a")
+
+    async def run() -> None:
+        index = PrefixIndex(redis_server.url)
+        selector = EngineSelector(RoutingConfig(), index, EnginePool())
+        try:
+            short = await selector.decide(list(range(10)), TENANT)  # no full block to claim
+            assert short.claims is not None
+            view = (await selector.decide(list(range(10)), TENANT)).ranking[0]
+            assert (view.in_flight, view.own_prefilling, view.own_prefill_tokens) == (1, 1, 10)
             await drain()
         finally:
             await index.close()

@@ -50,18 +50,43 @@ def test_step_rates_start_unknown_and_separate_decode_from_prefill() -> None:
     assert rates.decode_s_per_seq == pytest.approx(0.01)
     assert rates.prefill_tokens_per_s == 0.0
     rates.observe(0.54, num_tokens=504, num_decoding=4)  # 500 prompt tokens in 0.5 s
-    assert rates.prefill_tokens_per_s == pytest.approx(1000.0)
+    assert rates.prefill_tokens_per_s == pytest.approx(1000.0)  # large: ratio of averages
     rates.observe(0.0, num_tokens=0, num_decoding=0)  # an idle step changes nothing
     assert rates.prefill_tokens_per_s == pytest.approx(1000.0)
 
 
-def test_prefill_rate_is_token_weighted_and_bounded() -> None:
+def _step_s(prompt_tokens: int) -> float:
+    return 0.065 + prompt_tokens / 2000  # a 65 ms fixed cost, then 2,000 tok/s
+
+
+def test_a_warm_up_of_tiny_prompts_leaves_the_rate_unknown_not_tiny() -> None:
     rates = StepRates()
-    rates.observe(1.0, num_tokens=1000, num_decoding=0)
-    rates.observe(0.1, num_tokens=10, num_decoding=0)  # a small chunk with overhead
-    # EWMA(tokens) / EWMA(seconds) = (1000 + 0.1 * -990) / (1 + 0.1 * -0.9)
-    assert rates.prefill_tokens_per_s == pytest.approx(901 / 0.91)
+    for p in (5, 7, 6, 9, 5, 8, 6, 7):  # steps of t = 65 ms + p / 2000
+        rates.observe(_step_s(p), num_tokens=p, num_decoding=0)
+    # A ratio of averages would read 6.6 / 0.0683 = ~97 tok/s; routers use their default.
+    assert rates.prefill_tokens_per_s == 0.0
+
+
+def test_the_fit_separates_the_fixed_cost_from_the_per_token_cost() -> None:
+    rates = StepRates()
+    for p in (5, 7, 6, 9):
+        rates.observe(_step_s(p), num_tokens=p, num_decoding=0)
+    for p in (400, 40, 300, 120):  # spread: sd of the weighted prompt sizes >= 64 tokens
+        rates.observe(_step_s(p), num_tokens=p, num_decoding=0)
+    assert rates.prefill_tokens_per_s == pytest.approx(2000.0)
+    mixed = StepRates()
+    mixed.observe(0.04, num_tokens=4, num_decoding=4)  # 10 ms per decoding sequence
+    for p in (16, 512, 128):  # each step also decodes 4 sequences (40 ms of it)
+        mixed.observe(_step_s(p) + 0.04, num_tokens=p + 4, num_decoding=4)
+    assert mixed.prefill_tokens_per_s == pytest.approx(2000.0)
+
+
+def test_steady_large_steps_use_the_ratio_and_a_skewed_split_is_bounded() -> None:
+    rates = StepRates()
+    for _ in range(3):  # no spread: the slope is unknown, the ratio of averages counts
+        rates.observe(_step_s(512), num_tokens=512, num_decoding=0)
+    assert rates.prefill_tokens_per_s == pytest.approx(512 / 0.321)
     skewed = StepRates()
     skewed.observe(1.0, num_tokens=10, num_decoding=10)  # 0.1 s per decoding sequence
-    skewed.observe(0.5, num_tokens=20, num_decoding=10)  # decode estimate exceeds the step
-    assert skewed.prefill_tokens_per_s == pytest.approx(10 / (MIN_PREFILL_SHARE * 0.5))
+    skewed.observe(0.8, num_tokens=310, num_decoding=10)  # decode estimate exceeds the step
+    assert skewed.prefill_tokens_per_s == pytest.approx(300 / (MIN_PREFILL_SHARE * 0.8))
