@@ -54,6 +54,10 @@ MIN_PREFILL_SHARE = 0.25
 # The affine fit's slope is trusted once the steps' prompt tokens have this standard
 # deviation: at ~1,000 tok/s that is ~64 ms of signal against a few ms of step jitter.
 MIN_FIT_SPREAD_TOKENS = 64.0
+# The fit removes a fixed cost from the ratio of averages, so it can only raise the rate; by
+# at most this factor (the fixed cost at most 7/8 of the average step), so that jitter that
+# flattens the line cannot publish a near-infinite rate (queued prompts then cost nothing).
+MAX_FIT_GAIN = 8.0
 # Without that spread, steps averaging this many prompt tokens give the ratio of averages
 # (a fixed cost of tens of ms is a minor share of them); smaller ones give "unknown".
 MIN_RATIO_TOKENS = 256.0
@@ -161,8 +165,8 @@ class StepRates:
         fit = self._prefill
         if fit.var_x() >= MIN_FIT_SPREAD_TOKENS ** 2:
             per_token = fit.slope()
-            if per_token > 0.0:
-                return 1.0 / per_token
+            if per_token > 0.0 and fit.mean_y() > 0.0:
+                return min(1.0 / per_token, MAX_FIT_GAIN * fit.mean_x() / fit.mean_y())
         if fit.mean_x() >= MIN_RATIO_TOKENS and fit.mean_y() > 0.0:
             return fit.mean_x() / fit.mean_y()
         return 0.0

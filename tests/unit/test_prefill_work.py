@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from engine.service.prefill_work import (
+    MAX_FIT_GAIN,
     MIN_PREFILL_SHARE,
     StepRates,
     decoding_requests,
@@ -90,3 +91,13 @@ def test_steady_large_steps_use_the_ratio_and_a_skewed_split_is_bounded() -> Non
     skewed.observe(1.0, num_tokens=10, num_decoding=10)  # 0.1 s per decoding sequence
     skewed.observe(0.8, num_tokens=310, num_decoding=10)  # decode estimate exceeds the step
     assert skewed.prefill_tokens_per_s == pytest.approx(300 / (MIN_PREFILL_SHARE * 0.8))
+
+
+def test_a_flat_fit_cannot_publish_a_near_infinite_rate() -> None:
+    rates = StepRates()
+    # Jitter: the big steps happened to take as long as the small ones (slope ~ 0).
+    for p, t in ((20, 0.100), (300, 0.1001), (40, 0.100), (280, 0.1001)):
+        rates.observe(t, num_tokens=p, num_decoding=0)
+    fit = rates._prefill
+    assert rates.prefill_tokens_per_s == pytest.approx(
+        MAX_FIT_GAIN * fit.mean_x() / fit.mean_y())
