@@ -263,6 +263,7 @@ class Fleet:
         """Launch engine `index` (not awaited; see `wait_ready`). Tests restart engines so."""
         name = engine_id(index)
         command = engine_command(self.config, name, self._service_redis_url)
+        command += self.config.role_engine_args(index)
         if index < len(self.config.engine_args_by_index):
             command += self.config.engine_args_by_index[index]
         command += ["--router-secret-file", str(self.router_secret_file),
