@@ -108,12 +108,15 @@ class FleetConfig:
             return ("prefill",) * self.prefill_engines + ("decode",) * self.decode_engines
         return ("both",) * self.num_engines
 
-    def role_engine_args(self, index: int) -> tuple[str, ...]:
-        """Engine i's role flags: `prefill_engine_args` or `decode_engine_args`."""
+    def engine_own_args(self, index: int) -> tuple[str, ...]:
+        """Engine i's flags after `engine_args`: its role's (`prefill_engine_args` or
+        `decode_engine_args`), then its own (`engine_args_by_index`), then its --role. Later
+        flags win in argparse, so a role's flag overrides a fleet-wide one."""
         roles = self.engine_roles
         role = roles[index] if index < len(roles) else "both"
-        return {"prefill": self.prefill_engine_args,
-                "decode": self.decode_engine_args}.get(role, ())
+        by_role = {"prefill": self.prefill_engine_args, "decode": self.decode_engine_args}
+        own = self.engine_args_by_index[index] if index < len(self.engine_args_by_index) else ()
+        return (*by_role.get(role, ()), *own, *(() if role == "both" else ("--role", role)))
 
     def engine_nice(self, index: int) -> int:
         """Engine i's nice increment: `prefill_nice` for a prefill-role engine, else 0."""
