@@ -14,6 +14,7 @@ engine's push until the decode engine has the blocks in its cache; from its metr
                                       [--long-tokens 2000] [--transports shm,grpc]
                                       [--decode-caps 4,0] [--prefill-nices 0,10]
                                       [--cpu-binds 'all;0|1']
+                                      [--prefill-budgets 2048,512] [--rounds 3]
 
 `--decode-caps`: one 1P+1D fleet per transport and cap, its engines started with
 `--max-prefill-tokens-per-decode-step` (0: no cap; unset: the engines' default, 4 on a
@@ -24,6 +25,12 @@ prefill engine's nice increment (FleetConfig.prefill_nice) and of the engines' C
 (kvfleet up --engine-cpus; with engines bound, the router and this client run off the decode
 engine's CPUs, as the fleet places its own services).
 
+`--prefill-engine-arg ARG` (repeatable): a flag given to the prefill engine only.
+`--prefill-budgets 2048,512,256`: one 1P+1D fleet per value of the prefill engine's
+`--max-num-batched-tokens` (its prompt chunk per step; the decode engine keeps its own);
+`--rounds N` repeats the whole list N times, interleaved, for A/B runs on a busy machine.
+Each fleet also prints the long prompts' time to first token (their prefill).
+
 `--transfer-only N`: instead, the transfer's own cost per block on one idle engine, N pushes
 per transport (benchmarks.kv_transfer_cost; no prefill compute in the figure).
 """
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import tempfile
@@ -151,12 +159,23 @@ def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
                 f", p99 {gaps.percentile(0.99) * 1e3:.1f} ms ({len(gaps.seconds)} gaps, "
                 f"{len(gaps.seconds) + gaps.streams} chat tokens); TTFT p50 "
                 f"{gaps.percentile(0.5, gaps.first_token) * 1e3:.0f} ms, p99 "
-                f"{gaps.percentile(0.99, gaps.first_token) * 1e3:.0f} ms")
+                f"{gaps.percentile(0.99, gaps.first_token) * 1e3:.0f} ms; "
+                f"p99/p50 {gaps.percentile(0.99) / gaps.percentile(0.5):.2f}; "
+                f"{_long_ttft(gaps)}")
         if config.prefill_engines:
             line += "; " + _transfer_cost(fleet.engines[0].metrics_port)
         phases = ", ".join(f"{name} {n}" for name, n in gaps.worst_by_phase().items())
         print(f"{line}\n{'':>18}worst 1% of gaps during the long prompts' {phases}\n"
               f"{'':>18}CPU time a second: {shares}", flush=True)
+
+
+def _long_ttft(gaps: Gaps) -> str:
+    """The long prompts' time to first token (their prefill, queueing included)."""
+    ttfts = [times[1] - times[0] for times in gaps.long_prompts if len(times) > 1]
+    if not ttfts:
+        return "no long prompt answered"
+    return (f"long prompts' TTFT p50 {gaps.percentile(0.5, ttfts):.2f} s, max "
+            f"{max(ttfts):.2f} s ({len(ttfts)} prompts)")
 
 
 def _processes(config: FleetConfig, fleet: Fleet) -> dict[str, int]:
@@ -222,8 +241,12 @@ def main() -> None:
         _transfer_only(model, engine_args, args)
         return
     with tempfile.TemporaryDirectory() as work:
-        for name, config in _fleets(parser, args, model, engine_args, Path(work)):
-            _run(name, config, args)
+        fleets = _fleets(parser, args, model, engine_args, Path(work))
+        for round_ in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {round_ + 1}, load average {os.getloadavg()}", flush=True)
+            for name, config in fleets:
+                _run(name, config, args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -249,6 +272,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="';'-separated engine CPU bindings (kvfleet up --engine-cpus: "
                              "'all', or the prefill engine's CPUs|the decode engine's), a "
                              "1P+1D fleet each, e.g. 'all;0|1' (default: %(default)s)")
+    parser.add_argument("--prefill-engine-arg", action="append", default=[],
+                        help="a flag of the prefill engine only (repeatable)")
+    parser.add_argument("--prefill-budgets", default="",
+                        help="comma-separated --max-num-batched-tokens values of the prefill "
+                             "engine, a 1P+1D fleet each (default: the engine's own)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every fleet this many times, interleaved")
     parser.add_argument("--colocated", action=argparse.BooleanOptionalAction, default=True,
                         help="also run 2 colocated engines (default: %(default)s)")
     parser.add_argument("--transfer-only", type=int, default=0, metavar="N",
@@ -259,33 +289,35 @@ def _parser() -> argparse.ArgumentParser:
 
 def _fleets(parser: argparse.ArgumentParser, args: argparse.Namespace, model: Path,
             engine_args: tuple[str, ...], work: Path) -> list[tuple[str, FleetConfig]]:
-    """The fleets to run, in order: a 1P+1D one per transport, cap, nice and binding, then
-    the colocated one."""
+    """The fleets to run, in order: a 1P+1D one per transport, cap, nice, binding and
+    prefill budget, then the colocated one."""
     threshold = ("--disagg-prefill-threshold", str(max(1, args.long_tokens // 2)))
     caps = _list(parser, "--decode-caps", args.decode_caps, str.isdigit, "a token count")
     nices = _list(parser, "--prefill-nices", args.prefill_nices,
                   lambda nice: nice.isdigit() and int(nice) <= 19, "a nice increment 0-19")
+    budgets = _list(parser, "--prefill-budgets", args.prefill_budgets,
+                    lambda budget: budget.isdigit() and int(budget) > 0, "a token count > 0")
     binds = [_cpu_bind(parser, bind) for bind in args.cpu_binds.split(";")]
-    fleets: list[tuple[str, tuple[int, int], tuple[str, ...], int | None, Binding]] = [
-        (f"1P+1D {transport}" + ("" if cap is None else f" cap {cap}")
-         + ("" if nice is None else f" nice {nice}")
-         + ("" if not bind else f" cpus {_bind_label(bind)}"),
-         (1, 1), ("--kv-transfer", transport,
-                  *(() if cap is None else ("--max-prefill-tokens-per-decode-step", cap))),
-         None if nice is None else int(nice), bind)
-        for transport in args.transports.split(",") for cap in caps for nice in nices
-        for bind in binds]
-    if args.colocated:
-        fleets.append(("2 colocated", (0, 0), (), None, ()))
+    base = FleetConfig(model_dir=model, num_engines=2, engine_args=engine_args,
+                       router_args=threshold, engine_threads=1)
     configs = []
-    for name, roles, transport_args, nice, bind in fleets:
-        config = FleetConfig(
-            model_dir=model, num_engines=2, prefill_engines=roles[0],
-            decode_engines=roles[1], engine_args=(*engine_args, *transport_args),
-            router_args=threshold, log_dir=work / name.replace(" ", "-"),
-            engine_threads=1, engine_cpus=bind,
-        )
-        configs.append((name, config if nice is None else replace(config, prefill_nice=nice)))
+    for transport in args.transports.split(","):
+        for cap, nice, bind, budget in itertools.product(caps, nices, binds, budgets):
+            name = (f"1P+1D {transport}" + ("" if cap is None else f" cap {cap}")
+                    + ("" if nice is None else f" nice {nice}")
+                    + ("" if not bind else f" cpus {_bind_label(bind)}")
+                    + ("" if budget is None else f" prefill budget {budget}"))
+            decode = () if cap is None else ("--max-prefill-tokens-per-decode-step", cap)
+            prefill = (*args.prefill_engine_arg,
+                       *(() if budget is None else ("--max-num-batched-tokens", budget)))
+            config = replace(
+                base, prefill_engines=1, decode_engines=1, engine_cpus=bind,
+                engine_args=(*engine_args, "--kv-transfer", transport, *decode),
+                prefill_engine_args=prefill, log_dir=work / name.replace(" ", "-"))
+            configs.append((name, config if nice is None else replace(config,
+                                                                      prefill_nice=int(nice))))
+    if args.colocated:
+        configs.append(("2 colocated", replace(base, log_dir=work / "2-colocated")))
     return configs
 
 

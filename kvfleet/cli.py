@@ -125,6 +125,13 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                              "without one, or to replace theirs")
     parser.add_argument("--engine-arg", action="append", default=[], dest="engine_args",
                         metavar="ARG", help="extra engine flag, e.g. --engine-arg=--max-num-seqs=8")
+    parser.add_argument("--prefill-engine-arg", action="append", default=[],
+                        dest="prefill_engine_args", metavar="ARG",
+                        help="extra flag of prefill-role engines only, after --engine-arg, "
+                             "e.g. --prefill-engine-arg=--max-num-batched-tokens=512")
+    parser.add_argument("--decode-engine-arg", action="append", default=[],
+                        dest="decode_engine_args", metavar="ARG",
+                        help="extra flag of decode-role engines only, after --engine-arg")
     parser.add_argument("--router-arg", action="append", default=[], dest="router_args",
                         metavar="ARG", help="extra router flag, e.g. "
                                             "--router-arg=--enable-auto-tool-choice")
@@ -242,6 +249,8 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
         router_http_port=http_port_or_free(args.host, args.http_port),
         policy=args.policy, api_keys=args.api_keys,
         engine_args=tuple(args.engine_args), router_args=tuple(args.router_args),
+        prefill_engine_args=tuple(args.prefill_engine_args),
+        decode_engine_args=tuple(args.decode_engine_args),
         log_dir=args.log_dir or run_logs.new_run_dir(),
         **({} if args.prefill_nice is None else {"prefill_nice": args.prefill_nice}),
         engine_cpus=args.engine_cpus,

@@ -263,13 +263,9 @@ class Fleet:
         """Launch engine `index` (not awaited; see `wait_ready`). Tests restart engines so."""
         name = engine_id(index)
         command = engine_command(self.config, name, self._service_redis_url)
-        if index < len(self.config.engine_args_by_index):
-            command += self.config.engine_args_by_index[index]
-        command += ["--router-secret-file", str(self.router_secret_file),
+        command += [*self.config.engine_own_args(index),
+                    "--router-secret-file", str(self.router_secret_file),
                     *self._redis_flags(), *self.credentials.tls_flags(name)]
-        roles = self.config.engine_roles
-        if index < len(roles) and roles[index] != "both":
-            command += ["--role", roles[index]]
         env = None
         if self.config.engine_threads is not None:
             threads = str(self.config.engine_threads)

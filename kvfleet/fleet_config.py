@@ -71,6 +71,11 @@ class FleetConfig:
     # Engine i's CPUs (os.sched_setaffinity, like vLLM-CPU's VLLM_CPU_OMP_THREADS_BIND);
     # engines past the end of the tuple, or given (), may run on any CPU.
     engine_cpus: tuple[tuple[int, ...], ...] = ()
+    # Extra flags of prefill-role and of decode-role engines only, after engine_args (as
+    # llm-d and vLLM users configure prefill and decode pods apart), e.g. a prefill engine's
+    # smaller --max-num-batched-tokens. Only in a disaggregated fleet.
+    prefill_engine_args: tuple[str, ...] = ()
+    decode_engine_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -83,6 +88,11 @@ class FleetConfig:
         if not 0 <= self.prefill_nice <= 19:
             raise ValueError(f"prefill_nice must be 0-19 (a nice increment), got "
                              f"{self.prefill_nice}")
+        for name in ("prefill_engine_args", "decode_engine_args"):
+            if getattr(self, name) and not self.prefill_engines:
+                flag = "--" + name[:-1].replace("_", "-")
+                raise ValueError(f"{name} ({flag}) needs a disaggregated fleet (prefill_engines"
+                                 " and decode_engines > 0): colocated engines have no role")
         host = _host_cpus()
         for index, cpus in enumerate(self.engine_cpus):
             if any(cpu < 0 for cpu in cpus):
@@ -97,6 +107,16 @@ class FleetConfig:
         if self.prefill_engines:
             return ("prefill",) * self.prefill_engines + ("decode",) * self.decode_engines
         return ("both",) * self.num_engines
+
+    def engine_own_args(self, index: int) -> tuple[str, ...]:
+        """Engine i's flags after `engine_args`: its role's (`prefill_engine_args` or
+        `decode_engine_args`), then its own (`engine_args_by_index`), then its --role. Later
+        flags win in argparse, so a role's flag overrides a fleet-wide one."""
+        roles = self.engine_roles
+        role = roles[index] if index < len(roles) else "both"
+        by_role = {"prefill": self.prefill_engine_args, "decode": self.decode_engine_args}
+        own = self.engine_args_by_index[index] if index < len(self.engine_args_by_index) else ()
+        return (*by_role.get(role, ()), *own, *(() if role == "both" else ("--role", role)))
 
     def engine_nice(self, index: int) -> int:
         """Engine i's nice increment: `prefill_nice` for a prefill-role engine, else 0."""

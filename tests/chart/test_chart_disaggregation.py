@@ -37,3 +37,25 @@ def test_prefill_group_and_decode_group():
     for doc in rendered.docs:
         validate_strict(doc)
     assert not lint(VALUES)["errors"]
+
+
+def test_role_extra_args_go_to_their_role_only():
+    values = {"engine": {"extraArgs": ["--max-num-batched-tokens=2048"]},
+              "disaggregation": {"prefillReplicas": 1, "prefillExtraArgs":
+                                 ["--max-num-batched-tokens=512"],
+                                 "decodeExtraArgs": ["--max-prefill-tokens-per-decode-step=8"]}}
+    rendered = render(values)
+    sets = {d["metadata"]["name"]: _args(d) for d in rendered.all("StatefulSet")
+            if "engine" in d["metadata"]["name"]}
+    prefill = next(a for n, a in sets.items() if n.endswith("-engine-prefill"))
+    decode = next(a for n, a in sets.items() if n.endswith("-engine"))
+    # The role's flag comes after the fleet-wide one, so the engine's parser takes it.
+    assert prefill.index("--max-num-batched-tokens=512") > prefill.index(
+        "--max-num-batched-tokens=2048")
+    assert "--max-prefill-tokens-per-decode-step=8" not in prefill
+    assert "--max-prefill-tokens-per-decode-step=8" in decode
+    assert "--max-num-batched-tokens=512" not in decode
+    both = [a for d in render({"disaggregation": {"decodeExtraArgs": ["--seed=3"]}}).all(
+        "StatefulSet") if "engine" in d["metadata"]["name"] for a in _args(d)]
+    assert "--seed=3" not in both  # colocated engines have no role
+    assert not lint(values)["errors"]

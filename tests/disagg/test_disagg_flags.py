@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,33 @@ def test_up_gives_engines_their_roles(tmp_path: Path) -> None:
     assert FleetConfig(model_dir=tmp_path, num_engines=3).engine_roles == ("both",) * 3
     with pytest.raises(ValueError, match="prefill and decode"):
         FleetConfig(model_dir=tmp_path, prefill_engines=1)
+
+
+def test_up_gives_each_role_its_own_engine_flags(tmp_path: Path) -> None:
+    args = build_parser().parse_args([
+        "up", "--log-dir", str(tmp_path), "--http-port", "0", "--prefill-engines", "1",
+        "--decode-engines", "1", "--engine-arg=--max-num-batched-tokens=2048",
+        "--prefill-engine-arg=--max-num-batched-tokens=256",
+        "--decode-engine-arg=--max-prefill-tokens-per-decode-step=8",
+    ])
+    config = up_config(args, tmp_path)
+    assert config.engine_own_args(0) == ("--max-num-batched-tokens=256", "--role", "prefill")
+    assert config.engine_own_args(1) == ("--max-prefill-tokens-per-decode-step=8",
+                                         "--role", "decode")
+    # The engine's parser sees the role's flag last, so it wins over the fleet-wide one.
+    prefill = engine_parser().parse_args(
+        ["--model", "m", "--engine-id", "e", "--redis-url", "redis://x",
+         *config.engine_args, *config.engine_own_args(0)])
+    assert prefill.max_num_batched_tokens == 256 and prefill.role == "prefill"
+    by_index = replace(config, engine_args_by_index=((), ("--seed", "3")))
+    assert by_index.engine_own_args(1)[-4:] == ("--seed", "3", "--role", "decode")
+    colocated = FleetConfig(model_dir=tmp_path, engine_args_by_index=(("--seed", "1"),))
+    assert colocated.engine_own_args(0) == ("--seed", "1")
+    assert colocated.engine_own_args(1) == ()
+    with pytest.raises(ValueError, match=r"prefill_engine_args \(--prefill-engine-arg\)"):
+        FleetConfig(model_dir=tmp_path, prefill_engine_args=("--seed", "1"))
+    with pytest.raises(ValueError, match="decode_engine_args"):
+        FleetConfig(model_dir=tmp_path, decode_engine_args=("--seed", "1"))
 
 
 def test_engine_and_router_flags() -> None:
