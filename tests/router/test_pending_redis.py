@@ -2,14 +2,16 @@
 
 Engines are registered with plain Redis commands following kvfleet/contracts/redis_schema.py
 (as tests/services/test_router_prefix_index.py does); the routers are real `PrefixIndex` /
-`EngineSelector` objects, two of them standing for two replicas.
+`EngineSelector` objects, two of them standing for two replicas: `prefix_indexes` and `routers`
+open them for a test's coroutine and close their Redis connections after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import pytest
 import redis
@@ -67,12 +69,29 @@ def hashes_of(ids: list[int]) -> list[bytes]:
     return hash_token_blocks(ids[:-1], BS, cache_salt=TENANT)
 
 
-async def matches(url: str, hashes: list[bytes]) -> dict[str, tuple[int, int]]:
-    index = PrefixIndex(url)
+@contextlib.asynccontextmanager
+async def prefix_indexes(url: str, count: int = 1) -> AsyncIterator[list[PrefixIndex]]:
+    """`count` `PrefixIndex` connections to the Redis at `url` (one per router replica),
+    closed on exit."""
+    indexes = [PrefixIndex(url) for _ in range(count)]
     try:
-        records = await index.lookup(BS, hashes)
+        yield indexes
     finally:
-        await index.close()
+        for index in indexes:
+            await index.close()
+
+
+@contextlib.asynccontextmanager
+async def routers(url: str, count: int = 1) -> AsyncIterator[list[EngineSelector]]:
+    """`count` router replicas: an `EngineSelector` (default routing config) on each index."""
+    async with prefix_indexes(url, count) as indexes:
+        yield [EngineSelector(RoutingConfig(), index, EnginePool()) for index in indexes]
+
+
+async def matches(url: str, hashes: list[bytes]) -> dict[str, tuple[int, int]]:
+    """What another router's lookup of `hashes` sees: engine -> (published, pending) blocks."""
+    async with prefix_indexes(url) as (index,):
+        records = await index.lookup(BS, hashes)
     return {r.engine_id: (r.matched_blocks, r.matched_pending_blocks) for r in records}
 
 
@@ -84,8 +103,7 @@ def test_a_pending_entry_is_seen_by_another_router_and_expires(
     register(client, "b")
 
     async def run() -> None:
-        writer = PrefixIndex(redis_server.url)
-        try:
+        async with prefix_indexes(redis_server.url) as (writer,):
             await writer.mark_pending("a", "1", hashes[4:32], ttl_s=0.5)
             # Another router's lookup: 4 published blocks, 28 pending continuing them.
             assert await matches(redis_server.url, hashes) == {"a": (4, 28), "b": (0, 0)}
@@ -95,8 +113,6 @@ def test_a_pending_entry_is_seen_by_another_router_and_expires(
             assert await matches(redis_server.url, hashes) == {"a": (4, 28), "b": (0, 0)}
             await asyncio.sleep(0.5)
             assert await matches(redis_server.url, hashes) == {"a": (4, 0), "b": (0, 0)}
-        finally:
-            await writer.close()
 
     asyncio.run(run())
     ttl = client.ttl(redis_schema.pending_key("a", "1"))
@@ -110,16 +126,13 @@ def test_a_released_claim_is_removed_and_other_epochs_never_match(
     register(client, "a", epoch="2")
 
     async def run() -> None:
-        writer = PrefixIndex(redis_server.url)
-        try:
+        async with prefix_indexes(redis_server.url) as (writer,):
             await writer.mark_pending("a", "1", hashes, ttl_s=10)  # an old epoch's
             assert await matches(redis_server.url, hashes) == {"a": (0, 0)}
             await writer.mark_pending("a", "2", hashes, ttl_s=10)
             assert await matches(redis_server.url, hashes) == {"a": (0, 33)}
             await writer.unmark_pending("a", "2", hashes[10:])
             assert await matches(redis_server.url, hashes) == {"a": (0, 10)}
-        finally:
-            await writer.close()
 
     asyncio.run(run())
 
@@ -131,10 +144,7 @@ def test_two_replicas_agree_and_the_second_request_follows_the_first(
     register(client, "b")
 
     async def run() -> None:
-        indexes = [PrefixIndex(redis_server.url) for _ in range(3)]
-        one, two, three = (EngineSelector(RoutingConfig(), index, EnginePool())
-                           for index in indexes)
-        try:
+        async with routers(redis_server.url, 3) as (one, two, three):
             # Replicas rank a new prefix alike (the hash decides on an idle fleet).
             first = await one.decide(prompt(0), TENANT)
             other = await three.decide(prompt(0), TENANT)
@@ -161,9 +171,6 @@ def test_two_replicas_agree_and_the_second_request_follows_the_first(
             await drain()
             third = await two.decide(prompt(5000), TENANT)
             assert all(v.matched_pending_blocks == 0 for v in third.ranking)
-        finally:
-            for index in indexes:
-                await index.close()
 
     asyncio.run(run())
 
@@ -175,9 +182,7 @@ def test_a_replica_follows_its_own_claim_before_the_write_lands(
     register(client, "b")
 
     async def run() -> None:
-        index = PrefixIndex(redis_server.url)
-        selector = EngineSelector(RoutingConfig(), index, EnginePool())
-        try:
+        async with routers(redis_server.url) as (selector,):
             first = await selector.decide(prompt(0), TENANT)
             chosen = first.ranking[0]
             assert first.claims is not None
@@ -197,8 +202,6 @@ def test_a_replica_follows_its_own_claim_before_the_write_lands(
             await drain()
             fourth = await selector.decide(prompt(7000), TENANT)
             assert all(v.matched_pending_blocks == 0 for v in fourth.ranking)
-        finally:
-            await index.close()
 
     asyncio.run(run())
 
@@ -221,9 +224,7 @@ def test_a_burst_decided_before_any_send_spreads_as_if_sent_one_by_one(
         register(client, engine_id)
 
     async def run() -> None:
-        index = PrefixIndex(redis_server.url)
-        selector = EngineSelector(RoutingConfig(), index, EnginePool())
-        try:
+        async with routers(redis_server.url) as (selector,):
             decisions = [await selector.decide(replay_prompt(p, i), "default")
                          for i, p in enumerate(VLLM_ORDER)]
             assert [(d.ranking[0].engine_id, d.reason) for d in decisions] == replay(VLLM_ORDER)
@@ -235,8 +236,6 @@ def test_a_burst_decided_before_any_send_spreads_as_if_sent_one_by_one(
             assert {e: (v.in_flight, v.own_prefill_tokens) for e, v in views.items()} == {
                 e: (0, 0) for e in ENGINES}
             await drain()
-        finally:
-            await index.close()
 
     asyncio.run(run())
 
@@ -256,9 +255,7 @@ def test_a_disaggregated_decision_holds_its_prefill_engine(
         return first_engine(ranking, len(prompt(0)), config, lora_id=lora_id)
 
     async def run() -> None:
-        index = PrefixIndex(redis_server.url)
-        selector = EngineSelector(RoutingConfig(), index, EnginePool())
-        try:
+        async with routers(redis_server.url) as (selector,):
             unheld = await selector.decide(prompt(0), TENANT)  # the default holds no
             assert unheld.ranking[0].role == "prefill"  # prefill engine
             assert unheld.claims is not None
@@ -277,8 +274,6 @@ def test_a_disaggregated_decision_holds_its_prefill_engine(
             views = {v.engine_id: v for v in (await selector.decide(prompt(0), TENANT)).ranking}
             assert views[held.engine_id].in_flight == 0
             await drain()
-        finally:
-            await index.close()
 
     asyncio.run(run())
 
@@ -289,15 +284,11 @@ def test_a_prompt_shorter_than_a_block_is_held_too(
     register(client, "a")
 
     async def run() -> None:
-        index = PrefixIndex(redis_server.url)
-        selector = EngineSelector(RoutingConfig(), index, EnginePool())
-        try:
+        async with routers(redis_server.url) as (selector,):
             short = await selector.decide(list(range(10)), TENANT)  # no full block to claim
             assert short.claims is not None
             view = (await selector.decide(list(range(10)), TENANT)).ranking[0]
             assert (view.in_flight, view.own_prefilling, view.own_prefill_tokens) == (1, 1, 10)
             await drain()
-        finally:
-            await index.close()
 
     asyncio.run(run())
