@@ -19,26 +19,14 @@ import argparse
 import json
 import os
 import random
-import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks.one_engine_fleet import cpu_seconds, one_engine_fleet, service_pids, stat_cpu
 from kvfleet.cli import default_engine_threads
-from kvfleet.fleet import Fleet, FleetConfig
 from kvfleet.text.tokenizer import Tokenizer
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def stat_cpu(path: Path) -> float:
-    """utime + stime of one /proc stat file, in seconds (0 once the process is gone)."""
-    try:
-        fields = path.read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -88,29 +76,23 @@ def main() -> None:
 
         model_dir = Path(prepare_default_model())
     prompts = random_prompts(model_dir, args.num_prompts, args.input_len, seed=0)
-    with tempfile.TemporaryDirectory(prefix="kvfleet-cpu-") as tmp:
-        config = FleetConfig(model_dir=model_dir, num_engines=1,
-                             engine_threads=default_engine_threads(1),
-                             engine_args=("--dtype", args.dtype),
-                             log_dir=Path(tmp) / "logs", log_level="WARNING")
-        with Fleet(config) as fleet:
-            model = model_dir.name
-            stream_one(fleet.http_url, model, prompts[0], 4)  # warm-up
-            pids = {s.name: s.process.pid for s in (fleet.router, fleet.tokenizer,
-                                                    *fleet.engines) if s}
-            if fleet.redis is not None and fleet.redis._process is not None:
-                pids["redis"] = fleet.redis._process.pid
-            engine_pid = fleet.engines[0].process.pid
-            load_before = os.getloadavg()
-            before = {n: stat_cpu(Path(f"/proc/{p}/stat")) for n, p in pids.items()}
-            threads_before = thread_cpu(engine_pid)
-            started = time.perf_counter()
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                events = list(pool.map(
-                    lambda p: stream_one(fleet.http_url, model, p, args.output_len), prompts))
-            wall = time.perf_counter() - started
-            after = {n: stat_cpu(Path(f"/proc/{p}/stat")) for n, p in pids.items()}
-            threads_after = thread_cpu(engine_pid)
+    with one_engine_fleet(model_dir, prefix="kvfleet-cpu-",
+                          engine_threads=default_engine_threads(1),
+                          engine_args=("--dtype", args.dtype), log_level="WARNING") as fleet:
+        model = model_dir.name
+        stream_one(fleet.http_url, model, prompts[0], 4)  # warm-up
+        pids = service_pids(fleet, redis=True)
+        engine_pid = fleet.engines[0].pid
+        load_before = os.getloadavg()
+        before = {n: cpu_seconds(p) for n, p in pids.items()}
+        threads_before = thread_cpu(engine_pid)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            events = list(pool.map(
+                lambda p: stream_one(fleet.http_url, model, p, args.output_len), prompts))
+        wall = time.perf_counter() - started
+        after = {n: cpu_seconds(p) for n, p in pids.items()}
+        threads_after = thread_cpu(engine_pid)
     n = len(prompts)
     per_thread = {k: round((v - threads_before.get(k, 0.0)) / n, 4)
                   for k, v in sorted(threads_after.items(), key=lambda kv: -kv[1])}

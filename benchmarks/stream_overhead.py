@@ -32,18 +32,14 @@ from typing import Any
 
 import grpc
 
-from kvfleet.fleet import Fleet, FleetConfig, ServiceProcess
+from benchmarks.one_engine_fleet import cpu_seconds, one_engine_fleet
+from kvfleet.fleet import Fleet
 from kvfleet.router_client import build_request
 from kvfleet.runtime.service_auth import credential_metadata, read_secret
 from kvfleet.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2_grpc
 
 PROMPT_IDS = [3 + (7 * i) % 400 for i in range(24)]
 Stream = Callable[[int], list[float]]
-
-
-def cpu_seconds(service: ServiceProcess) -> float:
-    fields = Path(f"/proc/{service.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def tokenizer_calls(fleet: Fleet) -> Counter[str]:
@@ -114,7 +110,7 @@ def http_stream(base_url: str, output_len: int, logprobs: int) -> Stream:
 def run_mode(fleet: Fleet, name: str, stream: Stream, args: argparse.Namespace) -> dict:
     services = [s for s in (fleet.router, fleet.tokenizer, fleet.engines[0]) if s]
     calls_before = tokenizer_calls(fleet)
-    cpu_before = [cpu_seconds(s) for s in services]
+    cpu_before = [cpu_seconds(s.pid) for s in services]
     started = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
         streams = list(pool.map(stream, range(args.requests)))
@@ -128,7 +124,7 @@ def run_mode(fleet: Fleet, name: str, stream: Stream, args: argparse.Namespace) 
         "ms_per_token_per_stream": round(1000 * statistics.median(
             (t[-1] - t[0]) / (len(t) - 1) for t in streams), 3),
         "cpu_ms_per_token": {
-            s.name: round(1000 * (cpu_seconds(s) - before) / num_tokens, 3)
+            s.name: round(1000 * (cpu_seconds(s.pid) - before) / num_tokens, 3)
             for s, before in zip(services, cpu_before, strict=True)
         },
         "tokenizer_calls_per_request": {
@@ -151,9 +147,7 @@ def main() -> None:
             from tests.fixtures.tiny_model import build_tiny_model_dir
 
             model_dir = build_tiny_model_dir(Path(tmp) / "tiny")
-        config = FleetConfig(model_dir=model_dir, num_engines=1, metrics=True, engine_threads=1,
-                             log_dir=Path(tmp) / "logs")
-        with Fleet(config) as fleet:
+        with one_engine_fleet(model_dir, metrics=True, engine_threads=1) as fleet:
             router_stream(fleet.router_address, 8)(0)  # warm-up
             modes = {
                 "engine grpc": engine_stream(
