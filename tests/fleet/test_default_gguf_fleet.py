@@ -5,12 +5,13 @@ The fleet is started from `kvfleet up`'s own parser and config (2 engines, its t
 routing, the engines' default dtype), on real Redis, gRPC and HTTP, once for the module. A
 greedy chat completion over HTTP equals transformers loading the same GGUF in float32, the
 router's chat template is the file's own (`/tokenize` gives the ids transformers' template
-gives), and the same chat again is a prefix hit. The CLI's model resolution and its errors
-naming --model need no fleet.
+gives), and the same chat again is a prefix hit; the demo `make run` prints shows prefix hits
+on it. The CLI's model resolution and its errors naming --model need no fleet.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -24,7 +25,7 @@ import pytest
 from openai import OpenAI
 
 from engine.models.default_model import gguf_path
-from kvfleet.cli import build_parser, resolve_model, up_config
+from kvfleet.cli import DEMO_PROMPTS, build_parser, resolve_model, run_demo, up_config
 from kvfleet.fleet import Fleet
 from tests.fixtures.fleets import running_fleet
 from tests.fixtures.greedy import transformers_greedy
@@ -122,3 +123,19 @@ def _post(fleet: Fleet, path: str, body: dict[str, object]) -> dict[str, object]
     with urllib.request.urlopen(request, timeout=60) as reply:
         result: dict[str, object] = json.loads(reply.read())
     return result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_shows_prefix_hits_on_the_default_fleet(
+    default_fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    asyncio.run(run_demo(default_fleet.router_address))
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("prompt "))
+    table = [line.split() for line in lines[header + 1:] if line.startswith(DEMO_PROMPTS)]
+    assert len(table) == 2 * len(DEMO_PROMPTS), "\n".join(lines)
+    # Round two repeats round one's chats: at least the template's system-prompt block is
+    # cached (SmolLM2's default system prompt is over 16 tokens), on the engine that holds it.
+    assert all(int(row[-3]) >= 16 for row in table[len(DEMO_PROMPTS):]), "\n".join(lines)
+    assert {row[-4] for row in table} <= {"engine-0", "engine-1"}
