@@ -283,7 +283,10 @@ def resolve_model(model: Path | None) -> Path:
             raise ValueError(f"--model not given and the default model is missing: {e}") from e
     if not model.exists():
         raise ValueError(f"--model {model}: no such file or directory")
-    if model.suffix == ".gguf":
+    if model.is_file() and model.suffix != ".gguf":
+        raise ValueError(f"--model {model}: a model file must be a GGUF (.gguf); a Hugging Face "
+                         "model is a directory")
+    if model.is_file():
         from engine.quant.gguf_file import companion_dir
 
         try:

@@ -44,6 +44,10 @@ def test_up_without_model_serves_the_default_gguf() -> None:
 def test_bad_model_is_refused_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^--model .*missing\.gguf: no such file"):
         resolve_model(tmp_path / "missing.gguf")
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"{}")
+    with pytest.raises(ValueError, match=r"^--model .*model\.safetensors: a model file must be"):
+        resolve_model(weights)
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match=r"^--model .*garbage\.gguf: cannot read it as a GGUF"):
