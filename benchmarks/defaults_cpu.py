@@ -42,8 +42,11 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def random_prompts(model_dir: Path, count: int, length: int, seed: int) -> list[str]:
-    tokenizer = Tokenizer.from_dir(model_dir)
+def random_prompts(model: Path, count: int, length: int, seed: int) -> list[str]:
+    from engine.quant.gguf_file import companion_dir, is_gguf
+
+    # A GGUF's tokenizer is in its companion directory, as the fleet's tokenizer service reads.
+    tokenizer = Tokenizer.from_dir(companion_dir(model) if is_gguf(model) else model)
     rng = random.Random(seed)
     vocab = tokenizer.vocab_size
     return [tokenizer.decode([rng.randrange(100, vocab - 100) for _ in range(length)])
@@ -64,7 +67,9 @@ def stream_one(base_url: str, model: str, prompt: str, output_len: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--model", type=Path, default=None, help="default: SmolLM2-135M")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="HF directory or GGUF file (default: SmolLM2-135M's dense "
+                             "directory, `make model`)")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
