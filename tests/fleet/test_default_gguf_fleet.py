@@ -30,6 +30,7 @@ from kvfleet.fleet import Fleet
 from tests.fixtures.fleets import running_fleet
 from tests.fixtures.greedy import transformers_greedy
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 24
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -62,7 +63,8 @@ def test_two_processes_build_one_companion_dir(tmp_path: Path) -> None:
               "from engine.quant.gguf_file import companion_dir; print(companion_dir(gguf_path()))")
     env = {**os.environ, "KVFLEET_CACHE_DIR": str(tmp_path)}
     racers = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+                               stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+              for _ in range(2)]
     results = [racer.communicate(timeout=180) for racer in racers]
     assert [racer.returncode for racer in racers] == [0, 0], [err for _, err in results]
     built = {out.strip() for out, _ in results}
