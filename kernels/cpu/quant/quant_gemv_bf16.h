@@ -88,43 +88,58 @@ struct Q4RowX {
 };
 
 // Weight rows [n0, n1) (RT at a time: independent chains sharing each x load), out rounded.
+// 256-bit registers throughout: the per-block scale FMA and its broadcast then take one
+// 256-bit slot each instead of two (Zen 4 runs a 512-bit op as two), and the header [d, m]
+// converts by one broadcast load and one vcvtph2ps ([d, m] in every lane pair: moveldup
+// gives d everywhere, and the low pair is the min term's factor).
 template <int64_t QT, int RT>
 void q4_gemv_bf16_rows(const Q4RowX<QT>& xr, const uint8_t* w, int64_t row_bytes, int64_t nb,
                        int64_t n0, int64_t n1, int64_t prefetch_bytes, c10::BFloat16* out) {
   constexpr int64_t bb = block_bytes(QT), qs = QT == kQ4_1 ? 4 : 2;
   const __m512i ctrl = q4_unpack_control();
-  const __m512i low4 = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+  const __m256i ctrl0 = _mm512_castsi512_si256(ctrl), ctrl1 = _mm512_extracti64x4_epi64(ctrl, 1);
+  const __m256i low4 = _mm256_set1_epi32(0x000F000F), bias = _mm256_set1_epi32(0x43004300);
   for (int64_t n = n0; n + RT <= n1; n += RT) {
     const uint8_t* wr = w + n * row_bytes;
-    __m512 acc[RT];
+    __m256 acc[RT];
     __m128 accm[RT];
     for (int r = 0; r < RT; ++r) {
-      acc[r] = _mm512_setzero_ps();
+      acc[r] = _mm256_setzero_ps();
       accm[r] = _mm_setzero_ps();
     }
     for (int64_t b = 0; b < nb; ++b) {
-      const __m512bh xb = (__m512bh)_mm512_loadu_si512(xr.xp.data() + b * kBlock);
+      const uint16_t* xb = xr.xp.data() + b * kBlock;
+      const __m256bh x0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+      const __m256bh x1 =
+          (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
       const __m128 xm = _mm_loadu_ps(xr.xm.data() + b * 4);
 #pragma GCC unroll 4
       for (int r = 0; r < RT; ++r) {
         const uint8_t* blk = wr + r * row_bytes + b * bb;
         __builtin_prefetch(blk + prefetch_bytes);
-        // Header: [d, m] (Q4_1) or [d] (Q4_0) as fp16; lanes above it convert from zeros.
-        uint32_t head = 0;
-        std::memcpy(&head, blk, qs == 4 ? 4 : 2);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(head)));
-        const __m512i src = _mm512_broadcast_i32x4(
+        // Header: [d, m] (Q4_1) or [d, q bits] masked to [d, 0] (Q4_0) as fp16.
+        uint32_t head;
+        std::memcpy(&head, blk, sizeof head);
+        if constexpr (QT == kQ4_0) head &= 0xFFFF;
+        const __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(head)));
+        const __m256i src = _mm256_broadcastsi128_si256(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qs)));
-        const __m512i q = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(ctrl, src), low4, bias, 0xEA);
-        const __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q, xb);
-        acc[r] = _mm512_fmadd_ps(s, _mm512_broadcastss_ps(dm), acc[r]);
-        accm[r] = _mm_fmadd_ps(dm, xm, accm[r]);
+        const __m256i q0 = _mm256_ternarylogic_epi32(
+            _mm256_multishift_epi64_epi8(ctrl0, src), low4, bias, 0xEA);
+        const __m256i q1 = _mm256_ternarylogic_epi32(
+            _mm256_multishift_epi64_epi8(ctrl1, src), low4, bias, 0xEA);
+        __m256 s = _mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)q0, x0);
+        s = _mm256_dpbf16_ps(s, (__m256bh)q1, x1);
+        acc[r] = _mm256_fmadd_ps(s, _mm256_moveldup_ps(dm), acc[r]);
+        accm[r] = _mm_fmadd_ps(_mm256_castps256_ps128(dm), xm, accm[r]);
       }
     }
     for (int r = 0; r < RT; ++r) {
-      const __m128 m2 = _mm_add_ps(accm[r], _mm_movehl_ps(accm[r], accm[r]));
-      const float m = _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
-      out[n + r] = c10::BFloat16(_mm512_reduce_add_ps(acc[r]) + m);
+      const __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[r]),
+                                  _mm256_extractf128_ps(acc[r], 1));
+      const __m128 t = _mm_add_ps(a, accm[r]);
+      const __m128 t2 = _mm_add_ps(t, _mm_movehl_ps(t, t));
+      out[n + r] = c10::BFloat16(_mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))));
     }
   }
 }
