@@ -18,7 +18,10 @@ Numerics: a float32 model computes every path in float32 (x @ dequantize(W)^T; o
 summation order differs). A bfloat16 model keeps bfloat16 activations: PANEL (on CPUs with
 AVX512_BF16) and DENSE then multiply bfloat16 weights (the dequantized values rounded, as a
 bfloat16 dense copy holds them) with float32 accumulation, as the dense bfloat16 model
-does; KERNEL computes in float32 and rounds its output. `weight_bytes` is the quantized
+does; KERNEL computes in float32 and rounds its output, except one row of a Q4_0/Q4_1
+segment (batch-1 decode), which takes the factored kernel (quant_gemv_bf16.h: exact integer
+nibbles times bfloat16 x by vdpbf16ps, then the block's scale and minimum in float32; the
+weights are not rounded). `weight_bytes` is the quantized
 storage, what the layer costs in memory.
 """
 
@@ -215,5 +218,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.table.raw.index_select(0, ids.reshape(-1))
-        out = formats.dequantize(rows, self.table.qtype, self.table.k)
-        return out.view(*ids.shape, self.table.k).to(self.dtype)
+        # QuantTensor.dequantize: the C++ op where it applies (bit-equal to gguf-py, written
+        # in the model's dtype: one op instead of formats.dequantize's ~8, 0.1 ms of a
+        # batch-1 step), else formats.dequantize.
+        out = QuantTensor(rows, self.table.qtype, self.table.k).dequantize(self.dtype)
+        return out.view(*ids.shape, self.table.k)

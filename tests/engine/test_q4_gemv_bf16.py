@@ -18,7 +18,7 @@ from kernels.cpu.quant import load
 
 needs_gemv = pytest.mark.skipif(
     not load() or not torch.ops.kvfleet_quant.quant_has_q4_gemv_bf16(),
-    reason="factored bfloat16 kernel not built (needs AVX512_BF16 and AVX512_VBMI)")
+    reason="factored bfloat16 kernel not built (needs AVX512_BF16 and AVX512VL)")
 
 Q4 = [formats.Q4_0, formats.Q4_1]
 

@@ -191,13 +191,13 @@ void quant_gemv_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, 
     if constexpr (QT != kQ8_0) {
       const Q4RowX<QT> xr(xp, nb);
       at::parallel_for(0, (n + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
-        q4_gemv_bf16<QT>(xr, wp, row_bytes, nb, t0 * 4, std::min(n, t1 * 4),
+        q4_gemv_bf16<QT>(xr, xp, wp, row_bytes, nb, t0 * 4, std::min(n, t1 * 4),
                          kPrefetchRows * row_bytes, op);
       });
     }
   });
 #else
-  TORCH_CHECK(false, "quant_gemv_bf16: not built (needs AVX512_BF16 and AVX512_VBMI)");
+  TORCH_CHECK(false, "quant_gemv_bf16: not built (needs AVX512_BF16 and AVX512VL)");
 #endif
 }
 

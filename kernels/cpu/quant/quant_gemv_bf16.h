@@ -4,17 +4,16 @@
 //
 // Why factored: the register kernel (quant_gemm.cpp) spends ~13 vector instructions a block
 // and weight row building a 16-value table of d * i + m, looking nibbles up in it twice and
-// running two float32 FMAs; that, not DRAM, bounded it (~5 weights a cycle). Here a block
-// costs one 16-byte broadcast load, one vpmultishiftqb (every nibble into the low bits of a
-// 16-bit lane), one vpternlogd making each lane the bfloat16 of 128 + q (0x4300 | q: exact,
-// the exponent of 128 with q as mantissa bits), one vdpbf16ps against x and one FMA by the
-// block's scale; the offset and the min term are an xmm FMA (d * -128 X_b + m * X_b).
-// Measured (docs/quantization.md): a vpermw lookup of q itself instead of the ternlog was 10%
-// slower in cache; the float32 kernel 1.3x slower from DRAM.
-//
-// Lane order: vpmultishiftqb reads only within a 64-bit lane, so the unpacked register holds
-// the block's 32 weights in the fixed order q4_word_weight(); x is permuted the same way once
-// per call (shared by every weight row), which makes the order free.
+// running two float32 FMAs; that, not DRAM, bounded it (~5 weights a cycle). Here a block of
+// one weight row costs one vpmovzxbw (its 16 bytes widened to 16-bit lanes: low nibbles are
+// weights 0..15 in order, high nibbles 16..31 after one shift, so x needs no reordering), two
+// vpternlogd making each lane 0x4300 | q (the bfloat16 of 128 + q, exact: the exponent of 128
+// with q as mantissa bits), two vdpbf16ps against x, one lane permute for d and one FMA; the
+// headers of four rows convert together and their offset and min terms are one FMA.
+// Measured on a 3072 x 576 Q4_1 projection in cache (Zen 4, stand-alone loop; cycles a block
+// and row): 4.4 with a vcvtph2ps per row's header, 3.9 with four rows' headers converted
+// together and the bytes widened as above (a vpmultishiftqb unpack was 6% slower; a vpermw
+// lookup of q instead of the ternlog 10% slower); the float32 kernel ~6.
 //
 // Numerics: (128 + q) * x is exact in float32 (an 8-bit integer times a bfloat16); vdpbf16ps
 // adds pairs in float32 (denormal products flushed); then one FMA by d, and d * 128 X_b is
@@ -23,11 +22,11 @@
 // weights are never rounded to bfloat16 (the panel kernel rounds d * q + m). The output is
 // rounded once to bfloat16.
 //
-// Built only where the compiler targets AVX512_BF16 and AVX512_VBMI (KVFLEET_Q4_GEMV_BF16);
+// Built only where the compiler targets AVX512_BF16 and AVX512VL (KVFLEET_Q4_GEMV_BF16);
 // elsewhere the float32 register kernel takes this case.
 #pragma once
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define KVFLEET_Q4_GEMV_BF16 1
 
 #include <immintrin.h>
@@ -42,115 +41,105 @@
 
 namespace kvfleet::quant {
 
-// Which of the block's 32 weights 16-bit lane w of the unpacked register holds. Lane w sits in
-// 64-bit lane w / 4, whose source (the broadcast 16 bytes) is bytes 0..7 for even 64-bit
-// lanes and 8..15 for odd ones; slot s = w % 4 of 64-bit lanes 2L and 2L + 1 takes nibble
-// n = 4L + s of its 8 bytes (n even: the low nibble of byte n / 2, weight = that byte's
-// index; n odd: the high nibble, weight = index + 16).
-constexpr int q4_word_weight(int w) {
-  const int q = w / 4, n = 4 * (q / 2) + w % 4;
-  const int byte = (q % 2 ? 8 : 0) + n / 2;
-  return n % 2 ? byte + 16 : byte;
-}
-
-// vpmultishiftqb control: the low byte of lane w starts at bit 4n of its 64-bit lane (the
-// nibble, with the next nibble's bits above it: vpermw reads only the low 5 bits and the
-// ternlog masks it to 4 bits); the high byte is overwritten by the ternlog.
-inline __m512i q4_unpack_control() {
-  alignas(64) uint8_t c[64];
-  for (int w = 0; w < 32; ++w) {
-    c[2 * w] = static_cast<uint8_t>(4 * (4 * ((w / 4) / 2) + w % 4));
-    c[2 * w + 1] = 0;
-  }
-  return _mm512_load_si512(c);
-}
-
-// Per call, shared by every weight row: x permuted block by block into the unpacked lane
-// order, and the per-block factors of the header [d, m] (Q4_1) or [d, 0] (Q4_0; m = -8 d):
-// [-128 X_b, X_b] and [-136 X_b, 0], the offset and the min term.
+// Per call, shared by every weight row: the per-block factors of the header [d, m] (Q4_1)
+// or [d, 0] (Q4_0, m = -8 d): [-128 X_b, X_b] or [-136 X_b, 0], the offset and the min
+// term, repeated for the four weight rows whose headers convert together.
 template <int64_t QT>
 struct Q4RowX {
-  std::vector<uint16_t> xp;  // [nb][32] bfloat16 bits
-  std::vector<float> xm;     // [nb][4]
+  std::vector<float> xm;  // [nb][8]
 
-  Q4RowX(const c10::BFloat16* x, int64_t nb) : xp(nb * kBlock), xm(nb * 4, 0.f) {
+  Q4RowX(const c10::BFloat16* x, int64_t nb) : xm(nb * 8) {
     for (int64_t b = 0; b < nb; ++b) {
-      const c10::BFloat16* xb = x + b * kBlock;
       float sum = 0.f;
-      for (int w = 0; w < kBlock; ++w) {
-        xp[b * kBlock + w] = xb[q4_word_weight(w)].x;
-        sum += static_cast<float>(xb[w]);
+      for (int i = 0; i < kBlock; ++i) sum += static_cast<float>(x[b * kBlock + i]);
+      const float a = QT == kQ4_1 ? -128.f * sum : -136.f * sum;
+      const float m = QT == kQ4_1 ? sum : 0.f;
+      for (int r = 0; r < 4; ++r) {
+        xm[b * 8 + 2 * r] = a;
+        xm[b * 8 + 2 * r + 1] = m;
       }
-      if constexpr (QT == kQ4_1) { xm[b * 4] = -128.f * sum; xm[b * 4 + 1] = sum; }
-      else xm[b * 4] = -136.f * sum;
     }
   }
 };
 
-// Weight rows [n0, n1) (RT at a time: independent chains sharing each x load), out rounded.
-// 256-bit registers throughout: the per-block scale FMA and its broadcast then take one
-// 256-bit slot each instead of two (Zen 4 runs a 512-bit op as two), and the header [d, m]
-// converts by one broadcast load and one vcvtph2ps ([d, m] in every lane pair: moveldup
-// gives d everywhere, and the low pair is the min term's factor).
+// The RT (<= 4) headers of block b of rows wr, wr + row_bytes, ... as float32 [d0, m0, d1,
+// m1, ...]: one vcvtph2ps for the rows together (converting each row's alone cost more than
+// a cycle a block). Q4_0's header is d alone: its neighbour bytes (the nibbles) are masked.
 template <int64_t QT, int RT>
-void q4_gemv_bf16_rows(const Q4RowX<QT>& xr, const uint8_t* w, int64_t row_bytes, int64_t nb,
-                       int64_t n0, int64_t n1, int64_t prefetch_bytes, c10::BFloat16* out) {
+__attribute__((always_inline)) inline __m256 q4_headers(const uint8_t* blk, int64_t row_bytes) {
+  __m128i h = _mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(blk)));
+  if constexpr (RT > 1) {
+    h = _mm_blend_epi32(h, _mm_castps_si128(_mm_broadcast_ss(
+                               reinterpret_cast<const float*>(blk + row_bytes))), 2);
+  }
+  if constexpr (RT > 2) {
+    h = _mm_blend_epi32(h, _mm_castps_si128(_mm_broadcast_ss(
+                               reinterpret_cast<const float*>(blk + 2 * row_bytes))), 4);
+  }
+  if constexpr (RT > 3) {
+    h = _mm_blend_epi32(h, _mm_castps_si128(_mm_broadcast_ss(
+                               reinterpret_cast<const float*>(blk + 3 * row_bytes))), 8);
+  }
+  if constexpr (QT == kQ4_0) h = _mm_and_si128(h, _mm_set1_epi32(0xFFFF));
+  return _mm256_cvtph_ps(h);
+}
+
+// Weight rows [n0, n1) (RT <= 4 at a time: independent chains sharing each x load), out
+// rounded. 256-bit registers throughout (Zen 4 runs a 512-bit op as two: the per-block scale
+// FMA takes one slot instead of two). A block's 16 bytes widen to 16-bit lanes (vpmovzxbw):
+// the low nibbles are weights 0..15 in order, the high ones (after a shift) 16..31, so x
+// needs no reordering; vpternlogd makes each lane 0x4300 | q.
+template <int64_t QT, int RT>
+void q4_gemv_bf16_rows(const Q4RowX<QT>& xr, const c10::BFloat16* x, const uint8_t* w,
+                       int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1,
+                       int64_t prefetch_bytes, c10::BFloat16* out) {
   constexpr int64_t bb = block_bytes(QT), qs = QT == kQ4_1 ? 4 : 2;
-  const __m512i ctrl = q4_unpack_control();
-  const __m256i ctrl0 = _mm512_castsi512_si256(ctrl), ctrl1 = _mm512_extracti64x4_epi64(ctrl, 1);
   const __m256i low4 = _mm256_set1_epi32(0x000F000F), bias = _mm256_set1_epi32(0x43004300);
   for (int64_t n = n0; n + RT <= n1; n += RT) {
     const uint8_t* wr = w + n * row_bytes;
     __m256 acc[RT];
-    __m128 accm[RT];
-    for (int r = 0; r < RT; ++r) {
-      acc[r] = _mm256_setzero_ps();
-      accm[r] = _mm_setzero_ps();
-    }
+    __m256 accm = _mm256_setzero_ps();
+    for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint16_t* xb = xr.xp.data() + b * kBlock;
-      const __m256bh x0 = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-      const __m256bh x1 =
-          (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
-      const __m128 xm = _mm_loadu_ps(xr.xm.data() + b * 4);
+      const auto* xb = reinterpret_cast<const __m256i*>(x + b * kBlock);
+      const __m256bh x0 = (__m256bh)_mm256_loadu_si256(xb);
+      const __m256bh x1 = (__m256bh)_mm256_loadu_si256(xb + 1);
+      const __m256 dm = q4_headers<QT, RT>(wr + b * bb, row_bytes);
+      accm = _mm256_fmadd_ps(dm, _mm256_loadu_ps(xr.xm.data() + b * 8), accm);
 #pragma GCC unroll 4
       for (int r = 0; r < RT; ++r) {
         const uint8_t* blk = wr + r * row_bytes + b * bb;
         __builtin_prefetch(blk + prefetch_bytes);
-        // Header: [d, m] (Q4_1) or [d, q bits] masked to [d, 0] (Q4_0) as fp16.
-        uint32_t head;
-        std::memcpy(&head, blk, sizeof head);
-        if constexpr (QT == kQ4_0) head &= 0xFFFF;
-        const __m256 dm = _mm256_cvtph_ps(_mm_set1_epi32(static_cast<int>(head)));
-        const __m256i src = _mm256_broadcastsi128_si256(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qs)));
-        const __m256i q0 = _mm256_ternarylogic_epi32(
-            _mm256_multishift_epi64_epi8(ctrl0, src), low4, bias, 0xEA);
-        const __m256i q1 = _mm256_ternarylogic_epi32(
-            _mm256_multishift_epi64_epi8(ctrl1, src), low4, bias, 0xEA);
+        const __m256i z =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qs)));
+        const __m256i q0 = _mm256_ternarylogic_epi32(z, low4, bias, 0xEA);
+        const __m256i q1 = _mm256_ternarylogic_epi32(_mm256_srli_epi16(z, 4), low4, bias, 0xEA);
         __m256 s = _mm256_dpbf16_ps(_mm256_setzero_ps(), (__m256bh)q0, x0);
         s = _mm256_dpbf16_ps(s, (__m256bh)q1, x1);
-        acc[r] = _mm256_fmadd_ps(s, _mm256_moveldup_ps(dm), acc[r]);
-        accm[r] = _mm_fmadd_ps(_mm256_castps256_ps128(dm), xm, accm[r]);
+        const __m256 d = _mm256_permutexvar_ps(_mm256_set1_epi32(2 * r), dm);
+        acc[r] = _mm256_fmadd_ps(s, d, acc[r]);
       }
     }
+    alignas(32) float m[8];
+    _mm256_store_ps(m, accm);
     for (int r = 0; r < RT; ++r) {
       const __m128 a = _mm_add_ps(_mm256_castps256_ps128(acc[r]),
                                   _mm256_extractf128_ps(acc[r], 1));
-      const __m128 t = _mm_add_ps(a, accm[r]);
-      const __m128 t2 = _mm_add_ps(t, _mm_movehl_ps(t, t));
-      out[n + r] = c10::BFloat16(_mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))));
+      const __m128 t = _mm_add_ps(a, _mm_movehl_ps(a, a));
+      const float sum = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+      out[n + r] = c10::BFloat16(sum + (m[2 * r] + m[2 * r + 1]));
     }
   }
 }
 
 // Weight rows [n0, n1) of one row of x: 4 rows a pass, then the remainder one at a time.
 template <int64_t QT>
-void q4_gemv_bf16(const Q4RowX<QT>& xr, const uint8_t* w, int64_t row_bytes, int64_t nb,
-                  int64_t n0, int64_t n1, int64_t prefetch_bytes, c10::BFloat16* out) {
+void q4_gemv_bf16(const Q4RowX<QT>& xr, const c10::BFloat16* x, const uint8_t* w,
+                  int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, int64_t prefetch_bytes,
+                  c10::BFloat16* out) {
   const int64_t tiled = n0 + (n1 - n0) / 4 * 4;
-  q4_gemv_bf16_rows<QT, 4>(xr, w, row_bytes, nb, n0, tiled, prefetch_bytes, out);
-  q4_gemv_bf16_rows<QT, 1>(xr, w, row_bytes, nb, tiled, n1, prefetch_bytes, out);
+  q4_gemv_bf16_rows<QT, 4>(xr, x, w, row_bytes, nb, n0, tiled, prefetch_bytes, out);
+  q4_gemv_bf16_rows<QT, 1>(xr, x, w, row_bytes, nb, tiled, n1, prefetch_bytes, out);
 }
 
 }  // namespace kvfleet::quant
