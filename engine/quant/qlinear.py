@@ -118,6 +118,10 @@ class QuantLinear(nn.Module):
         # Every segment's register kernel takes bfloat16 activations as they are (no float32
         # copy in, no bfloat16 rounding pass out: two tensor ops a projection at batch 1).
         self.bf16_kernel = all(s.qtype in formats.KERNEL_TYPES for s in self.segments)
+        # forward's direct call applies (the kernel built, checked once here: a layer is made
+        # after the model's weights load, when the op is needed anyway).
+        self._direct = (self.bias is None and len(self.segments) == 1 and self.bf16_kernel
+                        and _kernel_ready())
 
     @property
     def weight_bytes(self) -> int:
@@ -137,17 +141,17 @@ class QuantLinear(nn.Module):
         return DENSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        path = self.path_for(x.shape[0])
-        single = self.segments[0]
-        if (path == KERNEL and self.bias is None and len(self.segments) == 1
-                and single.qtype in formats.KERNEL_TYPES and x.dtype in _OP_DTYPES
-                and x.stride(-1) == 1):
-            # A batch-1 decode step makes ~120 of these calls: the op straight away, without
-            # run()'s general case (~3 us a call).
-            out = x.new_empty(x.shape[0], self.out_features)
+        # A batch-1 decode step makes ~120 of these calls: where the plan's first path is
+        # KERNEL and the layer is one plain segment, the op straight away, without path_for
+        # and run()'s general case (~3 us a call).
+        plan, rows = self.plan, x.shape[0]
+        if (self._direct and plan and rows <= plan[0][0] and plan[0][1] == KERNEL
+                and x.dtype in _OP_DTYPES and x.stride(-1) == 1):
+            single = self.segments[0]
+            out = x.new_empty(rows, self.out_features)
             _op("quant_linear")(out, x, single.raw, single.qtype)
             return out
-        return self.run(x, path)
+        return self.run(x, self.path_for(rows))
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         """The layer by `path` (select.py times each path through this)."""
