@@ -159,3 +159,20 @@ def test_embedding_rows_equal_gguf_py_dequantization(qtype, dtype):
     ref = torch.from_numpy(gguf_dequantize(table.raw.numpy(), GGMLQuantizationType(qtype)))
     assert got.shape == (2, 3, 64) and got.dtype == dtype
     assert torch.equal(got, ref[ids].to(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", FORMATS, ids=formats.type_name)
+@pytest.mark.parametrize("k", [288, 1536])
+def test_float32_one_row_sums_do_not_depend_on_the_row_tiling(qtype, k):
+    # One float32 row runs weight rows 4 at a time (short rows) or one at a time (rows of 512+
+    # bytes, and every remainder): each output must be the same float either way, so the
+    # float32 exactness against transformers does not hinge on the tiling.
+    w = _weight(qtype, 11, seed=8, k=k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(9))
+    whole = torch.empty(1, 11)
+    torch.ops.kvfleet_quant.quant_linear(whole, x, w.raw, w.qtype)
+    for n in range(11):
+        one = torch.empty(1, 1)
+        torch.ops.kvfleet_quant.quant_linear(one, x, w.raw[n:n + 1].contiguous(), w.qtype)
+        assert torch.equal(one[0, 0], whole[0, n]), n

@@ -107,13 +107,16 @@ void row_tile(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb, i
 }
 
 // Q4: 4 weight rows per pass (measured 10-20% faster than one with the weights in cache, level
-// from DRAM). Q8_0: one row per pass — four interleaved streams of 34-byte blocks read from
-// DRAM at a fifth of one stream's speed on Zen 4, prefetch or not.
+// from DRAM) where the rows are short; rows of kOneStreamRowBytes or more one at a time (four
+// interleaved long rows are four DRAM streams: quant_gemv_bf16.h). Q8_0: one row per pass —
+// four interleaved streams of 34-byte blocks read from DRAM at a fifth of one stream's speed
+// on Zen 4, prefetch or not. Each row's sums are the same either way.
 template <int64_t QT, typename O>
 void one_row(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0,
              int64_t n1, O* out) {
   constexpr int RT = QT == kQ8_0 ? 1 : 4;
-  const int64_t tiled = n0 + (n1 - n0) / RT * RT;
+  const int64_t tiled =
+      row_bytes >= kOneStreamRowBytes ? n0 : n0 + (n1 - n0) / RT * RT;
   row_tile<QT, RT>(x, w, row_bytes, nb, n0, tiled, out);
   row_tile<QT, 1>(x, w, row_bytes, nb, tiled, n1, out);
 }

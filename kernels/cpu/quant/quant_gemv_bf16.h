@@ -132,16 +132,9 @@ void q4_gemv_bf16_rows(const Q4RowX<QT>& xr, const c10::BFloat16* x, const uint8
   }
 }
 
-// Rows at least this long run one at a time: four interleaved rows are four DRAM streams
-// then (a row of 8+ cache lines), which Zen 4 read at 8.6-9.3 GB/s against 12.1-12.8 for one
-// (SmolLM2's down projection, 960-byte rows; docs/quantization.md), as the Q8_0 kernel found
-// for its 612-byte rows. Shorter rows' tile of four is nearly one stream, and four rows
-// share the header conversion: 4 rows a pass won there (gate/up, 360-byte rows: 2.3-2.6
-// against 2.7-2.9 ms a sweep).
-constexpr int64_t kOneStreamRowBytes = 512;
 
-// Weight rows [n0, n1) of one row of x: 4 rows a pass (short rows), then the remainder one
-// at a time.
+// Weight rows [n0, n1) of one row of x: 4 rows a pass for short rows, then the remainder one
+// at a time; rows of kOneStreamRowBytes or more (quant_blocks.h) one at a time.
 template <int64_t QT>
 void q4_gemv_bf16(const Q4RowX<QT>& xr, const c10::BFloat16* x, const uint8_t* w,
                   int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1, int64_t prefetch_bytes,
