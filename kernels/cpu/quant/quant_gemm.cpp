@@ -13,6 +13,10 @@
 // runs quant_panel.cpp (dequantize a panel once, reuse it over every row) or dequantize +
 // BLAS; engine/quant/select.py measures which wins per row count.
 //
+// One bfloat16 row of a Q4_0 / Q4_1 weight (batch-1 decode of a bfloat16 model) goes to the
+// factored kernel of quant_gemv_bf16.h instead (exact integer nibbles times x by vdpbf16ps,
+// the block's scale and minimum applied after), where the compiler targets it.
+//
 // Numerics: float32 accumulation of products of float32 activations and dequantized weights
 // (d * q + m computed in float32, as gguf-py and ggml dequantize; the same values on every
 // path); only the summation order differs from a dequantize-then-matmul reference. bfloat16

@@ -132,7 +132,6 @@ void q4_gemv_bf16_rows(const Q4RowX<QT>& xr, const c10::BFloat16* x, const uint8
   }
 }
 
-
 // Weight rows [n0, n1) of one row of x: 4 rows a pass for short rows, then the remainder one
 // at a time; rows of kOneStreamRowBytes or more (quant_blocks.h) one at a time.
 template <int64_t QT>
