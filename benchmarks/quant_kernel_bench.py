@@ -2,8 +2,11 @@
 quantized weight streamed and GFLOP/s, at a few row counts, against float32 F.linear on the
 same shape, weights larger than the last-level cache (what a decode step reads).
 
-`python -m benchmarks.quant_kernel_bench [--n 4096 --k 4096 --rows 1 8 --repeats 5]`; one
-line per format and row count, and a JSON file. Threads: torch's setting (OMP_NUM_THREADS).
+`python -m benchmarks.quant_kernel_bench [--n 4096 --k 4096 --rows 1 8 --repeats 5]
+[--dtype bfloat16]`; one line per format and row count, and a JSON file. With `--dtype
+bfloat16` the activations (and F.linear's weight) are bfloat16: a bfloat16 model's register
+kernel, whose one-row Q4_0/Q4_1 case is the factored kernel (quant_gemv_bf16.h).
+Threads: torch's setting (OMP_NUM_THREADS).
 Weights are random valid blocks (the kernel's speed does not depend on their values).
 """
 
@@ -59,26 +62,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--formats", nargs="+", default=FORMATS)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", type=Path, default=Path("bench_results/quant_kernels.json"))
     args = parser.parse_args(argv)
     if not load():
         raise SystemExit("the quantized GEMM kernel did not build on this machine")
-    dense = torch.randn(args.n, args.k)
+    dtype = getattr(torch, args.dtype)
+    dense = torch.randn(args.n, args.k).to(dtype)
     results = []
     with torch.inference_mode():
         for rows in args.rows:
-            x = torch.randn(rows, args.k)
+            x = torch.randn(rows, args.k).to(dtype)
             t = best_seconds(lambda x=x: F.linear(x, dense), args.repeats)
-            results.append(_row("F32 F.linear", rows, dense.numel() * 4, args, t))
+            label = "F32 F.linear" if dtype == torch.float32 else "BF16 F.linear"
+            results.append(_row(label, rows, dense.numel() * dense.element_size(), args, t))
             for name in args.formats:
                 layer = QuantLinear([random_weight(name, args.n, args.k)])
                 t = best_seconds(lambda layer=layer, x=x: layer.run(x, KERNEL),
                                  args.repeats)
                 results.append(_row(name, rows, layer.weight_bytes, args, t))
     load_avg = os.getloadavg()[0]
-    print(f"threads {torch.get_num_threads()}, load average {load_avg:.1f}")
+    print(f"threads {torch.get_num_threads()}, {args.dtype}, load average {load_avg:.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"load_average": load_avg, "results": results}, indent=2))
+    args.out.write_text(json.dumps(
+        {"load_average": load_avg, "dtype": args.dtype, "results": results}, indent=2))
 
 
 def _row(name: str, rows: int, weight_bytes: int, args: argparse.Namespace,

@@ -18,7 +18,10 @@ Numerics: a float32 model computes every path in float32 (x @ dequantize(W)^T; o
 summation order differs). A bfloat16 model keeps bfloat16 activations: PANEL (on CPUs with
 AVX512_BF16) and DENSE then multiply bfloat16 weights (the dequantized values rounded, as a
 bfloat16 dense copy holds them) with float32 accumulation, as the dense bfloat16 model
-does; KERNEL computes in float32 and rounds its output. `weight_bytes` is the quantized
+does; KERNEL computes in float32 and rounds its output, except one row of a Q4_0/Q4_1
+segment (batch-1 decode), which takes the factored kernel (quant_gemv_bf16.h: exact integer
+nibbles times bfloat16 x by vdpbf16ps, then the block's scale and minimum in float32; the
+weights are not rounded). `weight_bytes` is the quantized
 storage, what the layer costs in memory.
 """
 
@@ -115,6 +118,10 @@ class QuantLinear(nn.Module):
         # Every segment's register kernel takes bfloat16 activations as they are (no float32
         # copy in, no bfloat16 rounding pass out: two tensor ops a projection at batch 1).
         self.bf16_kernel = all(s.qtype in formats.KERNEL_TYPES for s in self.segments)
+        # forward's direct call applies (the kernel built, checked once here: a layer is made
+        # after the model's weights load, when the op is needed anyway).
+        self._direct = (self.bias is None and len(self.segments) == 1 and self.bf16_kernel
+                        and _kernel_ready())
 
     @property
     def weight_bytes(self) -> int:
@@ -134,17 +141,17 @@ class QuantLinear(nn.Module):
         return DENSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        path = self.path_for(x.shape[0])
-        single = self.segments[0]
-        if (path == KERNEL and self.bias is None and len(self.segments) == 1
-                and single.qtype in formats.KERNEL_TYPES and x.dtype in _OP_DTYPES
-                and x.stride(-1) == 1):
-            # A batch-1 decode step makes ~120 of these calls: the op straight away, without
-            # run()'s general case (~3 us a call).
-            out = x.new_empty(x.shape[0], self.out_features)
+        # A batch-1 decode step makes ~120 of these calls: where the plan's first path is
+        # KERNEL and the layer is one plain segment, the op straight away, without path_for
+        # and run()'s general case (~3 us a call).
+        plan, rows = self.plan, x.shape[0]
+        if (self._direct and plan and rows <= plan[0][0] and plan[0][1] == KERNEL
+                and x.dtype in _OP_DTYPES and x.stride(-1) == 1):
+            single = self.segments[0]
+            out = x.new_empty(rows, self.out_features)
             _op("quant_linear")(out, x, single.raw, single.qtype)
             return out
-        return self.run(x, path)
+        return self.run(x, self.path_for(rows))
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
         """The layer by `path` (select.py times each path through this)."""
@@ -215,5 +222,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.table.raw.index_select(0, ids.reshape(-1))
-        out = formats.dequantize(rows, self.table.qtype, self.table.k)
-        return out.view(*ids.shape, self.table.k).to(self.dtype)
+        # QuantTensor.dequantize: the C++ op where it applies (bit-equal to gguf-py, written
+        # in the model's dtype: one op instead of formats.dequantize's ~8, 0.1 ms of a
+        # batch-1 step), else formats.dequantize.
+        out = QuantTensor(rows, self.table.qtype, self.table.k).dequantize(self.dtype)
+        return out.view(*ids.shape, self.table.k)

@@ -17,7 +17,9 @@ path at every measured count (fit_plan).
 `requested`: "auto" measures; "dense" (or no kernel on this machine) gives (), never a
 kernel; any other backend name keeps DEFAULT_PLAN without measuring (tests).
 
-Invariant: the choice depends on measured speed only; every path computes the same product.
+Invariant: the choice depends on measured speed only; every path computes the same product
+(up to rounding: in bfloat16 the panel and dense paths multiply the weights rounded to
+bfloat16, the register kernel the exact ones).
 """
 
 from __future__ import annotations

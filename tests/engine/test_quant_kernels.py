@@ -14,7 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from engine.quant import formats, select
 from engine.quant.gguf_model import _unpermute
-from engine.quant.qlinear import DENSE, KERNEL, PANEL, QuantLinear, QuantTensor
+from engine.quant.qlinear import DENSE, KERNEL, PANEL, QuantEmbedding, QuantLinear, QuantTensor
 from engine.quant.select import fit_plan
 from kernels.cpu.quant import load
 
@@ -146,3 +146,33 @@ def test_unpermute_matches_transformers():
     ref = LlamaTensorProcessor()._reverse_permute_weights(w, heads, heads)
     got = _unpermute(QuantTensor(torch.from_numpy(w).view(torch.uint8), formats.F32, 32), heads)
     assert torch.equal(got.dequantize(), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=formats.type_name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_embedding_rows_equal_gguf_py_dequantization(qtype, dtype):
+    # The looked-up rows through the C++ op (where it loads) equal gguf-py's dequantization
+    # of those rows, cast to the model's dtype once; ids keep their shape.
+    table = _weight(qtype, 40, seed=6, k=64)
+    ids = torch.tensor([[3, 0, 39], [3, 17, 5]])
+    got = QuantEmbedding(table, dtype)(ids)
+    ref = torch.from_numpy(gguf_dequantize(table.raw.numpy(), GGMLQuantizationType(qtype)))
+    assert got.shape == (2, 3, 64) and got.dtype == dtype
+    assert torch.equal(got, ref[ids].to(dtype))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", FORMATS, ids=formats.type_name)
+@pytest.mark.parametrize("k", [288, 1536])
+def test_float32_one_row_sums_do_not_depend_on_the_row_tiling(qtype, k):
+    # One float32 row runs weight rows 4 at a time (short rows) or one at a time (rows of 512+
+    # bytes, and every remainder): each output must be the same float either way, so the
+    # float32 exactness against transformers does not hinge on the tiling.
+    w = _weight(qtype, 11, seed=8, k=k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(9))
+    whole = torch.empty(1, 11)
+    torch.ops.kvfleet_quant.quant_linear(whole, x, w.raw, w.qtype)
+    for n in range(11):
+        one = torch.empty(1, 1)
+        torch.ops.kvfleet_quant.quant_linear(one, x, w.raw[n:n + 1].contiguous(), w.qtype)
+        assert torch.equal(one[0, 0], whole[0, n]), n

@@ -28,7 +28,8 @@ _SOURCES = [
 # Part of the build's cache key: kernels.cpu hashes only its own directory's headers (../simd.h
 # and ../panel_layout.h among them), not these.
 _HEADERS = [Path(__file__).with_name(h)
-            for h in ("quant_blocks.h", "quant_panel.h", "quant_panel_bf16.h")]
+            for h in ("quant_blocks.h", "quant_gemv_bf16.h", "quant_panel.h",
+                      "quant_panel_bf16.h")]
 _NAME = "kvfleet_quant_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}

@@ -28,6 +28,14 @@ typedef uint8_t v16b __attribute__((vector_size(16)));
 constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 constexpr int64_t kBlock = 32;
 
+// Rows at least this long run one at a time: four interleaved rows are four DRAM streams
+// then (a row of 8+ cache lines), which Zen 4 read at 8.6-9.3 GB/s against 12.1-12.8 for one
+// (SmolLM2's down projection, 960-byte rows; docs/quantization.md), as the Q8_0 kernel found
+// for its 612-byte rows. Shorter rows' tile of four is nearly one stream, and four rows
+// share the header conversion: 4 rows a pass won there (gate/up, 360-byte rows: 2.3-2.6
+// against 2.7-2.9 ms a sweep).
+constexpr int64_t kOneStreamRowBytes = 512;
+
 // Bytes of one block of `qtype`; -1 for a type no kernel reads.
 constexpr int64_t block_bytes(int64_t qtype) {
   return qtype == kQ8_0 ? 34 : qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : -1;

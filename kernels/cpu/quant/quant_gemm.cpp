@@ -13,6 +13,10 @@
 // runs quant_panel.cpp (dequantize a panel once, reuse it over every row) or dequantize +
 // BLAS; engine/quant/select.py measures which wins per row count.
 //
+// One bfloat16 row of a Q4_0 / Q4_1 weight (batch-1 decode of a bfloat16 model) goes to the
+// factored kernel of quant_gemv_bf16.h instead (exact integer nibbles times x by vdpbf16ps,
+// the block's scale and minimum applied after), where the compiler targets it.
+//
 // Numerics: float32 accumulation of products of float32 activations and dequantized weights
 // (d * q + m computed in float32, as gguf-py and ggml dequantize; the same values on every
 // path); only the summation order differs from a dequantize-then-matmul reference. bfloat16
@@ -32,6 +36,7 @@
 #endif
 
 #include "quant_blocks.h"
+#include "quant_gemv_bf16.h"
 
 namespace {
 
@@ -106,13 +111,16 @@ void row_tile(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb, i
 }
 
 // Q4: 4 weight rows per pass (measured 10-20% faster than one with the weights in cache, level
-// from DRAM). Q8_0: one row per pass — four interleaved streams of 34-byte blocks read from
-// DRAM at a fifth of one stream's speed on Zen 4, prefetch or not.
+// from DRAM) where the rows are short; rows of kOneStreamRowBytes or more one at a time (four
+// interleaved long rows are four DRAM streams: quant_gemv_bf16.h). Q8_0: one row per pass —
+// four interleaved streams of 34-byte blocks read from DRAM at a fifth of one stream's speed
+// on Zen 4, prefetch or not. Each row's sums are the same either way.
 template <int64_t QT, typename O>
 void one_row(const float* x, const uint8_t* w, int64_t row_bytes, int64_t nb, int64_t n0,
              int64_t n1, O* out) {
   constexpr int RT = QT == kQ8_0 ? 1 : 4;
-  const int64_t tiled = n0 + (n1 - n0) / RT * RT;
+  const int64_t tiled =
+      row_bytes >= kOneStreamRowBytes ? n0 : n0 + (n1 - n0) / RT * RT;
   row_tile<QT, RT>(x, w, row_bytes, nb, n0, tiled, out);
   row_tile<QT, 1>(x, w, row_bytes, nb, tiled, n1, out);
 }
@@ -164,6 +172,50 @@ void rows(const float* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t
   }
 }
 
+// out [1, N] bfloat16 = x [1, K] bfloat16 @ dequant(w)^T for Q4_0 / Q4_1 by the factored
+// bfloat16 kernel (quant_gemv_bf16.h); quant_has_q4_gemv_bf16() says whether it was built.
+void quant_gemv_bf16(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.scalar_type() == at::kBFloat16 &&
+                  x.stride(1) == 1,
+              "quant_gemv_bf16: x must be bfloat16 [1, K] with unit column stride");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous(),
+              "quant_gemv_bf16: w must be contiguous uint8 [N, row bytes]");
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "quant_gemv_bf16: qtype must be Q4_0 or Q4_1, got ",
+              qtype);
+  const int64_t k = x.size(1), n = w.size(0), row_bytes = w.size(1);
+  TORCH_CHECK(k % kBlock == 0 && row_bytes == k / kBlock * block_bytes(qtype),
+              "quant_gemv_bf16: K must be a multiple of 32 matching w's row bytes");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kBFloat16 && out.size(0) == 1 &&
+                  out.size(1) == n && out.stride(1) == 1,
+              "quant_gemv_bf16: out must be bfloat16 [1, N] with unit column stride");
+#ifdef KVFLEET_Q4_GEMV_BF16
+  const int64_t nb = k / kBlock;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  dispatch(qtype, [&](auto qt) {
+    constexpr int64_t QT = decltype(qt)::value;
+    if constexpr (QT != kQ8_0) {
+      const Q4RowX<QT> xr(xp, nb);
+      at::parallel_for(0, (n + 3) / 4, 8, [&](int64_t t0, int64_t t1) {
+        q4_gemv_bf16<QT>(xr, xp, wp, row_bytes, nb, t0 * 4, std::min(n, t1 * 4),
+                         kPrefetchRows * row_bytes, op);
+      });
+    }
+  });
+#else
+  TORCH_CHECK(false, "quant_gemv_bf16: not built (needs AVX512_BF16 and AVX512VL)");
+#endif
+}
+
+bool quant_has_q4_gemv_bf16() {
+#ifdef KVFLEET_Q4_GEMV_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
 // out [M, N] = x [M, K] @ dequant(w [N, K/32 * block bytes] uint8)^T, x and out both float32
 // or both bfloat16 (a bfloat16 model: x widened to float32 once, exactly, and each output
 // rounded to nearest even, as a float32 GEMM then `.to(bfloat16)` would give). `out` may be
@@ -184,6 +236,14 @@ void quant_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int
   TORCH_CHECK(bb > 0, "quant_linear: unsupported GGML type ", qtype);
   TORCH_CHECK(row_bytes == nb * bb, "quant_linear: row bytes do not match K");
   TORCH_CHECK(out.size(0) == m_rows && out.size(1) == n, "quant_linear: out shape");
+#ifdef KVFLEET_Q4_GEMV_BF16
+  if (bf16 && m_rows == 1 && qtype != kQ8_0) {
+    // Batch-1 decode of a bfloat16 model: the factored kernel (quant_gemv_bf16.h), 1.3x this
+    // file's at one row (docs/quantization.md). Q8_0 keeps the float32 one.
+    quant_gemv_bf16(out, x, w, qtype);
+    return;
+  }
+#endif
   // bfloat16 x widened here, not by x.to(kFloat): an ATen op costs ~3 us a call, a fifth of
   // a batch-1 projection.
   std::vector<float> widened;
@@ -270,10 +330,17 @@ void quant_dequantize(at::Tensor& out, const at::Tensor& w, int64_t qtype) {
 
 TORCH_LIBRARY(kvfleet_quant, m) {
   m.def("quant_linear(Tensor(a!) out, Tensor x, Tensor w, int qtype) -> ()");
+  m.def("quant_gemv_bf16(Tensor(a!) out, Tensor x, Tensor w, int qtype) -> ()");
+  m.def("quant_has_q4_gemv_bf16() -> bool");
   m.def("quant_dequantize(Tensor(a!) out, Tensor w, int qtype) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_quant, CPU, m) {
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_gemv_bf16", &quant_gemv_bf16);
   m.impl("quant_dequantize", &quant_dequantize);
+}
+
+TORCH_LIBRARY_IMPL(kvfleet_quant, CompositeExplicitAutograd, m) {
+  m.impl("quant_has_q4_gemv_bf16", &quant_has_q4_gemv_bf16);
 }
