@@ -24,7 +24,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.one_engine_fleet import cpu_seconds, one_engine_fleet, service_pids, stat_cpu
+from benchmarks.one_engine_fleet import one_engine_fleet, service_pids
+from benchmarks.proc_cpu import cpu_seconds, stat_cpu
 from kvfleet.cli import default_engine_threads
 from kvfleet.text.tokenizer import Tokenizer
 

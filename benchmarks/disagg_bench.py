@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks import kv_transfer_cost
+from benchmarks.proc_cpu import cpu_seconds
 from kvfleet.fleet import Fleet, FleetConfig
 from kvfleet.fleet_config import parse_engine_cpus
 from kvfleet.router_client import auth_metadata, build_request, channel
@@ -150,10 +151,10 @@ def _metric(port: int | None, name: str) -> float:
 def _run(name: str, config: FleetConfig, args: argparse.Namespace) -> None:
     with Fleet(config) as fleet, _bound(config.service_cpus()):
         pids = _processes(config, fleet)
-        before, start = {name: _cpu_seconds(pid) for name, pid in pids.items()}, time.monotonic()
+        before, start = {name: cpu_seconds(pid) for name, pid in pids.items()}, time.monotonic()
         gaps = asyncio.run(_load(fleet.router_address, args))
         wall = time.monotonic() - start
-        shares = ", ".join(f"{name} {(_cpu_seconds(pid) - before[name]) / wall:.0%}"
+        shares = ", ".join(f"{name} {(cpu_seconds(pid) - before[name]) / wall:.0%}"
                            for name, pid in pids.items())
         line = (f"{name:>16}: chats' inter-token latency p50 {gaps.percentile(0.5) * 1e3:.1f} ms"
                 f", p99 {gaps.percentile(0.99) * 1e3:.1f} ms ({len(gaps.seconds)} gaps, "
@@ -184,15 +185,6 @@ def _processes(config: FleetConfig, fleet: Fleet) -> dict[str, int]:
                for role, engine in zip(config.engine_roles, fleet.engines, strict=True)}
     return {"client": os.getpid(), "router": fleet.router.pid if fleet.router else 0,
             **engines}
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far, all its threads (/proc, Linux)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager

@@ -32,7 +32,8 @@ from typing import Any
 
 import grpc
 
-from benchmarks.one_engine_fleet import cpu_seconds, one_engine_fleet
+from benchmarks.one_engine_fleet import one_engine_fleet
+from benchmarks.proc_cpu import cpu_seconds
 from kvfleet.fleet import Fleet
 from kvfleet.router_client import build_request
 from kvfleet.runtime.service_auth import credential_metadata, read_secret
