@@ -131,9 +131,12 @@ class GemmaForCausalLM(LlamaForCausalLM):
         moves to the panel kernel (the screen's invariant: its exact pass is the head's GEMM).
         """
         backend = super().prepack(requested, prefill_rows)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # A quantized LM head (GGUF, engine.quant.gguf_model) has its own greedy path.
         if requested != "auto" or self._greedy_screen is not None \
-                or not screen_supported(weight, "panel"):
+                or getattr(self, "quant_head", None) is not None:
+            return backend
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if not screen_supported(weight, "panel"):
             return backend
         screen = GreedyScreen(weight)
         screen.max_rows = greedy_screen.measure_rows_limit(screen, self._full_greedy_tokens)
