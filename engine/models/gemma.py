@@ -20,20 +20,30 @@ one's.
 Invariants: the residual stream is the `hidden` tensor, updated in place once per block (the
 same add as transformers' `residual + h`; the stream is the forward's own tensor from the
 embedding scale on); LM head weights are the (tied) embedding matrix unless the
-checkpoint has its own; greedy decoding never skips the final cap (`greedy_tokens` -> None
-with a cap, so the sampler's argmax sees the capped logits, ties included).
+checkpoint has its own; greedy decoding with a final cap returns the argmax of the capped
+logits, ties included: it caps only the logits that could tie with a row's maximum once
+capped (engine.models.greedy_screen, on the screened LM head or the full logits), the same
+ATen ops as `compute_logits`, which caps every logit (sampling, logprobs).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.models import greedy_screen
 from engine.models.config import ModelConfig
+from engine.models.gemm_select import MAX_PREFILL_ROWS
+from engine.models.greedy_screen import GreedyScreen, capped_greedy, screen_supported
 from engine.models.layer_ops import LayerOps
+from engine.models.linear import pack_weight
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.norms import GemmaRMSNorm, RMSNorm
 from engine.models.rope import RotaryEmbedding
+
+logger = logging.getLogger("kvfleet.engine")
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
@@ -111,6 +121,34 @@ class GemmaForCausalLM(LlamaForCausalLM):
                 hook(index)
         return normed if keep_rows is None else normed.index_select(0, keep_rows)
 
+    def prepack(self, requested: str = "auto", prefill_rows: int = MAX_PREFILL_ROWS) -> str:
+        """Llama's choice, then the screened head where timing chose another float32 LM head.
+
+        Why: the LM head's backend is timed on the full head alone, and on AVX-512 machines
+        the panel kernel and oneDNN are within a few percent there, so either may win a start;
+        only the panel head has the screen, about half the cost of either for greedy rows. The
+        screen is measured against the chosen head's greedy path, and where it wins the head
+        moves to the panel kernel (the screen's invariant: its exact pass is the head's GEMM).
+        """
+        backend = super().prepack(requested, prefill_rows)
+        # A quantized LM head (GGUF, engine.quant.gguf_model) has its own greedy path.
+        if requested != "auto" or self._greedy_screen is not None \
+                or getattr(self, "quant_head", None) is not None:
+            return backend
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if not screen_supported(weight, "panel"):
+            return backend
+        screen = GreedyScreen(weight)
+        screen.max_rows = greedy_screen.measure_rows_limit(screen, self._full_greedy_tokens)
+        logger.info("screened greedy LM head against %s: faster up to %d rows%s",
+                    self._lm_head_backend, screen.max_rows,
+                    ", LM head moved to panel" if screen.max_rows else "")
+        if screen.max_rows:
+            self._lm_head_backend = "panel"
+            self._packed_lm_head = pack_weight(weight, "panel")
+            self._greedy_screen = screen
+        return backend
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         cap = self.config.final_logit_softcap
@@ -121,6 +159,22 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits.div_(cap).tanh_().mul_(cap)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
-        if self.config.final_logit_softcap is not None:
-            return None  # capping can tie logits in float32: argmax the capped ones
-        return super().greedy_tokens(hidden)
+        cap = self.config.final_logit_softcap
+        if cap is None:
+            return super().greedy_tokens(hidden)
+        if hidden.device.type != "cpu" or not _screen_op_available():
+            return None
+        screen = self._greedy_screen
+        if screen is not None and hidden.shape[0] <= screen.max_rows:
+            tokens = screen.argmax(hidden, cap)
+            if tokens is not None:
+                return tokens
+        # Why not cap every logit and take the argmax: the tanh pass over [rows, vocab] cost
+        # 4 ms a 32-row decode step, more than the rest of the head's argmax.
+        return capped_greedy(super().compute_logits(hidden), cap)
+
+
+def _screen_op_available() -> bool:
+    from kernels.cpu import load as load_cpu_kernels
+
+    return load_cpu_kernels() and hasattr(torch.ops.kvfleet_cpu, "screen_candidates")

@@ -24,10 +24,20 @@ faster than float32 FMAs (an Intel Xeon without AMX issues one VDPBF16PS where i
 FMAs) the screen only halves the bytes, and from some row count the full float32 head is
 faster: 64 rows took 26.3 ms screened against 20.4 ms in full there, one row 3.3 against 4.3.
 
+With a final logit soft-cap (Gemma 2) the argmax is over cap * tanh(logit / cap): tanh is
+monotonic, but float32 capping can round a smaller logit onto the maximum's value, and the
+first of the tied tokens wins. The candidates then also hold every token close enough below
+the bound to tie once capped (`screen_candidates`' tie margin, about 1e-3 for logits near
+the cap), and only those are capped, by the same ATen ops as `compute_logits`
+(`capped_argmax`). The same op screens full logits (no error bound) so that a capped greedy
+batch on the full head caps a handful of values per row instead of the whole vocabulary.
+
 Invariants: used only where the LM head's float32 backend is the panel kernel, whose output
 column v is one fixed chain of FMAs over x and w_v alone, so recomputing a subset of columns
 reproduces the full GEMM's values bit for bit; the argmax over candidates sorted by id takes
-the first maximum, as `max(dim).indices` over the full vocabulary does.
+the first maximum, as `max(dim).indices` over the full vocabulary does; capped candidates are
+padded to whole vectors, so ATen caps every one in its vector loop, as it does a full row of
+a vocabulary that is a multiple of 32.
 """
 
 from __future__ import annotations
@@ -58,6 +68,38 @@ def screen_supported(weight: torch.Tensor, backend: str) -> bool:
 MEASURED_ROWS = (1, 4, 16, 64)
 REPEATS = 5
 UNLIMITED = 1 << 30
+# ATen's vectorised unary loop takes 2 x 16 floats a step (AVX-512); the rest of a tensor goes
+# through its scalar loop, whose tanh may round differently.
+CAP_PAD = 64
+# Beyond this share of the vocabulary as candidates (a saturated cap), screening saves nothing.
+MAX_CANDIDATE_SHARE = 8
+
+
+def capped_argmax(exact: torch.Tensor, candidates: torch.Tensor, cap: float | None) -> list[int]:
+    """Per row of `exact` ([M, n] float32 logits of the `candidates`, sorted ids), the id
+    of the first maximum after the soft-cap (none: of `exact` itself)."""
+    if cap is not None:
+        rows, n = exact.shape
+        padded = exact.new_zeros(rows, -(-n // CAP_PAD) * CAP_PAD)
+        padded[:, :n] = exact
+        # compute_logits' ops and order (Gemma's final cap), in place.
+        exact = padded.div_(cap).tanh_().mul_(cap)[:, :n]
+    return candidates[exact.max(dim=-1).indices].tolist()
+
+
+def capped_greedy(logits: torch.Tensor, cap: float) -> list[int] | None:
+    """argmax of cap * tanh(logits / cap) per row of uncapped float32 `logits` [M, V],
+    capping only each row's near-maximal logits; None where a logit is not finite or the cap
+    saturates (the caller then caps everything)."""
+    logits = logits.contiguous()
+    zeros_m = logits.new_zeros(logits.shape[0])
+    zeros_v = logits.new_zeros(logits.shape[1])
+    if not bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        return None  # amax propagates NaN; -inf rows would have no finite maximum
+    candidates = torch.ops.kvfleet_cpu.screen_candidates(logits, zeros_m, zeros_v, 0.0, cap)
+    if len(candidates) * MAX_CANDIDATE_SHARE > logits.shape[1]:
+        return None
+    return capped_argmax(logits[:, candidates], candidates, cap)
 
 
 class GreedyScreen:
@@ -77,18 +119,21 @@ class GreedyScreen:
         accumulation = 2 * k * 2.0**-24
         self.c = 1.05 * (2 * 2.0**-8 + 2.0**-16 + accumulation)
 
-    def argmax(self, hidden: torch.Tensor) -> list[int] | None:
-        """Greedy token ids of `hidden`'s rows ([M, hidden] float32), or None where the
-        screen does not apply (non-finite input): the caller then takes the full logits."""
+    def argmax(self, hidden: torch.Tensor, cap: float | None = None) -> list[int] | None:
+        """Greedy token ids of `hidden`'s rows ([M, hidden] float32), with the final logits
+        soft-capped by `cap` if given, or None where the screen does not apply (non-finite
+        input, a saturated cap): the caller then takes the full logits."""
         h = hidden.contiguous()
         h_norm = (h.double().norm(dim=1) * (1 + 1e-6)).float()
         if not bool(torch.isfinite(h_norm).all()):
             return None
         approx = self.approx_logits(h)
         candidates = torch.ops.kvfleet_cpu.screen_candidates(
-            approx, h_norm.contiguous(), self.w_norm, self.c)
+            approx, h_norm.contiguous(), self.w_norm, self.c, cap or 0.0)
+        if cap is not None and len(candidates) * MAX_CANDIDATE_SHARE > self.vocab:
+            return None
         exact = panel_linear(h, pack_panels(self.weight[candidates]), len(candidates), None)
-        return candidates[exact.max(dim=-1).indices].tolist()
+        return capped_argmax(exact, candidates, cap)
 
     def approx_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 sums of bfloat16(hidden) x bfloat16(head) products, [M, vocab]."""

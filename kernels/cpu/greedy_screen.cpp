@@ -8,11 +8,18 @@
 // Invariant: every token whose exact logit could be a row's maximum (ties included) is
 // returned, so the argmax over the returned tokens' exact logits is the argmax over the whole
 // vocabulary. A relative slack on T_r covers this op's own float32 rounding.
+//
+// With a final logit soft-cap (Gemma 2: cap * tanh(x / cap), `cap` > 0) the argmax is over
+// capped logits, and capping in float32 can round a slightly smaller logit to the same value
+// as the maximum (a tie the first index wins). T_r is then lowered by `tie_margin`: any logit
+// that far below T_r caps to a value strictly below every capped logit >= T_r, however each
+// of the two was rounded, so the returned tokens still hold every possible capped maximum.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -20,18 +27,39 @@
 namespace {
 
 constexpr float kSlack = 1e-5f;
+constexpr float kEverything = -3.0e38f;
+
+// How far below t a logit must be for its capped value to be below every capped value of a
+// logit >= t. One capped value, fl(fl(tanh(fl(x / cap))) * cap) (ATen may divide as a product
+// by 1 / cap: one more rounding), is within 6 * 2^-24 * cap of cap * tanh(x / cap): the
+// quotient's rounding moves tanh by at most max_z z sech^2 z < 0.45 of an ulp of 1, tanh's own
+// error is taken as up to 4 ulps, the product's rounding 1. Two of them, with a 5x margin:
+// 64 * 2^-24 * cap. The exact capped values of x <= t - d and y >= t differ by at least
+// d * min sech^2 over [t - d, t], and |t - d| <= |t| + 1 while d <= 1. Past that (|t| many
+// caps, tanh saturated) every token is a candidate and the caller takes the full logits.
+double tie_margin(double t, double cap) {
+  if (cap <= 0) return 0;
+  const double z = (std::abs(t) + 1) / cap;
+  if (z > 20) return -static_cast<double>(kEverything);
+  const double sech = 1 / std::cosh(z);
+  const double d = 64 * std::ldexp(1.0, -24) * cap / (sech * sech);
+  return d <= 1 ? d : -static_cast<double>(kEverything);
+}
 
 // Marks row r's candidates in `mark` (one byte per token).
-void screen_row(const float* s, float hn, const float* wn, int64_t v, float c, uint8_t* mark) {
+void screen_row(const float* s, float hn, const float* wn, int64_t v, float c, double cap,
+                uint8_t* mark) {
   const float scale = c * hn;
-  float t = -3.0e38f;
+  float t = kEverything;
   for (int64_t j = 0; j < v; ++j) t = std::max(t, s[j] - scale * wn[j]);
   t -= kSlack * (1.f + std::abs(t));
+  t = static_cast<float>(std::max<double>(t - tie_margin(t, cap), kEverything));
   for (int64_t j = 0; j < v; ++j) mark[j] |= static_cast<uint8_t>(s[j] + scale * wn[j] >= t);
 }
 
 at::Tensor screen_candidates(const at::Tensor& scores, const at::Tensor& h_norm,
-                             const at::Tensor& w_norm, double c) {
+                             const at::Tensor& w_norm, double c, double cap) {
+  TORCH_CHECK(cap >= 0, "screen_candidates: cap must be >= 0 (0: no soft-cap), got ", cap);
   TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
               "screen_candidates: scores must be contiguous float32 [M, V]");
   const int64_t m = scores.size(0), v = scores.size(1);
@@ -49,7 +77,7 @@ at::Tensor screen_candidates(const at::Tensor& scores, const at::Tensor& h_norm,
   at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
     uint8_t* mark = marks.data() + std::min<int64_t>(at::get_thread_num(), threads - 1) * v;
     for (int64_t r = r0; r < r1; ++r)
-      screen_row(s + r * v, hn[r], wn, v, static_cast<float>(c), mark);
+      screen_row(s + r * v, hn[r], wn, v, static_cast<float>(c), cap, mark);
   });
   for (int64_t t = 1; t < threads; ++t)
     for (int64_t j = 0; j < v; ++j) marks[j] |= marks[t * v + j];
@@ -110,7 +138,9 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("screen_candidates(Tensor scores, Tensor h_norm, Tensor w_norm, float c) -> Tensor");
+  m.def(
+      "screen_candidates(Tensor scores, Tensor h_norm, Tensor w_norm, float c, float cap=0.) "
+      "-> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 

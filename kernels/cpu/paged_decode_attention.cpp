@@ -196,10 +196,30 @@ std::vector<Item> make_items(int64_t b, const int32_t* lens, const std::vector<i
   return items;
 }
 
+// The first key chunk of an item this thread runs next, fetched while it runs the current
+// one: inside an item each chunk fetches the next, but an item's first chunk had nothing ahead
+// of it, and one decode call starts an item per request (a DRAM stall each, blocks scattered).
+template <typename T, int D>
+void prefetch_first_chunk(const Problem<T>& pb, const Item& it, int start) {
+  const int ctx = pb.lens[it.request];
+  if (ctx <= start) return;
+  prefetch_rows(pb.k_cache, pb.tables + it.request * pb.table_width, pb.block_size,
+                pb.kv_heads * D, start, std::min(kChunk, ctx - start), it.kv_begin * D,
+                it.kv_end * D);
+}
+
 template <typename T, int D>
 void dispatch_item(const Problem<T>& pb, const Item& it, int start, const Partials* pre) {
   // With a window, `start` is the window's first position and there is no prefix to merge.
   run_item<T, D>(pb, it, start, start > 0 && pb.window == 0 ? pre : nullptr);
+}
+
+// Item i, with item j (claimed next by this thread; j >= size: none) prefetched first.
+template <typename T, int D>
+void run_claimed(const Problem<T>& pb, const std::vector<Item>& items, int64_t i, int64_t j,
+                 int start, int start_j, const Partials* pre) {
+  if (j < static_cast<int64_t>(items.size())) prefetch_first_chunk<T, D>(pb, items[j], start_j);
+  dispatch_item<T, D>(pb, items[i], start, pre);
 }
 
 // Requests grouped by a shared prefix: group_of[r] is r's group (-1: none), shared_lens[g] the
@@ -282,14 +302,17 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t n = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+    // Each thread claims its next item before running the current one, to prefetch it.
+    for (int64_t i = next.fetch_add(1), j = 0; i < n; i = j) {
+      j = next.fetch_add(1);
       const int start = sh.start[items[i].request];
+      const int start_j = j < n ? sh.start[items[j].request] : 0;
       switch (d) {
-        case 16: dispatch_item<T, 16>(pb, items[i], start, &pre); break;
-        case 32: dispatch_item<T, 32>(pb, items[i], start, &pre); break;
-        case 64: dispatch_item<T, 64>(pb, items[i], start, &pre); break;
-        case 128: dispatch_item<T, 128>(pb, items[i], start, &pre); break;
-        default: dispatch_item<T, 256>(pb, items[i], start, &pre); break;
+        case 16: run_claimed<T, 16>(pb, items, i, j, start, start_j, &pre); break;
+        case 32: run_claimed<T, 32>(pb, items, i, j, start, start_j, &pre); break;
+        case 64: run_claimed<T, 64>(pb, items, i, j, start, start_j, &pre); break;
+        case 128: run_claimed<T, 128>(pb, items, i, j, start, start_j, &pre); break;
+        default: run_claimed<T, 256>(pb, items, i, j, start, start_j, &pre); break;
       }
     }
   });
