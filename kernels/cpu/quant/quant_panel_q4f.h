@@ -76,12 +76,14 @@ struct Q4fIndex {
 // against the panel's 128 + q into per-block sums, then out += d * sums + c * X_b.
 template <int MR>
 void micro_q4f(const uint16_t* x, int64_t ldx, const float* sx, int64_t nb, const uint32_t* q,
-               const float* d, const float* c, c10::BFloat16* out, int64_t ldo, int64_t cols) {
+               const float* d, const float* c, c10::BFloat16* out, int64_t ldo, int64_t cols,
+               NextPanel& next) {
   constexpr int64_t P = kPanelRows;
   __m512 acc0[MR], acc1[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    next.step();
     __m512 s0[MR], s1[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) s0[i] = s1[i] = _mm512_setzero_ps();
@@ -123,16 +125,19 @@ void micro_q4f(const uint16_t* x, int64_t ldx, const float* sx, int64_t nb, cons
 // (read from a zero block) and d = c = 0.
 template <int64_t QT>
 struct Q4fPanel {
-  static constexpr int kRows = kvfleet_panel::kMaxRows / 2;  // 2 x 2 x kRows accumulators
+  static constexpr int kRows = 7;  // 2 x 2 x kRows accumulators of 32 registers
   using Micro = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint32_t*,
-                         const float*, const float*, c10::BFloat16*, int64_t, int64_t);
-  static_assert(kRows == 6, "kMicro lists one micro-kernel per row count up to 6");
+                         const float*, const float*, c10::BFloat16*, int64_t, int64_t,
+                         NextPanel&);
+  static_assert(kRows == 7, "kMicro lists one micro-kernel per row count up to 7");
   static constexpr Micro kMicro[kRows] = {micro_q4f<1>, micro_q4f<2>, micro_q4f<3>,
-                                          micro_q4f<4>, micro_q4f<5>, micro_q4f<6>};
+                                          micro_q4f<4>, micro_q4f<5>, micro_q4f<6>,
+                                          micro_q4f<7>};
 
   const uint16_t* x;
   int64_t ldx;
   const float* sx;  // q4f_block_sums [m_rows][nb]
+  int64_t m_rows;
   c10::BFloat16* out;
   int64_t ldo, row_bytes, nb;
   std::vector<uint32_t>& q;
@@ -184,21 +189,25 @@ struct Q4fPanel {
     _mm512_storeu_ps(dc.data() + (nb + b) * P + h, cv);
   }
 
-  void decode(const uint8_t* w, int64_t rows, NextPanel next) {
+  NextPanel next{nullptr, 0, 1};
+
+  // The next panel is prefetched while this one is multiplied (its blocks, spread over every
+  // pass's blocks), not while it is decoded: decoding is short next to the passes, and a
+  // panel read during its own decoding stalled on DRAM (a decode-only build read 15 GB/s).
+  void decode(const uint8_t* w, int64_t rows, NextPanel following) {
     static const Q4fIndex ix;
     for (int64_t h = 0; h < kPanelRows; h += 16) {
       const int64_t live = std::min<int64_t>(16, std::max<int64_t>(0, rows - h));
-      for (int64_t b = 0; b < nb; ++b) {
-        next.step();
-        tile(w, h, live, b, ix);
-      }
+      for (int64_t b = 0; b < nb; ++b) tile(w, h, live, b, ix);
     }
+    next = following;
+    next.steps = (m_rows + kRows - 1) / kRows * nb;
   }
 
   void multiply(int64_t m, int64_t mr, int64_t col0, int64_t cols) {
     const float* d = dc.data();
     kMicro[mr - 1](x + m * ldx, ldx, sx + m * nb, nb, q.data(), d, d + nb * kPanelRows,
-                   out + m * ldo + col0, ldo, cols);
+                   out + m * ldo + col0, ldo, cols, next);
   }
 };
 
@@ -212,7 +221,7 @@ void panels_q4f(const uint16_t* x, int64_t ldx, const float* sx, int64_t m_rows,
   const int64_t need = kPanelRows * nb * (kBlock / 2);
   if (static_cast<int64_t>(q.size()) < need) q.resize(need);
   if (static_cast<int64_t>(dc.size()) < 2 * kPanelRows * nb) dc.resize(2 * kPanelRows * nb);
-  Q4fPanel<QT> panel{x, ldx, sx, out, ldo, row_bytes, nb, q, dc};
+  Q4fPanel<QT> panel{x, ldx, sx, m_rows, out, ldo, row_bytes, nb, q, dc};
   run_panels(panel, m_rows, w, row_bytes, nb, n0, n1);
 }
 
