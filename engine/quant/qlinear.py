@@ -10,7 +10,9 @@ engine.quant.select):
   once, 4.5-8.5 bits a weight);
 - PANEL (quant_panel.cpp): a panel of weight rows dequantized into a cache-resident buffer
   and reused over every row, for 8-64 rows (Q8_0/Q4_0/Q4_1; a K-quant segment takes KERNEL's
-  op there, the plan measured at start decides whether that pays);
+  op there, the plan measured at start decides whether that pays); PANEL_Q4, the same for a
+  bfloat16 model but with its Q4_0/Q4_1 segments in the factored panel (quant_panel_q4f.h:
+  exact 128 + q, the block's scale and minimum applied in float32), the plan picks one;
 - DENSE: the whole weight dequantized (bit-equal to gguf-py) and F.linear, whose BLAS wins
   once the weight is reused over many rows (prefill), and wherever the kernels are missing.
 

@@ -8,7 +8,9 @@
 // into a buffer that stays in L2, then a register-blocked micro-kernel runs every row of x
 // against it (quant_panel.h's run_panels; tasks are ranges of panels over OpenMP threads):
 // - bfloat16 x (AVX512_BF16 builds): quant_panel_bf16.h, the weights rounded to bfloat16 in
-//   the dense bfloat16 panel layout and the dense model's VDPBF16PS micro-kernel shape;
+//   the dense bfloat16 panel layout and the dense model's VDPBF16PS micro-kernel shape; or,
+//   for Q4_0 / Q4_1 with `factored` (AVX512_VBMI too), quant_panel_q4f.h: the exact 128 + q in
+//   that layout, the block affine applied per block in float32;
 // - float32 x (AVX-512F builds): the dequantized weights in the dense float32 panel layout
 //   (panel_linear.cpp's [K][32]), up to kMaxRows rows x 32 columns, each row's x[k] broadcast
 //   into two FMAs;
@@ -281,7 +283,9 @@ bool quant_has_bf16_dot() {
 
 // out [M, N] = x [M, K] @ dequant(w [N, row bytes] uint8)^T. x float32 -> out float32;
 // x bfloat16 (only where quant_has_bf16_dot) -> out bfloat16. out may be a column slice of a
-// wider output (unit column stride), as for quant_linear.
+// wider output (unit column stride), as for quant_linear. `factored` picks the factored Q4
+// panel for bfloat16 Q4_0 / Q4_1 where it is built (quant_has_q4_panel_factored); it changes
+// nothing for float32 x or Q8_0.
 void quant_linear_panel(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
                         int64_t qtype, bool factored) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;

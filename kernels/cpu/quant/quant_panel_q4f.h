@@ -9,10 +9,13 @@
 // rows in registers. Here 16 weight rows' nibbles are transposed as bytes before decoding
 // (4 vpermt2w + 8 masked vpermt2b a 16 x 32 tile, the bytes landing zero-extended in their
 // 32-bit lane), so one 128 + q register of 16 columns x one k-pair costs one vpternlogd (a
-// shift more for the high nibbles), and the 16 rows' headers are one gather: ~4-5 instructions a
-// block and row. The price is in the micro-kernel: per-block sums (6 rows a pass, not 12) and
-// two FMAs a block and row for d and c (the earlier factored attempt, which decoded through a
-// per-row lookup and transpose, lost 8-12% at 32 rows on this price; docs/quantization.md).
+// shift more for the high nibbles), and the 16 rows' headers are one gather: ~6 instructions a
+// block and row, stores included. The price is in the micro-kernel: per-block sums (7 rows a
+// pass, not 12) and two FMAs a block and row for d and c (the earlier factored attempt, which
+// decoded through a per-row lookup and register transpose, lost 8-12% at 32 rows on this
+// price). Measured (docs/quantization.md): 5-10% faster than the rounded panel at 8-32 rows,
+// still ~15% behind the dense bfloat16 panel at 32. Decoding the next panel inside the
+// micro-kernel's block loop (two buffers) was tried and did not beat this.
 //
 // Numerics: (128 + q) * x is exact in float32 (VDPBF16PS, denormal products flushed), pair sums
 // in float32, then d and c X_b in float32; the 128 offset costs ~4 of float32's 24 bits in a
