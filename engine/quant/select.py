@@ -19,8 +19,7 @@ kernel; any other backend name keeps DEFAULT_PLAN without measuring (tests).
 
 A bfloat16 model's Q4_0/Q4_1 layers have two panel kernels: PANEL (weights rounded to bfloat16)
 and PANEL_Q4 (the factored panel, exact 128 + q with the block affine in float32). Both are
-timed at every count and the plan takes one of them throughout, the one whose fitted plan loses
-less.
+timed at every count; the fitted plan may give each a range (PANEL_Q4 the lower one).
 
 Invariant: the choice depends on measured speed only; every path computes the same product
 (up to rounding: in bfloat16 PANEL and the dense path multiply the weights rounded to
@@ -29,6 +28,7 @@ bfloat16, the register kernel and PANEL_Q4 the exact ones).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -58,28 +58,25 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 
 def fit_plan(times: dict[int, dict[str, float]]) -> Plan:
-    """The plan KERNEL up to t1 rows, a panel path up to t2, DENSE above (t1 <= t2 among the
-    measured row counts, or none) that loses least against the fastest path at each row count,
-    summed as ratios. One crossover each way, not each count's own winner: on a shared machine
-    a single descheduled timing must not flip one class. The panel path is one for the whole
-    plan: PANEL, or PANEL_Q4 where every count timed it and its plan loses less."""
+    """The plan KERNEL up to t1 rows, PANEL_Q4 up to t2, PANEL up to t3, DENSE above (t1 <= t2
+    <= t3 among the measured row counts; any range may be empty, PANEL_Q4's always is where a
+    count lacks its timing) that loses least against the fastest path at each row count,
+    summed as ratios. Contiguous ranges in that order, not each count's own winner: on a
+    shared machine a single descheduled timing must not flip one class. PANEL_Q4 comes before
+    PANEL because its advantage is at few rows (cheaper decoding, which few rows amortize
+    least); with many rows its 7-row passes lose to PANEL's 12-row ones."""
     rows = sorted(times)
-    panels = [p for p in (PANEL, PANEL_Q4) if all(p in times[r] for r in rows)]
-    return min((_fit(times, rows, p) for p in panels), key=lambda fit: fit[0])[1]
-
-
-def _fit(times: dict[int, dict[str, float]], rows: list[int], panel: str) -> tuple[float, Plan]:
+    order = [KERNEL, *[p for p in (PANEL_Q4,) if all(p in times[r] for r in rows)], PANEL, DENSE]
     best_loss = float("inf")
-    best_plan: Plan = ()
-    for i in range(len(rows) + 1):
-        for j in range(i, len(rows) + 1):
-            paths = [KERNEL] * i + [panel] * (j - i) + [DENSE] * (len(rows) - j)
-            loss = sum(times[r][p] / min(times[r].values())
-                       for r, p in zip(rows, paths, strict=True))
-            if loss < best_loss:
-                best_loss = loss
-                best_plan = tuple((r, p) for r, p in zip(rows[:j], paths[:j], strict=True))
-    return best_loss, _merge(best_plan)
+    best: list[str] = []
+    for cuts in itertools.combinations_with_replacement(range(len(rows) + 1), len(order) - 1):
+        paths: list[str] = []
+        for path, lo, hi in zip(order, (0, *cuts), (*cuts, len(rows)), strict=True):
+            paths += [path] * (hi - lo)
+        loss = sum(times[r][p] / min(times[r].values()) for r, p in zip(rows, paths, strict=True))
+        if loss < best_loss:
+            best_loss, best = loss, paths
+    return _merge(tuple((r, p) for r, p in zip(rows, best, strict=True) if p != DENSE))
 
 
 def _merge(entries: tuple[tuple[int, str], ...]) -> Plan:

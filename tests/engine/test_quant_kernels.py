@@ -146,16 +146,18 @@ def test_fit_plan_finds_the_crossovers_despite_one_noisy_timing():
     assert fit_plan({1: t(5, 5, 1), 8: t(9, 9, 2)}) == ()
 
 
-def test_fit_plan_takes_one_panel_variant_the_faster_over_its_range():
+def test_fit_plan_gives_the_factored_panel_the_rows_below_the_rounded_one():
     def t(kernel: float, panel: float, dense: float, q4: float) -> dict[str, float]:
         return {KERNEL: kernel, PANEL: panel, DENSE: dense, PANEL_Q4: q4}
 
-    times = {1: t(1, 3, 4, 3), 8: t(9, 5, 9, 4), 32: t(30, 9, 10, 8), 128: t(99, 40, 20, 39)}
-    assert fit_plan(times) == ((1, KERNEL), (32, PANEL_Q4))
-    times[8] = t(9, 4, 9, 5)  # PANEL_Q4 slower at 8 rows, faster at 32: the sum decides
-    assert fit_plan(times) == ((1, KERNEL), (32, PANEL))
-    times[32] = t(30, 9, 10, 7)
-    assert fit_plan(times) == ((1, KERNEL), (32, PANEL_Q4))
+    times = {1: t(1, 3, 4, 3), 8: t(9, 5, 9, 4), 32: t(30, 9, 10, 6), 128: t(99, 40, 60, 50),
+             256: t(99, 80, 60, 90)}
+    assert fit_plan(times) == ((1, KERNEL), (32, PANEL_Q4), (128, PANEL))
+    times[8] = t(9, 5, 9, 6)  # one slower PANEL_Q4 timing does not split its range
+    assert fit_plan(times) == ((1, KERNEL), (32, PANEL_Q4), (128, PANEL))
+    times[32] = t(30, 7, 10, 8)  # PANEL wins from 8 rows: no PANEL_Q4 range
+    times[8] = t(9, 4, 9, 5)
+    assert fit_plan(times) == ((1, KERNEL), (128, PANEL))
 
 
 @needs_kernel
