@@ -13,7 +13,7 @@
 // block and row, stores included. The price is in the micro-kernel: per-block sums (7 rows a
 // pass, not 12) and two FMAs a block and row for d and c (the earlier factored attempt, which
 // decoded through a per-row lookup and register transpose, lost 8-12% at 32 rows on this
-// price). Measured (docs/quantization.md): 5-10% faster than the rounded panel at 8-32 rows,
+// price). Measured (docs/quantization.md): 6-15% faster than the rounded panel at 8-32 rows,
 // still ~15% behind the dense bfloat16 panel at 32. Decoding the next panel inside the
 // micro-kernel's block loop (two buffers) was tried and did not beat this.
 //
