@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.quant_kernel_bench import random_weight
 from engine.models.linear import apply_linear, backend_supported, pack_weight
-from engine.quant.qlinear import KERNEL, PANEL, QuantLinear
+from engine.quant.qlinear import KERNEL, PANEL, PANEL_Q4, QuantLinear
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
@@ -36,6 +36,8 @@ def _paths(fmt: str, layers: list[list[QuantLinear]], dense: list[list[torch.Ten
         f"{fmt} kernel": lambda i, j: layers[i][j].run(xs[SHAPES[j][1]], KERNEL),
         f"{fmt} panel": lambda i, j: layers[i][j].run(xs[SHAPES[j][1]], PANEL),
     }
+    if fmt != "Q8_0":
+        paths[f"{fmt} panel-q4"] = lambda i, j: layers[i][j].run(xs[SHAPES[j][1]], PANEL_Q4)
     for b in packed:
         paths[f"dense bf16 {b}"] = functools.partial(_dense_call, xs, dense, b, packed[b])
     return paths

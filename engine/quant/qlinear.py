@@ -10,7 +10,9 @@ engine.quant.select):
   once, 4.5-8.5 bits a weight);
 - PANEL (quant_panel.cpp): a panel of weight rows dequantized into a cache-resident buffer
   and reused over every row, for 8-64 rows (Q8_0/Q4_0/Q4_1; a K-quant segment takes KERNEL's
-  op there, the plan measured at start decides whether that pays);
+  op there, the plan measured at start decides whether that pays); PANEL_Q4, the same for a
+  bfloat16 model but with its Q4_0/Q4_1 segments in the factored panel (quant_panel_q4f.h:
+  exact 128 + q, the block's scale and minimum applied in float32), the plan picks one;
 - DENSE: the whole weight dequantized (bit-equal to gguf-py) and F.linear, whose BLAS wins
   once the weight is reused over many rows (prefill), and wherever the kernels are missing.
 
@@ -37,6 +39,9 @@ from torch import nn
 from engine.quant import formats
 
 KERNEL, PANEL, DENSE = "kernel", "panel", "dense"
+# PANEL with a bfloat16 model's Q4_0/Q4_1 segments in the factored panel (quant_panel_q4f.h:
+# exact 128 + q, the block affine applied in float32); every other case runs PANEL's op.
+PANEL_Q4 = "panel-q4"
 # (largest row count, path), in increasing row counts; more rows than the last entry: DENSE.
 Plan = tuple[tuple[int, str], ...]
 DEFAULT_PLAN: Plan = ((8, KERNEL), (64, PANEL))
@@ -164,7 +169,7 @@ class QuantLinear(nn.Module):
         if path == KERNEL and self.bf16_kernel and dtype == torch.bfloat16:
             act = x  # the register kernel reads bfloat16 and rounds its output to it
         else:
-            keep_bf16 = path == PANEL and dtype == torch.bfloat16 and _bf16_dot()
+            keep_bf16 = path in (PANEL, PANEL_Q4) and dtype == torch.bfloat16 and _bf16_dot()
             act = x if keep_bf16 or dtype == torch.float32 else x.float()
         if act.stride(-1) != 1:
             act = act.contiguous()
@@ -203,6 +208,9 @@ def _segment_gemm(out: torch.Tensor, act: torch.Tensor, segment: QuantTensor, pa
             tmp = act.new_empty(act.shape[0], segment.rows)
             _op("kquant_linear")(tmp, act, segment.raw, segment.qtype)
             out.copy_(tmp)
+        return
+    if path == PANEL_Q4:
+        _op("quant_linear_panel")(out, act, segment.raw, segment.qtype, True)
         return
     _op("quant_linear_panel" if path == PANEL else "quant_linear")(
         out, act, segment.raw, segment.qtype)

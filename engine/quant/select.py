@@ -17,13 +17,18 @@ path at every measured count (fit_plan).
 `requested`: "auto" measures; "dense" (or no kernel on this machine) gives (), never a
 kernel; any other backend name keeps DEFAULT_PLAN without measuring (tests).
 
+A bfloat16 model's Q4_0/Q4_1 layers have two panel kernels: PANEL (weights rounded to bfloat16)
+and PANEL_Q4 (the factored panel, exact 128 + q with the block affine in float32). Both are
+timed at every count; the fitted plan may give each a range (PANEL_Q4 the lower one).
+
 Invariant: the choice depends on measured speed only; every path computes the same product
-(up to rounding: in bfloat16 the panel and dense paths multiply the weights rounded to
-bfloat16, the register kernel the exact ones).
+(up to rounding: in bfloat16 PANEL and the dense path multiply the weights rounded to
+bfloat16, the register kernel and PANEL_Q4 the exact ones).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -31,7 +36,8 @@ import torch
 from torch import nn
 
 from engine.models.gemm_select import sweep_layers
-from engine.quant.qlinear import DEFAULT_PLAN, DENSE, KERNEL, PANEL, Plan, QuantLinear
+from engine.quant import formats
+from engine.quant.qlinear import DEFAULT_PLAN, DENSE, KERNEL, PANEL, PANEL_Q4, Plan, QuantLinear
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -52,22 +58,25 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 
 def fit_plan(times: dict[int, dict[str, float]]) -> Plan:
-    """The plan KERNEL up to t1 rows, PANEL up to t2, DENSE above (t1 <= t2 among the measured
-    row counts, or none) that loses least against the fastest path at each row count, summed
-    as ratios. One crossover each way, not each count's own winner: on a shared machine a
-    single descheduled timing must not flip one class."""
+    """The plan KERNEL up to t1 rows, PANEL_Q4 up to t2, PANEL up to t3, DENSE above (t1 <= t2
+    <= t3 among the measured row counts; any range may be empty, PANEL_Q4's always is where a
+    count lacks its timing) that loses least against the fastest path at each row count,
+    summed as ratios. Contiguous ranges in that order, not each count's own winner: on a
+    shared machine a single descheduled timing must not flip one class. PANEL_Q4 comes before
+    PANEL because its advantage is at few rows (cheaper decoding, which few rows amortize
+    least); with many rows its 7-row passes lose to PANEL's 12-row ones."""
     rows = sorted(times)
+    order = [KERNEL, *[p for p in (PANEL_Q4,) if all(p in times[r] for r in rows)], PANEL, DENSE]
     best_loss = float("inf")
-    best_plan: Plan = ()
-    for i in range(len(rows) + 1):
-        for j in range(i, len(rows) + 1):
-            paths = [KERNEL] * i + [PANEL] * (j - i) + [DENSE] * (len(rows) - j)
-            loss = sum(times[r][p] / min(times[r].values())
-                       for r, p in zip(rows, paths, strict=True))
-            if loss < best_loss:
-                best_loss = loss
-                best_plan = tuple((r, p) for r, p in zip(rows[:j], paths[:j], strict=True))
-    return _merge(best_plan)
+    best: list[str] = []
+    for cuts in itertools.combinations_with_replacement(range(len(rows) + 1), len(order) - 1):
+        paths: list[str] = []
+        for path, lo, hi in zip(order, (0, *cuts), (*cuts, len(rows)), strict=True):
+            paths += [path] * (hi - lo)
+        loss = sum(times[r][p] / min(times[r].values()) for r, p in zip(rows, paths, strict=True))
+        if loss < best_loss:
+            best_loss, best = loss, paths
+    return _merge(tuple((r, p) for r, p in zip(rows, best, strict=True) if p != DENSE))
 
 
 def _merge(entries: tuple[tuple[int, str], ...]) -> Plan:
@@ -89,6 +98,8 @@ def _measure(layers: list[list[QuantLinear]], rows: int,
     xs = {k: torch.randn(rows, k, generator=gen).to(dtype)
           for k in sorted({m.in_features for m in layers[0]})}
     paths = [p for p in PATHS if p != KERNEL or rows <= KERNEL_MAX_ROWS]
+    if _factored_applies(layers, dtype):
+        paths.append(PANEL_Q4)
     best = dict.fromkeys(paths, float("inf"))
     rounds = SWEEP_REPEATS if len(layers) > 1 else REPEATS
     for _ in range(rounds + 1):  # the first round warms up and counts like the others
@@ -98,7 +109,16 @@ def _measure(layers: list[list[QuantLinear]], rows: int,
                 for m in layer:
                     m.run(xs[m.in_features], p)
             best[p] = min(best[p], (time.perf_counter() - start) / len(layers))
-    return {p: best.get(p, float("inf")) for p in PATHS}
+    return {p: best.get(p, float("inf")) for p in (*PATHS, *best)}
+
+
+def _factored_applies(layers: list[list[QuantLinear]], dtype: torch.dtype) -> bool:
+    """Whether PANEL_Q4 differs from PANEL here: a bfloat16 model with Q4_0/Q4_1 segments and
+    the factored panel compiled in (AVX512_BF16 and AVX512_VBMI)."""
+    if dtype != torch.bfloat16 or not torch.ops.kvfleet_quant.quant_has_q4_panel_factored():
+        return False
+    return any(s.qtype in (formats.Q4_0, formats.Q4_1)
+               for layer in layers for m in layer for s in m.segments)
 
 
 def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
@@ -118,9 +138,10 @@ def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
         times = {rows: _measure(swept if rows <= SWEEP_MAX_ROWS else layers[:1], rows, dtype)
                  for rows in ROWS}
     plan = fit_plan(times)
+    timed = list(times[ROWS[0]])
     logger.info("quantized GEMM plan (%s): %s, dense above (ms per layer, %s: %s)", dtype,
                 ", ".join(f"<={rows} {path}" for rows, path in plan) or "dense always",
-                " / ".join(PATHS), ", ".join(
-                    f"{r}: " + " / ".join(f"{t[p] * 1e3:.2f}" for p in PATHS)
+                " / ".join(timed), ", ".join(
+                    f"{r}: " + " / ".join(f"{t[p] * 1e3:.2f}" for p in timed)
                     for r, t in times.items()))
     return plan

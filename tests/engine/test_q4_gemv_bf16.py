@@ -1,6 +1,8 @@
-"""The factored batch-1 bfloat16 kernel for Q4_0 / Q4_1 (kernels/cpu/quant/quant_gemv_bf16.h,
-the op `quant_gemv_bf16`, also what `quant_linear` runs for one bfloat16 row of a Q4 format)
-against x @ W^T with W the exact float32 dequantization (never rounded to bfloat16).
+"""The factored bfloat16 kernels for Q4_0 / Q4_1 against x @ W^T with W the exact float32
+dequantization (never rounded to bfloat16): the batch-1 kernel (kernels/cpu/quant/
+quant_gemv_bf16.h, the op `quant_gemv_bf16`, also what `quant_linear` runs for one bfloat16 row
+of a Q4 format) and the factored panel (quant_panel_q4f.h, `quant_linear_panel(...,
+factored=True)`, the PANEL_Q4 path) at any row count.
 
 Tolerance, stated: |got - ref| <= 2^-8 |ref| + 2^-14 (|x| @ |W|^T). The first term is the
 output's one bfloat16 rounding (half an ulp is 2^-9 relative); the second bounds float32
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from engine.quant import formats
-from engine.quant.qlinear import QuantTensor
+from engine.quant.qlinear import PANEL, PANEL_Q4, QuantLinear, QuantTensor
 from kernels.cpu.quant import load
 
 needs_gemv = pytest.mark.skipif(
@@ -88,3 +90,63 @@ def test_refuses_bad_input_naming_it():
         op(torch.empty(1, 8, dtype=torch.bfloat16), x[:, :32].contiguous(), w.raw, w.qtype)
     with pytest.raises(RuntimeError, match="out must be bfloat16"):
         op(torch.empty(1, 9, dtype=torch.bfloat16), x, w.raw, w.qtype)
+
+
+needs_panel = pytest.mark.skipif(
+    not load() or not torch.ops.kvfleet_quant.quant_has_q4_panel_factored(),
+    reason="factored bfloat16 Q4 panel not built (needs AVX512_BF16 and AVX512_VBMI)")
+
+
+def _check_panel(qtype: int, n: int, k: int, rows: int, seed: int, shift: float = 0.0) -> None:
+    w = _weight(qtype, n, k, seed, shift)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 100)).bfloat16()
+    dense = w.dequantize().double()
+    ref = x.double() @ dense.T
+    bound = 2**-8 * ref.abs() + 2**-14 * (x.double().abs() @ dense.abs().T)
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    torch.ops.kvfleet_quant.quant_linear_panel(out, x, w.raw, qtype, True)
+    err = (out.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@needs_panel
+@pytest.mark.parametrize("qtype", Q4, ids=formats.type_name)
+@pytest.mark.parametrize(("n", "k"), [(5, 32), (37, 288), (64, 576), (33, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 13, 32, 33])
+def test_factored_panel_matches_exact_dequantized_weights(qtype, n, k, rows):
+    # n: part of a 16-row tile, a panel of 32 plus a remainder, whole panels; rows: one pass of
+    # the 7-row micro-kernel, several, and uneven splits.
+    _check_panel(qtype, n, k, rows, seed=n + k + rows)
+
+
+@needs_panel
+def test_factored_panel_large_block_minimum_keeps_precision():
+    _check_panel(formats.Q4_1, 64, 576, 32, seed=9, shift=20.0)
+
+
+@needs_panel
+def test_factored_flag_leaves_float32_and_q8_0_on_the_rounded_panel():
+    # The flag only changes bfloat16 Q4_0 / Q4_1: float32 x (the exactness gate) and Q8_0 run
+    # the same panel kernel bit for bit.
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
+    for qtype, act in ((formats.Q4_1, x), (formats.Q8_0, x.bfloat16())):
+        w = _weight(qtype, 40, 64, seed=qtype)
+        a, b = (torch.empty(9, 40, dtype=act.dtype) for _ in range(2))
+        torch.ops.kvfleet_quant.quant_linear_panel(a, act, w.raw, qtype, False)
+        torch.ops.kvfleet_quant.quant_linear_panel(b, act, w.raw, qtype, True)
+        assert torch.equal(a, b)
+
+
+@needs_panel
+def test_panel_q4_path_on_a_fused_layer_of_mixed_formats():
+    # A Q4_1 segment takes the factored panel, the Q8_0 one the rounded panel (its weights
+    # rounded to bfloat16): each part within its own reference's bound.
+    parts = [_weight(formats.Q4_1, 37, 288, seed=1), _weight(formats.Q8_0, 30, 288, seed=2)]
+    layer = QuantLinear(parts)
+    x = torch.randn(17, 288, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = layer.run(x, PANEL_Q4).double()
+    q4 = parts[0].dequantize().double()
+    ref = x.double() @ q4.T
+    bound = 2**-8 * ref.abs() + 2**-14 * (x.double().abs() @ q4.abs().T)
+    assert bool(((got[:, :37] - ref).abs() <= bound).all())
+    assert torch.equal(got[:, 37:], layer.run(x, PANEL).double()[:, 37:])

@@ -14,7 +14,15 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from engine.quant import formats, select
 from engine.quant.gguf_model import _unpermute
-from engine.quant.qlinear import DENSE, KERNEL, PANEL, QuantEmbedding, QuantLinear, QuantTensor
+from engine.quant.qlinear import (
+    DENSE,
+    KERNEL,
+    PANEL,
+    PANEL_Q4,
+    QuantEmbedding,
+    QuantLinear,
+    QuantTensor,
+)
 from engine.quant.select import fit_plan
 from kernels.cpu.quant import load
 
@@ -136,6 +144,30 @@ def test_fit_plan_finds_the_crossovers_despite_one_noisy_timing():
     times[8] = t(4, 300, 9)  # one descheduled panel run does not split the plan
     assert fit_plan(times) == ((8, KERNEL), (16, PANEL))
     assert fit_plan({1: t(5, 5, 1), 8: t(9, 9, 2)}) == ()
+
+
+def test_fit_plan_gives_the_factored_panel_the_rows_below_the_rounded_one():
+    def t(kernel: float, panel: float, dense: float, q4: float) -> dict[str, float]:
+        return {KERNEL: kernel, PANEL: panel, DENSE: dense, PANEL_Q4: q4}
+
+    times = {1: t(1, 3, 4, 3), 8: t(9, 5, 9, 4), 32: t(30, 9, 10, 6), 128: t(99, 40, 60, 50),
+             256: t(99, 80, 60, 90)}
+    assert fit_plan(times) == ((1, KERNEL), (32, PANEL_Q4), (128, PANEL))
+    times[8] = t(9, 5, 9, 6)  # one slower PANEL_Q4 timing does not split its range
+    assert fit_plan(times) == ((1, KERNEL), (32, PANEL_Q4), (128, PANEL))
+    times[32] = t(30, 7, 10, 8)  # PANEL wins from 8 rows: no PANEL_Q4 range
+    times[8] = t(9, 4, 9, 5)
+    assert fit_plan(times) == ((1, KERNEL), (128, PANEL))
+
+
+@needs_kernel
+def test_plan_times_the_factored_panel_only_for_bfloat16_q4():
+    q4 = [[QuantLinear([_weight(formats.Q4_1, 32, seed=1)])]]
+    q8 = [[QuantLinear([_weight(formats.Q8_0, 32, seed=1)])]]
+    assert PANEL_Q4 not in select._measure(q4, 8, torch.float32)
+    assert PANEL_Q4 not in select._measure(q8, 8, torch.bfloat16)
+    if torch.ops.kvfleet_quant.quant_has_q4_panel_factored():
+        assert select._measure(q4, 8, torch.bfloat16)[PANEL_Q4] < float("inf")
 
 
 def test_unpermute_matches_transformers():

@@ -29,7 +29,7 @@ _SOURCES = [
 # and ../panel_layout.h among them), not these.
 _HEADERS = [Path(__file__).with_name(h)
             for h in ("quant_blocks.h", "quant_gemv_bf16.h", "quant_panel.h",
-                      "quant_panel_bf16.h")]
+                      "quant_panel_bf16.h", "quant_panel_q4f.h")]
 _NAME = "kvfleet_quant_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}

@@ -8,7 +8,9 @@
 // into a buffer that stays in L2, then a register-blocked micro-kernel runs every row of x
 // against it (quant_panel.h's run_panels; tasks are ranges of panels over OpenMP threads):
 // - bfloat16 x (AVX512_BF16 builds): quant_panel_bf16.h, the weights rounded to bfloat16 in
-//   the dense bfloat16 panel layout and the dense model's VDPBF16PS micro-kernel shape;
+//   the dense bfloat16 panel layout and the dense model's VDPBF16PS micro-kernel shape; or,
+//   for Q4_0 / Q4_1 with `factored` (AVX512_VBMI too), quant_panel_q4f.h: the exact 128 + q in
+//   that layout, the block affine applied per block in float32;
 // - float32 x (AVX-512F builds): the dequantized weights in the dense float32 panel layout
 //   (panel_linear.cpp's [K][32]), up to kMaxRows rows x 32 columns, each row's x[k] broadcast
 //   into two FMAs;
@@ -38,6 +40,7 @@
 #include "quant_panel.h"
 #ifdef __AVX512BF16__
 #include "quant_panel_bf16.h"
+#include "quant_panel_q4f.h"
 #endif
 
 namespace {
@@ -230,16 +233,25 @@ void panels(const E* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t r
   run_panels(panel, m_rows, w, row_bytes, nb, n0, n1);
 }
 
-// Every row of x against every weight row: tasks are ranges of panels.
+// Every row of x against every weight row: tasks are ranges of panels. sx (the rows' block
+// sums) non-null: the factored Q4 panel (quant_panel_q4f.h) for bfloat16 Q4_0 / Q4_1.
 template <typename E, typename O>
 void run(const E* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t row_bytes,
-         int64_t nb, int64_t n, O* out, int64_t ldo, int64_t qtype) {
+         int64_t nb, int64_t n, O* out, int64_t ldo, int64_t qtype, const float* sx = nullptr) {
   at::parallel_for(0, (n + kPanelRows - 1) / kPanelRows, 1, [&](int64_t p0, int64_t p1) {
     const int64_t n0 = p0 * kPanelRows, n1 = std::min(n, p1 * kPanelRows);
     dispatch(qtype, [&](auto qt) {
       constexpr int64_t QT = decltype(qt)::value;
 #ifdef __AVX512BF16__
       if constexpr (std::is_same_v<E, uint16_t>) {
+#ifdef KVFLEET_Q4_PANEL_FACTORED
+        if constexpr (QT != kQ8_0) {
+          if (sx != nullptr) {
+            panels_q4f<QT>(x, ldx, sx, m_rows, w, row_bytes, nb, n0, n1, out, ldo);
+            return;
+          }
+        }
+#endif
         panels_bf16<QT>(x, ldx, m_rows, w, row_bytes, nb, n0, n1, out, ldo);
         return;
       } else
@@ -253,6 +265,14 @@ void run(const E* x, int64_t ldx, int64_t m_rows, const uint8_t* w, int64_t row_
   });
 }
 
+bool quant_has_q4_panel_factored() {
+#ifdef KVFLEET_Q4_PANEL_FACTORED
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool quant_has_bf16_dot() {
 #ifdef __AVX512BF16__
   return true;
@@ -263,9 +283,11 @@ bool quant_has_bf16_dot() {
 
 // out [M, N] = x [M, K] @ dequant(w [N, row bytes] uint8)^T. x float32 -> out float32;
 // x bfloat16 (only where quant_has_bf16_dot) -> out bfloat16. out may be a column slice of a
-// wider output (unit column stride), as for quant_linear.
+// wider output (unit column stride), as for quant_linear. `factored` picks the factored Q4
+// panel for bfloat16 Q4_0 / Q4_1 where it is built (quant_has_q4_panel_factored); it changes
+// nothing for float32 x or Q8_0.
 void quant_linear_panel(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
-                        int64_t qtype) {
+                        int64_t qtype, bool factored) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && (bf16 || x.scalar_type() == at::kFloat) && x.stride(1) == 1,
               "quant_linear_panel: x must be float32 or bfloat16 [M, K], unit column stride");
@@ -286,7 +308,15 @@ void quant_linear_panel(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 #ifdef __AVX512BF16__
   if (bf16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-    run(xp, ldx, m_rows, wp, row_bytes, nb, n, out.data_ptr<c10::BFloat16>(), ldo, qtype);
+    std::vector<float> sx;
+#ifdef KVFLEET_Q4_PANEL_FACTORED
+    if (factored && qtype != kQ8_0) {
+      sx.resize(m_rows * nb);
+      q4f_block_sums(xp, ldx, m_rows, nb, sx.data());
+    }
+#endif
+    run(xp, ldx, m_rows, wp, row_bytes, nb, n, out.data_ptr<c10::BFloat16>(), ldo, qtype,
+        sx.empty() ? nullptr : sx.data());
     return;
   }
 #endif
@@ -297,8 +327,11 @@ void quant_linear_panel(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_quant, m) {
-  m.def("quant_linear_panel(Tensor(a!) out, Tensor x, Tensor w, int qtype) -> ()");
+  m.def(
+      "quant_linear_panel(Tensor(a!) out, Tensor x, Tensor w, int qtype, bool factored=False)"
+      " -> ()");
   m.def("quant_has_bf16_dot() -> bool");
+  m.def("quant_has_q4_panel_factored() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet_quant, CPU, m) {
@@ -307,4 +340,5 @@ TORCH_LIBRARY_IMPL(kvfleet_quant, CPU, m) {
 
 TORCH_LIBRARY_IMPL(kvfleet_quant, CompositeExplicitAutograd, m) {
   m.impl("quant_has_bf16_dot", &quant_has_bf16_dot);
+  m.impl("quant_has_q4_panel_factored", &quant_has_q4_panel_factored);
 }

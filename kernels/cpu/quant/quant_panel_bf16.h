@@ -9,10 +9,9 @@
 // bfloat16 and what a bfloat16 dense copy of the file holds. Float32 models never take this
 // path.
 //
-// Not done, measured: factoring the block affine out (the panel holding the exact integers q,
-// per-block VDPBF16PS sums scaled by d, plus m times the rows' block sums) needs per-block
-// accumulators, which halve the rows a pass holds (6), and adds two FMAs a row per block; on
-// Zen 4 it ran 8-12% slower at 32 rows and 3-6% at 8 than this kernel (docs/quantization.md).
+// For Q4_0 / Q4_1 a factored panel exists beside this one (quant_panel_q4f.h: exact 128 + q
+// decoded from a byte-transposed tile, the block affine in float32); the start-up plan times
+// both and takes the faster (engine/quant/select.py). Q8_0 has only this one.
 #pragma once
 
 #include <c10/util/BFloat16.h>
