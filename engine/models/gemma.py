@@ -28,22 +28,16 @@ ATen ops as `compute_logits`, which caps every logit (sampling, logprobs).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.models import greedy_screen
 from engine.models.config import ModelConfig
 from engine.models.gemm_select import MAX_PREFILL_ROWS
-from engine.models.greedy_screen import GreedyScreen, capped_greedy, screen_supported
+from engine.models.greedy_screen import capped_greedy
 from engine.models.layer_ops import LayerOps
-from engine.models.linear import pack_weight
 from engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from engine.models.norms import GemmaRMSNorm, RMSNorm
 from engine.models.rope import RotaryEmbedding
-
-logger = logging.getLogger("kvfleet.engine")
 
 
 class GemmaDecoderLayer(LlamaDecoderLayer):
@@ -122,31 +116,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return normed if keep_rows is None else normed.index_select(0, keep_rows)
 
     def prepack(self, requested: str = "auto", prefill_rows: int = MAX_PREFILL_ROWS) -> str:
-        """Llama's choice, then the screened head where timing chose another float32 LM head.
-
-        Why: the LM head's backend is timed on the full head alone, and on AVX-512 machines
-        the panel kernel and oneDNN are within a few percent there, so either may win a start;
-        only the panel head has the screen, about half the cost of either for greedy rows. The
-        screen is measured against the chosen head's greedy path, and where it wins the head
-        moves to the panel kernel (the screen's invariant: its exact pass is the head's GEMM).
-        """
+        """The base choice; for a quantized Gemma whose LM head stays dense (int8 at load: the
+        quantized base's prepack measures no screen), the screened head as Llama's measures it."""
         backend = super().prepack(requested, prefill_rows)
-        # A quantized LM head (GGUF, engine.quant.gguf_model) has its own greedy path.
-        if requested != "auto" or self._greedy_screen is not None \
-                or getattr(self, "quant_head", None) is not None:
-            return backend
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if not screen_supported(weight, "panel"):
-            return backend
-        screen = GreedyScreen(weight)
-        screen.max_rows = greedy_screen.measure_rows_limit(screen, self._full_greedy_tokens)
-        logger.info("screened greedy LM head against %s: faster up to %d rows%s",
-                    self._lm_head_backend, screen.max_rows,
-                    ", LM head moved to panel" if screen.max_rows else "")
-        if screen.max_rows:
-            self._lm_head_backend = "panel"
-            self._packed_lm_head = pack_weight(weight, "panel")
-            self._greedy_screen = screen
+        quantized = getattr(type(self), "quant_head", None) is not None
+        if requested == "auto" and quantized and self.quant_head is None:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self._measure_greedy_screen(weight)
         return backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -329,14 +329,36 @@ class LlamaForCausalLM(nn.Module):
         prepack_linears(self, backend, choice.dense_above)
         self._lm_head_backend = choice.lm_head
         self._packed_lm_head = pack_weight(weight, choice.lm_head)
-        self._greedy_screen = (
-            GreedyScreen(weight) if screen_supported(weight, choice.lm_head) else None)
-        if self._greedy_screen is not None and requested == "auto":
-            # Against what greedy rows above the limit take: the full head and its argmax.
-            self._greedy_screen.max_rows = measure_rows_limit(
-                self._greedy_screen, self._full_greedy_tokens)
-            logger.info("screened greedy LM head up to %d rows", self._greedy_screen.max_rows)
+        self._greedy_screen = None
+        if requested == "auto":
+            self._measure_greedy_screen(weight)
+        elif screen_supported(weight, choice.lm_head):
+            self._greedy_screen = GreedyScreen(weight)
         return backend
+
+    def _measure_greedy_screen(self, weight: torch.Tensor) -> None:
+        """Time the screened greedy head against the chosen LM head's full greedy path (what
+        greedy rows above the limit take) and keep it up to the rows where it wins; where it
+        wins and the head is not the panel kernel's, the head moves to the panel kernel.
+
+        Why against any chosen head: the head's backend is timed on the full head alone, and
+        on AVX-512 machines the panel kernel and oneDNN are within a few percent there, so
+        either may win a start, while only the panel head has the screen (about half the cost
+        of either for greedy rows). Moving keeps the screen's invariant: its exact pass is the
+        head's own GEMM, so greedy tokens and `compute_logits` agree.
+        """
+        if not screen_supported(weight, "panel"):
+            return
+        screen = GreedyScreen(weight)
+        screen.max_rows = measure_rows_limit(screen, self._full_greedy_tokens)
+        moved = screen.max_rows > 0 and self._lm_head_backend != "panel"
+        logger.info("screened greedy LM head against %s: faster up to %d rows%s",
+                    self._lm_head_backend, screen.max_rows,
+                    ", LM head moved to panel" if moved else "")
+        if moved:
+            self._lm_head_backend = "panel"
+            self._packed_lm_head = pack_weight(weight, "panel")
+        self._greedy_screen = screen if self._lm_head_backend == "panel" else None
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int] | None:
         """The argmax of `compute_logits(hidden)` per row on CPU: by the screened LM head

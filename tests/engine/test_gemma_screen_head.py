@@ -42,7 +42,7 @@ def _start(model_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int) -> Any:
         measured.append(type(screen).__name__)
         return limit
 
-    monkeypatch.setattr(greedy_screen, "measure_rows_limit", measure)
+    monkeypatch.setattr(llama, "measure_rows_limit", measure)
     llm = LLM(str(model_dir), dtype="float32")
     assert measured == ["GreedyScreen"]
     return llm
