@@ -17,12 +17,17 @@ Invariants:
 - Inside the decoder, modules call each other's `forward` directly, not through
   `nn.Module.__call__`: its hook checks cost ~2 us a call, ~240 calls a decode step, and
   nothing registers hooks on these modules (a LoRA wrapper replaces a module; it is not a hook).
+- For the same reason the per-step path reads submodules and the norms' weights from the
+  module's own `_modules` / `_parameters` dicts (`_sub`, `_weight`): `nn.Module.__getattr__`
+  is a Python function, ~0.7 us a lookup and ~12 a layer; the dicts are the registry itself,
+  so a replaced module or parameter is seen at once.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +45,18 @@ from engine.models.rope import RotaryEmbedding
 from engine.models.weight_names import WeightNames
 
 logger = logging.getLogger("kvfleet.engine")
+
+
+def _sub(module: nn.Module, name: str) -> Any:
+    """`module.<name>` for a registered submodule, without `nn.Module.__getattr__`."""
+    return module._modules[name]
+
+
+def _weight(norm: nn.Module) -> torch.Tensor:
+    """A norm's `weight` parameter, without `nn.Module.__getattr__`."""
+    weight = norm._parameters["weight"]
+    assert weight is not None
+    return weight
 
 
 def _row_argmax_available() -> bool:
@@ -80,7 +97,7 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return self.o_proj.forward(self.attend(hidden, cos, sin, kv_cache, meta))
+        return _sub(self, "o_proj").forward(self.attend(hidden, cos, sin, kv_cache, meta))
 
     def attend(
         self,
@@ -91,13 +108,14 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention output before o_proj, [T, q_size]; writes every row's K/V."""
-        qkv = self.qkv_proj.forward(hidden)
+        qkv = _sub(self, "qkv_proj").forward(hidden)
+        attn = _sub(self, "attn")
         if self.q_norm is not None and self.k_norm is not None:
-            return self.attn.forward(*self._normed_qkv(qkv, cos, sin), kv_cache, meta)
+            return attn.forward(*self._normed_qkv(qkv, cos, sin), kv_cache, meta)
         q, k, v = self.ops.rotary_qkv(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
         )
-        return self.attn.forward(q, k, v, kv_cache, meta)
+        return attn.forward(q, k, v, kv_cache, meta)
 
     def _normed_qkv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -152,12 +170,13 @@ class LlamaMLP(nn.Module):
         # A LoRA-wrapped projection (engine.lora) adds its delta to [gate | up] first, and the
         # PyTorch path stays op-for-op transformers': both take the unfused route.
         act = None
-        if self.ops.fused and isinstance(self.gate_up_proj, Linear):
-            act = self.gate_up_proj.act_and_mul(x, "gelu_tanh" if self.gelu else "silu")
+        gate_up_proj = _sub(self, "gate_up_proj")
+        if self.ops.fused and isinstance(gate_up_proj, Linear):
+            act = gate_up_proj.act_and_mul(x, "gelu_tanh" if self.gelu else "silu")
         if act is None:
-            gate_up = self.gate_up_proj.forward(x)
+            gate_up = gate_up_proj.forward(x)
             act = self.ops.gelu_and_mul(gate_up) if self.gelu else self.ops.silu_and_mul(gate_up)
-        return self.down_proj.forward(act)
+        return _sub(self, "down_proj").forward(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -183,9 +202,10 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         normed = self._input_norm(x, residual)
-        attn_out = self.self_attn.forward(normed, cos, sin, kv_cache, meta)
-        norm = self.post_attention_layernorm
-        return self.mlp.forward(self.ops.add_rms_norm(attn_out, residual, norm.weight, norm.eps))
+        attn_out = _sub(self, "self_attn").forward(normed, cos, sin, kv_cache, meta)
+        norm = _sub(self, "post_attention_layernorm")
+        return _sub(self, "mlp").forward(
+            self.ops.add_rms_norm(attn_out, residual, _weight(norm), norm.eps))
 
     def forward_rows(
         self,
@@ -229,10 +249,10 @@ class LlamaDecoderLayer(nn.Module):
         return [m.weight.detach() for m in linears if isinstance(m.weight, torch.Tensor)]
 
     def _input_norm(self, x: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
-        norm = self.input_layernorm
+        norm = _sub(self, "input_layernorm")
         if x is None:
-            return self.ops.rms_norm(residual, norm.weight, norm.eps)
-        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+            return self.ops.rms_norm(residual, _weight(norm), norm.eps)
+        return self.ops.add_rms_norm(x, residual, _weight(norm), norm.eps)
 
 
 class LlamaForCausalLM(nn.Module):

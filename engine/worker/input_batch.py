@@ -64,7 +64,7 @@ def build_model_input(
     use_decode_kernel: bool = False,
 ) -> ModelInput:
     ids: list[int] = []
-    positions: list[torch.Tensor] = []
+    positions: list[int] = []
     slots: list[int] = []
     prefills: list[PrefillSegment] = []
     decode_idx: list[int] = []
@@ -82,7 +82,9 @@ def build_model_input(
         num_known = n - len(item.spec_token_ids)
         ids.extend(request.all_token_ids[start : start + num_known])
         ids.extend(item.spec_token_ids)
-        positions.append(torch.arange(start, start + n))
+        # Python ints made a tensor once, like `ids`: an arange per request and a cat took
+        # 16 us at a decode batch of 8 and 62 us at 32 (4 and 8 us this way).
+        positions.extend(range(start, start + n))
         table = block_ids[request.request_id]
         if n == 1:
             decode_idx.append(offset)
@@ -113,7 +115,7 @@ def build_model_input(
     )
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.int64),
-        positions=torch.cat(positions),
+        positions=torch.tensor(positions, dtype=torch.int64),
         meta=meta,
         sample_indices=torch.tensor(sample_indices, dtype=torch.int64),
         sampled_requests=sampled,

@@ -195,6 +195,10 @@ def test_bf16_rotary_equals_the_pytorch_path_bit_for_bit(
     got = LayerOps(fused=True).rotary_qkv(buffer[:, 8 : 8 + width], heads, kv_heads, dim, cos, sin)
     for a, b in zip(got, expected, strict=True):
         assert same_bits(a, b)
+    # q, k, v are views into the buffer (no copies), unit stride in the head dimension as the
+    # attention kernels read them.
+    storage = buffer.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage and t.stride(-1) == 1 for t in got)
     assert torch.equal(buffer[:, :8], before[:, :8]) and torch.equal(
         buffer[:, 8 + width :], before[:, 8 + width :]
     )
