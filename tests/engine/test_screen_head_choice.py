@@ -1,4 +1,5 @@
-"""Gemma's LM head choice: where start-up timing picked another float32 LM head than the panel
+"""The float32 LM head choice (every family: Qwen3 here for the Llama path, Gemma 2 with its
+final logit cap): where start-up timing picked another float32 LM head than the panel
 kernel, the screened head is measured against it, and where the screen won at some row count
 the head moves to the panel kernel with the screen up to that count (greedy tokens unchanged);
 where it never won, the timed choice stays. The measurement is replaced by fixed limits here
@@ -22,11 +23,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["qwen3", "gemma2"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.fixtures.family_models import build_family_dir
 
-    return build_family_dir(tmp_path_factory.mktemp("gemma2_head"), "gemma2")
+    return build_family_dir(tmp_path_factory.mktemp(f"{request.param}_head"), request.param)
 
 
 def _start(model_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int) -> Any:
@@ -63,7 +64,7 @@ def test_screen_that_wins_moves_the_head_to_panel(model_dir, monkeypatch):
     assert model._greedy_screen is not None and model._greedy_screen.max_rows == 16
     screened = _greedy(llm)
     monkeypatch.setattr(model, "greedy_tokens", lambda hidden: None)
-    assert screened == _greedy(llm)  # the sampler over every capped logit of the panel head
+    assert screened == _greedy(llm)  # the sampler over every (capped) logit of the panel head
 
 
 def test_screen_that_never_wins_keeps_the_timed_head(model_dir, monkeypatch):
