@@ -103,3 +103,10 @@ class AttentionMetadata:
     # Sliding-window KV groups 1.. (engine.core.kv_groups): the same step described through
     # each group's block tables (slots, tables); empty when every layer shares one table.
     groups: tuple[AttentionMetadata, ...] = ()
+
+    @cached_property
+    def decode_only(self) -> bool:
+        """Whether the step is decodes alone, in flat-batch order: every layer then hands the
+        decode kernel its whole query and output, unsliced. Computed once, read by every layer."""
+        decode = self.decode
+        return decode is not None and decode.query_span == (0, self.num_tokens)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.masked_reference import masked_attention_into
-from engine.attention.metadata import AttentionMetadata, PrefillSegment
+from engine.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSegment
 from engine.attention.triton_backend import triton_attention
 
 
@@ -70,24 +70,28 @@ class PagedAttention(nn.Module):
                 query, key, value, kv_cache, meta.slot_mapping, meta.unified, self.scale,
                 self.sliding_window, self.logit_cap,
             )
-        flat_k = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
-        # meta.use_decode_kernel: the compiled kernels are loaded.
-        if meta.use_decode_kernel and key.dtype == value.dtype == kv_cache.dtype:
-            torch.ops.kvfleet_cpu.write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+        kernels = meta.use_decode_kernel  # the compiled kernels are loaded
+        if kernels and key.dtype == value.dtype == kv_cache.dtype:
+            torch.ops.kvfleet_cpu.write_kv_cache.default(kv_cache, key, value, meta.slot_mapping)
         else:
-            flat_k.index_copy_(0, meta.slot_mapping, key.to(flat_k.dtype))
-            flat_v.index_copy_(0, meta.slot_mapping, value.to(flat_v.dtype))
-
+            self._flat(kv_cache, 0).index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
+            self._flat(kv_cache, 1).index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
         # Contiguous (query may be a strided view of the fused qkv projection).
         out = query.new_empty(query.shape)
         use_kernels = (
             self.kernel_fits and query.dtype == kv_cache.dtype and query.stride(-1) == 1
         )
-        if self.masked and not (use_kernels and meta.use_decode_kernel):
-            masked_attention_into(out, query, flat_k, flat_v, meta, self.scale,
-                                  self.sliding_window, self.logit_cap)
-            return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
+        decode = meta.decode
+        if kernels and use_kernels and meta.decode_only:
+            assert decode is not None
+            # The common decode-only step: the kernel reads the whole query and fills the whole
+            # output, so nothing is sliced and the cache's flat views are never built.
+            self._decode_kernel(out, query, kv_cache, decode)
+            return out.view(meta.num_tokens, self.num_heads * self.head_dim)
+        if self.masked and not (use_kernels and kernels):
+            masked_attention_into(out, query, self._flat(kv_cache, 0), self._flat(kv_cache, 1),
+                                  meta, self.scale, self.sliding_window, self.logit_cap)
+            return out.view(meta.num_tokens, self.num_heads * self.head_dim)
         batch = meta.prefill_batch
         if batch is not None and use_kernels:
             # Reads the strided query in place; writes every prefill row of `out`.
@@ -104,22 +108,40 @@ class PagedAttention(nn.Module):
                 query[seg.query_start : seg.query_end],
                 key[seg.query_start : seg.query_end],
                 value[seg.query_start : seg.query_end],
-                flat_k,
-                flat_v,
+                self._flat(kv_cache, 0),
+                self._flat(kv_cache, 1),
                 seg.num_context_tokens,
                 seg.context_slots,
             )
-        if meta.decode is not None:
-            self._decode_into(out, query, kv_cache, flat_k, flat_v, meta, use_kernels)
-        return out.reshape(meta.num_tokens, self.num_heads * self.head_dim)
+        if decode is not None:
+            self._decode_into(out, query, kv_cache, meta, use_kernels)
+        return out.view(meta.num_tokens, self.num_heads * self.head_dim)
+
+    def _flat(self, kv_cache: torch.Tensor, index: int) -> torch.Tensor:
+        """K (0) or V (1) of the cache as [slots, num_kv_heads, head_dim], for the PyTorch paths."""
+        return kv_cache[index].view(-1, self.num_kv_heads, self.head_dim)
+
+    def _decode_kernel(
+        self, result: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch
+    ) -> None:
+        """Decode attention of `q` ([B, H, D], read through its strides) into `result`."""
+        k_cache, v_cache = kv_cache.unbind(0)
+        if decode.shared is not None and not self.masked:  # shared prefixes once per group
+            torch.ops.kvfleet_cpu.paged_decode_attention_shared.default(
+                result, q, k_cache, v_cache, decode.block_tables, decode.context_lens,
+                self.scale, decode.shared.group_of, decode.shared.shared_lens,
+            )
+        else:
+            torch.ops.kvfleet_cpu.paged_decode_attention.default(
+                result, q, k_cache, v_cache, decode.block_tables, decode.context_lens,
+                self.scale, self.sliding_window or 0, self.logit_cap or 0.0,
+            )
 
     def _decode_into(
         self,
         out: torch.Tensor,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
         meta: AttentionMetadata,
         use_kernels: bool,
     ) -> None:
@@ -130,22 +152,10 @@ class PagedAttention(nn.Module):
         q = query[span[0] : span[1]] if span else query[decode.query_indices]
         dest = out[span[0] : span[1]] if span else None
         if meta.use_decode_kernel and use_kernels:
-            # The kernel reads q through its strides (a view of the fused qkv projection).
             result = dest if dest is not None else torch.empty_like(q)
-            if decode.shared is not None and not self.masked:  # shared prefixes once per group
-                torch.ops.kvfleet_cpu.paged_decode_attention_shared(
-                    result, q, kv_cache[0], kv_cache[1], decode.block_tables,
-                    decode.context_lens, self.scale, decode.shared.group_of,
-                    decode.shared.shared_lens,
-                )
-            else:
-                torch.ops.kvfleet_cpu.paged_decode_attention(
-                    result, q, kv_cache[0], kv_cache[1], decode.block_tables,
-                    decode.context_lens, self.scale, self.sliding_window or 0,
-                    self.logit_cap or 0.0,
-                )
+            self._decode_kernel(result, q, kv_cache, decode)
         else:
-            result = self._decode(q, flat_k, flat_v, meta)
+            result = self._decode(q, self._flat(kv_cache, 0), self._flat(kv_cache, 1), meta)
             if dest is not None:
                 dest.copy_(result)
         if dest is None:
