@@ -71,14 +71,14 @@ def test_dense_above_runs_large_batches_on_the_dense_weight(
     with torch.no_grad():
         layer.weight.copy_(torch.randn(40, 64, generator=gen))
     layer.prepack(backend, dense_above=8)
-    packed_calls: list[int] = []
-    real = linear_module.apply_linear
-    monkeypatch.setattr(linear_module, "apply_linear",
-                        lambda x, *a: packed_calls.append(x.shape[0]) or real(x, *a))
+    dense_calls: list[int] = []
+    real = F.linear
+    # Spies on F.linear: the packed path calls its op directly (Linear._set_direct).
+    monkeypatch.setattr(F, "linear", lambda x, *a: dense_calls.append(x.shape[0]) or real(x, *a))
     with torch.inference_mode():
         small, large = layer(torch.randn(8, 64)), layer(torch.randn(9, 64))
     assert small.shape == (8, 40) and large.shape == (9, 40)
-    assert packed_calls == [8]  # 9 rows went to F.linear on the dense weight
+    assert dense_calls == [9]  # 8 rows ran on the packed weight
 
 
 def _fake_times(monkeypatch: pytest.MonkeyPatch, fake: dict[str, dict[str, list[float]]],
@@ -153,3 +153,26 @@ def test_start_up_measurements_leave_the_global_rng_alone() -> None:
     linear_module._amx_state.clear()
     linear_module.amx_supported()
     assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize("gate_up", [False, True])
+def test_direct_call_equals_the_general_path(gate_up: bool) -> None:
+    """Linear.forward's direct op call (set at prepack) gives the general path's bits."""
+    if not backend_supported("panel", torch.float32):
+        pytest.skip("panel kernel not built")
+    gen = torch.Generator().manual_seed(5)
+    layer = Linear(64, 64, bias=not gate_up)
+    layer.gate_up_inter = 32 if gate_up else 0
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(64, 64, generator=gen))
+        if layer.bias is not None:
+            layer.bias.copy_(torch.randn(64, generator=gen))
+    layer.prepack("panel")
+    assert layer._direct_op is not None and layer.interleaved == gate_up
+    x = torch.randn(3, 64, generator=gen)
+    with torch.inference_mode():
+        direct = layer(x)
+        general = (layer._gate_up(x, "none") if gate_up else
+                   linear_module.apply_linear(x, layer.weight, layer.bias, "panel",
+                                              layer.packed_weight))
+    assert torch.equal(direct, general)
