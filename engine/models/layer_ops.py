@@ -34,7 +34,7 @@ class LayerOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.fused and x.dtype in FUSED_DTYPES:
             out = torch.empty_like(x)
-            torch.ops.kvfleet_cpu.rms_norm(out, x.contiguous(), weight, eps)
+            torch.ops.kvfleet_cpu.rms_norm.default(out, x.contiguous(), weight, eps)
             return out
         dtype = x.dtype
         h = x.to(torch.float32)
@@ -47,7 +47,7 @@ class LayerOps:
         """residual += x (in place); returns rms_norm(residual) * weight."""
         if self.fused and x.dtype in FUSED_DTYPES:
             out = torch.empty_like(x)
-            torch.ops.kvfleet_cpu.add_rms_norm(out, x.contiguous(), residual, weight, eps)
+            torch.ops.kvfleet_cpu.add_rms_norm.default(out, x.contiguous(), residual, weight, eps)
             return out
         residual.add_(x)
         return self.rms_norm(residual, weight, eps)
@@ -55,7 +55,7 @@ class LayerOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused and gate_up.dtype in FUSED_DTYPES:
             out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            torch.ops.kvfleet_cpu.silu_and_mul(out, gate_up)
+            torch.ops.kvfleet_cpu.silu_and_mul.default(out, gate_up)
             return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -75,7 +75,8 @@ class LayerOps:
             # The kernel reads cos/sin [T, 1, D/2] (contiguous) as [T, D/2]; one view and one
             # split give q, k, v with the strides three splits and views would: this glue ran
             # ~10 us a layer against the kernel's ~2.5.
-            torch.ops.kvfleet_cpu.rotary_qk(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
+            torch.ops.kvfleet_cpu.rotary_qk.default(
+                qkv, num_heads, num_kv_heads, head_dim, cos, sin)
             q, k, v = qkv.view(t, num_heads + 2 * num_kv_heads, head_dim).split_with_sizes(
                 [num_heads, num_kv_heads, num_kv_heads], dim=1)
             return q, k, v
@@ -92,7 +93,8 @@ class LayerOps:
         """Gemma's RMSNorm: rmsnorm(x) * (1 + weight) in float32, cast once."""
         if self._fuses(x):
             out = torch.empty_like(x)
-            torch.ops.kvfleet_cpu.gemma_rms_norm(out, x.contiguous(), None, weight, weight, eps)
+            torch.ops.kvfleet_cpu.gemma_rms_norm.default(
+                out, x.contiguous(), None, weight, weight, eps)
             return out
         return gemma_norm_math(x, weight, eps)
 
@@ -104,7 +106,8 @@ class LayerOps:
         block's post norm, the residual add and the next norm (Gemma's layer layout)."""
         if self._fuses(x):
             out = torch.empty_like(x)
-            torch.ops.kvfleet_cpu.gemma_rms_norm(out, x.contiguous(), residual, post, nxt, eps)
+            torch.ops.kvfleet_cpu.gemma_rms_norm.default(
+                out, x.contiguous(), residual, post, nxt, eps)
             return out
         residual.add_(gemma_norm_math(x, post, eps))
         return gemma_norm_math(residual, nxt, eps)
@@ -113,7 +116,7 @@ class LayerOps:
         """GeGLU: gelu_tanh(gate) * up for gate_up [T, 2I]."""
         if self._fuses(gate_up):
             out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            torch.ops.kvfleet_cpu.gelu_tanh_and_mul(out, gate_up.contiguous())
+            torch.ops.kvfleet_cpu.gelu_tanh_and_mul.default(out, gate_up.contiguous())
             return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
@@ -133,7 +136,7 @@ class LayerOps:
         if not self._fuses(qkv) or qkv.stride(-1) != 1:
             return None
         q_norm, k_norm, gemma = norms
-        torch.ops.kvfleet_cpu.qk_norm_rotary(
+        torch.ops.kvfleet_cpu.qk_norm_rotary.default(
             qkv, num_heads, num_kv_heads, head_dim, q_norm.weight, k_norm.weight, q_norm.eps,
             gemma, cos[:, 0], sin[:, 0])
         t, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
