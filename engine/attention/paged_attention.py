@@ -62,7 +62,10 @@ class PagedAttention(nn.Module):
         value: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        """Attention of this step's queries; `kv_written`: the caller already wrote key/value
+        to the slots `kv_write_slots` gave (the fused RoPE + K/V write), so this call does not."""
         if self.kv_group:
             meta = meta.groups[self.kv_group - 1]
         if meta.unified is not None:  # Triton backend (CUDA, or CPU interpreted)
@@ -71,11 +74,14 @@ class PagedAttention(nn.Module):
                 self.sliding_window, self.logit_cap,
             )
         kernels = meta.use_decode_kernel  # the compiled kernels are loaded
-        if kernels and key.dtype == value.dtype == kv_cache.dtype:
-            torch.ops.kvfleet_cpu.write_kv_cache.default(kv_cache, key, value, meta.slot_mapping)
-        else:
-            self._flat(kv_cache, 0).index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
-            self._flat(kv_cache, 1).index_copy_(0, meta.slot_mapping, value.to(kv_cache.dtype))
+        if not kv_written:
+            if kernels and key.dtype == value.dtype == kv_cache.dtype:
+                torch.ops.kvfleet_cpu.write_kv_cache.default(
+                    kv_cache, key, value, meta.slot_mapping)
+            else:
+                self._flat(kv_cache, 0).index_copy_(0, meta.slot_mapping, key.to(kv_cache.dtype))
+                self._flat(kv_cache, 1).index_copy_(
+                    0, meta.slot_mapping, value.to(kv_cache.dtype))
         # Contiguous (query may be a strided view of the fused qkv projection).
         out = query.new_empty(query.shape)
         use_kernels = (
@@ -116,6 +122,16 @@ class PagedAttention(nn.Module):
         if decode is not None:
             self._decode_into(out, query, kv_cache, meta, use_kernels)
         return out.view(meta.num_tokens, self.num_heads * self.head_dim)
+
+    def kv_write_slots(self, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The cache slots of this layer's K/V rows where the caller may write them itself with
+        the compiled kernels (then passing `kv_written=True`); None where `forward` must write
+        them (Triton, PyTorch fallback)."""
+        if self.kv_group:
+            meta = meta.groups[self.kv_group - 1]
+        if meta.unified is not None or not meta.use_decode_kernel:
+            return None
+        return meta.slot_mapping
 
     def _flat(self, kv_cache: torch.Tensor, index: int) -> torch.Tensor:
         """K (0) or V (1) of the cache as [slots, num_kv_heads, head_dim], for the PyTorch paths."""

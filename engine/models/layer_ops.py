@@ -89,6 +89,28 @@ class LayerOps:
         )
 
 
+    def rotary_qkv_write_kv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        cos: torch.Tensor,  # [T, 1, head_dim / 2]
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`rotary_qkv` that also writes the rotated k and v rows to their cache slots, the
+        write the attention call would do (one C++ call a layer instead of two); None, with
+        nothing done, where the fused ops do not apply (the caller then takes `rotary_qkv`)."""
+        if not (self.fused and qkv.dtype in FUSED_DTYPES and kv_cache.dtype == qkv.dtype):
+            return None
+        torch.ops.kvfleet_cpu.rotary_qk_write_kv.default(
+            qkv, num_heads, num_kv_heads, head_dim, cos, sin, kv_cache, slot_mapping)
+        q, k, v = qkv.view(qkv.shape[0], num_heads + 2 * num_kv_heads, head_dim).split_with_sizes(
+            [num_heads, num_kv_heads, num_kv_heads], dim=1)
+        return q, k, v
+
     def gemma_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Gemma's RMSNorm: rmsnorm(x) * (1 + weight) in float32, cast once."""
         if self._fuses(x):

@@ -112,6 +112,12 @@ class LlamaAttention(nn.Module):
         attn = _sub(self, "attn")
         if self.q_norm is not None and self.k_norm is not None:
             return attn.forward(*self._normed_qkv(qkv, cos, sin), kv_cache, meta)
+        slots = attn.kv_write_slots(meta)
+        if slots is not None:  # RoPE and the K/V write in one op where the kernels apply
+            rotated = self.ops.rotary_qkv_write_kv(
+                qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, kv_cache, slots)
+            if rotated is not None:
+                return attn.forward(*rotated, kv_cache, meta, kv_written=True)
         q, k, v = self.ops.rotary_qkv(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin
         )

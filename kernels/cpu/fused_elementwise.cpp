@@ -148,6 +148,23 @@ void rotary_qk(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads, int64_t 
   });
 }
 
+// rotary_qk, then this step's (rotated) k and v rows of qkv written to their cache slots: what
+// rotary_qk followed by write_kv_cache does, in one call (one dispatch and no key/value views
+// built in Python, per layer).
+void rotary_qk_write_kv(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor kv_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.scalar_type() == qkv.scalar_type() && kv_cache.dim() == 5 &&
+                  kv_cache.size(3) == num_kv_heads && kv_cache.size(4) == head_dim,
+              "kv_cache must be [2, num_blocks, block_size, KVH, D] of qkv's dtype");
+  rotary_qk(qkv, num_heads, num_kv_heads, head_dim, cos, sin);
+  const int64_t elem = qkv.element_size();
+  const char* k = static_cast<const char*>(qkv.data_ptr()) + num_heads * head_dim * elem;
+  const char* v = k + num_kv_heads * head_dim * elem;
+  kvfleet_cpu::copy_kv_rows(kv_cache, k, qkv.stride(0), head_dim, v, qkv.stride(0), head_dim,
+                            qkv.size(0), slot_mapping);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
@@ -158,5 +175,7 @@ TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.def("rotary_qk_write_kv(Tensor(a!) qkv, int num_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin, Tensor(b!) kv_cache, Tensor slot_mapping) -> ()");
   m.impl("rotary_qk", c10::DispatchKey::CPU, &rotary_qk);
+  m.impl("rotary_qk_write_kv", c10::DispatchKey::CPU, &rotary_qk_write_kv);
 }

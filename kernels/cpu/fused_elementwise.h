@@ -62,6 +62,13 @@ inline void rotate_pair(float a, float b, float c, float s, float& x1, float& x2
   x2 = b * c + a * s;
 }
 
+// kv_cache[0][slot[i]] = k rows, kv_cache[1][slot[i]] = v rows, i < t: row i's head h starts
+// at k_src + i * ks0 + h * ks1 (element strides, unit stride over D), in the cache's dtype.
+// Checks the cache's layout and the slots (kv_cache_write.cpp).
+void copy_kv_rows(at::Tensor& kv_cache, const char* k_src, int64_t ks0, int64_t ks1,
+                  const char* v_src, int64_t vs0, int64_t vs1, int64_t t,
+                  const at::Tensor& slot_mapping);
+
 template <>
 void rms_norm_rows<float>(float*, float*, float*, const float*, int64_t, int64_t, double);
 template <>

@@ -248,3 +248,37 @@ def test_write_kv_cache_matches_index_copy(dtype):
     assert torch.equal(cache, expected)
     with pytest.raises(RuntimeError, match="outside the cache"):
         torch.ops.kvfleet_cpu.write_kv_cache(cache, key[:1], value[:1], torch.tensor([9 * 16]))
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_write_kv_equals_rotary_then_write(dtype, rows):
+    """The fused RoPE + K/V write gives the bits of rotary_qkv followed by write_kv_cache: the
+    same q/k/v views of a strided qkv (column slice of a wider buffer) and the same cache."""
+    from engine.models.layer_ops import LayerOps
+
+    gen = torch.Generator().manual_seed(rows)
+    heads, kv_heads, dim = 9, 3, 64
+    width = (heads + 2 * kv_heads) * dim
+    buffer = torch.randn(rows, width + 16, generator=gen).to(dtype)
+    cos = torch.randn(rows, 1, dim // 2, generator=gen).to(dtype)
+    sin = torch.randn(rows, 1, dim // 2, generator=gen).to(dtype)
+    cache = torch.randn(2, 9, 16, kv_heads, dim, generator=gen).to(dtype)
+    slots = torch.randperm(9 * 16, generator=gen)[:rows]
+    ops = LayerOps(fused=True)
+    expected_buffer, expected_cache = buffer.clone(), cache.clone()
+    q, k, v = ops.rotary_qkv(expected_buffer[:, 8 : 8 + width], heads, kv_heads, dim, cos, sin)
+    torch.ops.kvfleet_cpu.write_kv_cache(expected_cache, k, v, slots)
+    got = ops.rotary_qkv_write_kv(buffer[:, 8 : 8 + width], heads, kv_heads, dim, cos, sin,
+                                  cache, slots)
+    assert got is not None
+    for a, b in zip(got, (q, k, v), strict=True):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    assert torch.equal(buffer, expected_buffer) and torch.equal(cache, expected_cache)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rotary_qkv_write_kv(buffer[:1, 8 : 8 + width], heads, kv_heads, dim, cos[:1], sin[:1],
+                                cache, torch.tensor([9 * 16]))
+    # Where the cache's dtype differs the fused op does not apply: nothing is done.
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert ops.rotary_qkv_write_kv(buffer[:, 8 : 8 + width], heads, kv_heads, dim, cos, sin,
+                                   cache.to(other), slots) is None
