@@ -73,9 +73,13 @@ def instrument(llm: LLM, timers: Timers) -> None:
             if hasattr(proj, "silu_and_mul"):  # the dense float32 panel's fused gate/up + SiLU
                 _wrap(proj, "silu_and_mul", part, timers)
         _wrap(layer.get_submodule("self_attn.attn"), "forward", "attention", timers)
-    for method, part in (("rotary_qkv", "rope"), ("rms_norm", "norms"),
-                         ("add_rms_norm", "norms"), ("silu_and_mul", "silu_mul")):
-        _wrap(model.ops, method, part, timers)
+    # rotary_qkv_write_kv (the fused RoPE + K/V write, where a version has it) counts as
+    # "rope": the K/V write it takes over is then not in "attention".
+    for method, part in (("rotary_qkv", "rope"), ("rotary_qkv_write_kv", "rope"),
+                         ("rms_norm", "norms"), ("add_rms_norm", "norms"),
+                         ("silu_and_mul", "silu_mul")):
+        if hasattr(model.ops, method):
+            _wrap(model.ops, method, part, timers)
     _wrap(model.embed_tokens, "forward", "embedding", timers)
     _wrap(model, "greedy_tokens", "lm_head+argmax", timers)
     _wrap(model, "compute_logits", "lm_head+argmax", timers)
