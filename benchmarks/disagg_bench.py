@@ -4,14 +4,16 @@ another client sends long prompts? (docs/disaggregation.md)
 Fleets on the same model, one after the other: 1 prefill + 1 decode engine per KV transport
 in `--transports` (shm: same-host shared memory, grpc: bytes over gRPC), then 2 colocated
 engines (`--no-colocated` skips them). In each, `--chats` clients stream short chats back to
-back while one client sends `--long-tokens`-token prompts back to back, for `--seconds`.
+back while one client (`--long-clients N`: N) sends `--long-tokens`-token prompts back to back,
+for `--seconds`.
 Printed per fleet: the chats' p50/p99 inter-token latency, their p50/p99 time to first token
 and chat tokens streamed, and for
 a disaggregated one the KV transfer's cost per block (µs and GB/s, end to end: the prefill
 engine's push until the decode engine has the blocks in its cache; from its metrics).
 
-    python -m benchmarks.disagg_bench [--model DIR] [--seconds 60] [--chats 4]
-                                      [--long-tokens 2000] [--transports shm,grpc]
+    python -m benchmarks.disagg_bench [--model DIR|FILE.gguf] [--seconds 60] [--chats 4]
+                                      [--long-tokens 2000] [--long-clients 1]
+                                      [--transports shm,grpc]
                                       [--decode-caps 4,0] [--prefill-nices 0,10]
                                       [--cpu-binds 'all;0|1']
                                       [--prefill-budgets 2048,512] [--rounds 3]
@@ -52,6 +54,7 @@ from pathlib import Path
 
 from benchmarks import kv_transfer_cost
 from benchmarks.proc_cpu import cpu_seconds
+from kvfleet.cli import resolve_model
 from kvfleet.fleet import Fleet, FleetConfig
 from kvfleet.fleet_config import parse_engine_cpus
 from kvfleet.router_client import auth_metadata, build_request, channel
@@ -135,7 +138,8 @@ async def _load(address: str, args: argparse.Namespace) -> Gaps:
 
     async with channel(address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
-        await asyncio.gather(long_prompts(stub), *(chats(stub) for _ in range(args.chats)))
+        await asyncio.gather(*(long_prompts(stub) for _ in range(args.long_clients)),
+                             *(chats(stub) for _ in range(args.chats)))
     return gaps
 
 
@@ -222,11 +226,10 @@ def _transfer_cost(port: int | None) -> str:
 def main() -> None:
     parser = _parser()
     args = parser.parse_args()
-    model = args.model
-    if model is None:
-        from engine.models.default_model import prepare_default_model
-
-        model = prepare_default_model()
+    if args.long_clients < 0:
+        parser.error("--long-clients must be 0 or more")
+    # What `kvfleet up` serves without --model (the default model's GGUF), unless given.
+    model = resolve_model(args.model)
     context = str(args.max_model_len or max(4096, args.long_tokens + 512))
     engine_args = ("--max-model-len", context, *args.engine_arg)
     if args.transfer_only:
@@ -249,6 +252,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-tokens", type=int, default=32)
     parser.add_argument("--chat-output", type=int, default=64)
     parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--long-clients", type=int, default=1,
+                        help="clients sending long prompts back to back (default: %(default)s; "
+                             "2 keeps both colocated engines prefilling)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: long prompt + 512, at least 4096")
     parser.add_argument("--engine-arg", action="append", default=[])
