@@ -54,6 +54,7 @@ from engine.models.loader import load_model, resolve_dtype
 from engine.models.registry import check_features, supports_cuda_graphs
 from engine.quant.gguf_file import companion_dir, is_gguf
 from engine.quant.gguf_model import load_gguf_model
+from engine.quant.int4 import quantize_int4
 from engine.quant.int8 import quantize_int8
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
@@ -227,6 +228,8 @@ class LLMEngine:
             model = load_model(model_dir, self.dtype, self.device)[0]
             if self.config.quantization == "int8":
                 return quantize_int8(model)
+            if self.config.quantization == "int4":
+                return quantize_int4(model)
             return model
         except torch.OutOfMemoryError as exc:
             itemsize = torch.empty((), dtype=self.dtype).element_size()
