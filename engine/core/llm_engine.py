@@ -235,7 +235,8 @@ class LLMEngine:
                         f"(its quantization_config.quant_method: "
                         f"{None if prequant is None else prequant.method!r})")
                 return load_prequant_model(
-                    model_dir, self.model_config, prequant, self.dtype, self.device)
+                    model_dir, self.model_config, prequant, self.dtype, self.device,
+                    triton=self.attention_backend == "triton")
             model = load_model(model_dir, self.dtype, self.device)[0]
             if self.config.quantization == "int8":
                 return quantize_int8(model)

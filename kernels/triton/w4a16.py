@@ -1,7 +1,7 @@
 """W4A16 GEMM for int4 group-quantized weights (AWQ / GPTQ checkpoints) on CUDA:
 out = x @ ((q - z) * s), the weight dequantized inside the GEMM, never materialised.
 
-Layout (`pack_w4a16`, from engine.quant.int4_unpack's plain codes): qweight int32 [K/8, N],
+Layout (kernels/triton/w4a16_layout.py's `pack_w4a16`, from plain codes): qweight int32 [K/8, N],
 input row 8r + i of column n at bits 4i..4i+3 of qweight[r, n] (GPTQ's qweight layout; an AWQ
 weight is repacked into it once at load); scales [K/G, N] (fp16, as the checkpoint stores
 them); zeros uint8 [K/G, N] (the true zero point, 0..16, GPTQ's z - 1 already undone). Input
@@ -85,24 +85,3 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32,
     )
     return out
-
-
-def pack_w4a16(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes q [K, N] (0..15), zeros z and scales s [K/G, N] -> (qweight, scales, zeros) in
-    the kernel's layout."""
-    k, n = q.shape
-    nibbles = q.to(torch.int64).reshape(k // 8, 8, n)
-    packed = torch.zeros(k // 8, n, dtype=torch.int64)
-    for i in range(8):
-        packed |= nibbles[:, i] << (4 * i)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-    return packed, s.contiguous(), z.to(torch.uint8).contiguous()
-
-
-def w4a16_reference(x: torch.Tensor, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
-                    group_size: int) -> torch.Tensor:
-    """Dequantize-then-matmul in float32: x @ ((q - z) * s)."""
-    zz = z.float().repeat_interleave(group_size, 0)
-    ss = s.float().repeat_interleave(group_size, 0)
-    return x.float() @ ((q.float() - zz) * ss)

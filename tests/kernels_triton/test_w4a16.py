@@ -17,12 +17,11 @@ import pytest
 import torch
 
 from kernels.triton import runtime
+from kernels.triton.w4a16_layout import pack_w4a16, w4a16_reference
 from tests.fixtures.int4_checkpoints import quantize
 
 
 def _case(k: int, n: int, group: int, seed: int):
-    from kernels.triton.w4a16 import pack_w4a16
-
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=g) * 0.05
     qz = quantize(weight, group, sym=seed % 2 == 0)
@@ -32,7 +31,7 @@ def _case(k: int, n: int, group: int, seed: int):
 @pytest.mark.parametrize(("k", "group"), [(128, 32), (128, 64), (160, 32), (128, 128), (136, 136)])
 @pytest.mark.parametrize("rows", [1, 5, 16, 37])
 def test_w4a16_float32_equals_dequantize_then_matmul(device, k, group, rows):
-    from kernels.triton.w4a16 import w4a16_linear, w4a16_reference
+    from kernels.triton.w4a16 import w4a16_linear
 
     qz, (qweight, scales, zeros) = _case(k, 72, group, seed=k + group + rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -45,7 +44,7 @@ def test_w4a16_float32_equals_dequantize_then_matmul(device, k, group, rows):
 
 
 def test_w4a16_float16_within_one_weight_rounding(device):
-    from kernels.triton.w4a16 import w4a16_linear, w4a16_reference
+    from kernels.triton.w4a16 import w4a16_linear
 
     qz, (qweight, scales, zeros) = _case(128, 72, 64, seed=3)
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(0)).half()
