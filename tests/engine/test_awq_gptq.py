@@ -2,13 +2,15 @@
 tiny model from the formats' specifications): unpacking returns the packer's codes, zeros and
 scales; the Q4_1 repack equals the checkpoint's (q - z) * s, exactly or by the predicted fp16
 rounding of the zero term; served through `LLM`, greedy tokens equal transformers running the
-dequantized dense weights in float32; bad quantization_configs are refused naming the field."""
+dequantized dense weights in float32 (and through the engine service over gRPC); bad
+quantization_configs are refused naming the field."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -20,6 +22,14 @@ from engine.quant.int4_repack import to_q4_1, zero_term_error
 from engine.quant.int4_unpack import unpack_int4
 from engine.quant.prequant_config import parse_prequant_config
 from engine.quant.qlinear import QuantLinear
+from kvfleet.v1 import engine_pb2_grpc
+from tests.fixtures.engine_harness import (
+    EngineHarness,
+    engine_options,
+    gen_request,
+    run,
+    tokens_of,
+)
 from tests.fixtures.greedy import random_prompts, transformers_greedy
 from tests.fixtures.int4_checkpoints import (
     awq_config,
@@ -124,3 +134,19 @@ def test_act_order_g_idx_is_refused_naming_it():
     # The plain order under desc_act=true (what a checkpoint without reordering holds) loads.
     plain = gptq_tensors(qz, 32, v1=True)
     assert torch.equal(unpack_int4("p", plain, config).q.long(), qz.q)
+
+
+def test_engine_over_grpc_serves_a_gptq_checkpoint(tiny_model_dir, tmp_path, redis_server):
+    # The engine service (real gRPC over loopback, real Redis) on a GPTQ checkpoint: the
+    # streamed tokens equal transformers on the dequantized weights.
+    ckpt, reference = build_int4_checkpoint(tiny_model_dir, tmp_path / "gptq", "gptq", 32,
+                                            sym=True, v1=True)
+    prompt = random_prompts(tiny_model_dir, [21], seed=11)[0]
+    want = transformers_greedy(reference, [prompt], new_tokens=8)[0]
+    harness = EngineHarness(engine_options(ckpt, redis_server.url, "gptq-0")).start()
+    try:
+        with grpc.insecure_channel(harness.address) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            assert tokens_of(run(stub, gen_request("g-1", prompt, 8))) == want
+    finally:
+        harness.stop()
