@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.quant import formats
 from engine.quant.gguf_model import QuantLlamaForCausalLM
 from engine.quant.qlinear import QuantLinear
+from tests.fixtures.family_models import build_family_dir
 
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}, {"prompt_token_ids": [40, 41, 2]}]
 
@@ -66,3 +67,17 @@ def test_int4_is_a_quantization_value_and_unknown_ones_name_the_field():
     assert EngineConfig(model="x", quantization="int4").quantization == "int4"
     with pytest.raises(ValueError, match="quantization must be None or one of int8, int4"):
         EngineConfig(model="x", quantization="nf4")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
+def test_int4_on_other_families_serves_its_weights_exactly(tmp_path, family):
+    # A Gemma stays a Gemma (its own forward: scaled embedding, soft-capping, four norms) when
+    # its projections are re-stored; Qwen3's q/k norms sit between the projections.
+    model_dir = build_family_dir(tmp_path / family, family)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    reference = LLM(str(_dequantized_copy(model_dir, tmp_path / "dq")), dtype="float32")
+    quant = LLM(str(model_dir), dtype="float32", quantization="int4")
+    assert isinstance(quant.engine.model, type(reference.engine.model))
+    want = reference.generate(PROMPTS, params, use_tqdm=False)
+    got = quant.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
