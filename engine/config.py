@@ -14,6 +14,8 @@ from engine.lora.config import validate_lora_args
 from engine.spec_decode.spec_config import SpeculativeConfig, parse_speculative_config
 from engine.worker.device import validate_device_spec
 
+# EngineConfig.quantization's values (None: the checkpoint as it is).
+QUANTIZATION_METHODS = (None, "int8", "int4", "awq", "gptq")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # like vLLM's CPU default order of magnitude
 
 
@@ -48,9 +50,12 @@ class EngineConfig:
     # CPU GEMM path of every projection and the LM head: "auto" times the candidates on this
     # machine at start-up (engine.models.gemm_select); "onednn", "mkl" or "dense" force one.
     linear_backend: str = "auto"
-    # Weight-only quantization of a Hugging Face checkpoint at load (engine.quant.int8):
-    # None, or "int8" (the projections as int8 blocks of 32 with an fp16 scale, dequantized
-    # inside the GEMM). A GGUF model is quantized already and ignores it.
+    # Weight-only quantization of a Hugging Face checkpoint at load: None, "int8" (the
+    # projections as int8 blocks of 32 with an fp16 scale, engine.quant.int8) or "int4"
+    # (4-bit blocks of 32 with an fp16 scale and minimum, engine.quant.int4), dequantized
+    # inside the GEMM. "awq" / "gptq" name a pre-quantized checkpoint's method (detected from
+    # its quantization_config anyway, as vLLM does; naming it checks it). A GGUF model is
+    # quantized already and ignores it.
     quantization: str | None = None
     # Order among tenants (cache salts): "fair" (weighted fair share, engine.core.fair_share)
     # or "fcfs" (priority, then arrival, whoever the tenant).
@@ -148,8 +153,11 @@ class EngineConfig:
                 "linear_backend must be auto, onednn, mkl, dense, panel or amx; "
                 f"got {self.linear_backend!r}"
             )
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be None or 'int8'; got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                "quantization must be None or one of "
+                f"{', '.join(m for m in QUANTIZATION_METHODS if m)}; got {self.quantization!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"

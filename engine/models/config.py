@@ -217,8 +217,11 @@ def _check_supported_features(raw: dict[str, Any], architecture: str) -> None:
     if raw.get("mlp_bias", False):
         raise ValueError("unsupported mlp_bias=True; the MLP is implemented without bias")
     if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method")
-        raise ValueError(f"unsupported quantized checkpoint (quant_method={method!r})")
+        # AWQ / GPTQ int4 are read by engine.quant.prequant_model; anything else is refused
+        # here, naming the field.
+        from engine.quant.prequant_config import parse_prequant_config
+
+        parse_prequant_config(raw["quantization_config"])
 
 
 def _max_positions(raw: dict[str, Any], architecture: str) -> int:

@@ -346,9 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="speculative decoding as a JSON object with vLLM's keys, e.g. "
                              '\'{"method": "ngram", "num_speculative_tokens": 3}\' '
                              "(default: off)")
-    engine.add_argument("--quantization", default=None, choices=["int8"],
-                        help="weight-only int8 of the checkpoint's projections at load "
-                             "(docs/quantization.md; default: none)")
+    engine.add_argument("--quantization", default=None, choices=["int8", "int4", "awq", "gptq"],
+                        help="weight-only int8 / int4 of the checkpoint's projections at "
+                             "load, or the method of a pre-quantized AWQ / GPTQ checkpoint "
+                             "(detected anyway; docs/quantization.md; default: none)")
     engine.add_argument("--linear-backend", default="auto",
                         choices=["auto", "onednn", "mkl", "dense", "panel", "amx"],
                         help="CPU GEMM path; auto measures the candidates at start-up "

@@ -20,7 +20,8 @@ from collections import Counter
 from types import ModuleType
 
 KERNEL_MODULES = (
-    "kv_write", "unified_attention", "rms_norm", "rotary", "silu_and_mul", "lora", "fused_moe"
+    "kv_write", "unified_attention", "rms_norm", "rotary", "silu_and_mul", "lora", "fused_moe",
+    "w4a16",
 )
 
 launch_counts: Counter[str] = Counter()

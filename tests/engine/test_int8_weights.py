@@ -75,7 +75,7 @@ def test_int8_model_packs_its_dense_head(tiny_model_dir):
 
 def test_quantization_flag_is_checked():
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(model="x", quantization="int4")
+        EngineConfig(model="x", quantization="int3")
 
 
 def test_head_choice_counts_every_row_count_alike():
