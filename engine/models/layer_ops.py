@@ -44,8 +44,8 @@ class LayerOps:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.fused and x.dtype in FUSED_DTYPES:
-            out = torch.empty_like(x)
-            torch.ops.kvfleet_cpu.rms_norm.default(out, x.contiguous(), weight, eps)
+            # The op allocates its output (and makes x contiguous): ~1 us a call less.
+            out: torch.Tensor = torch.ops.kvfleet_cpu.rms_norm.default(x, weight, eps)
             return out
         dtype = x.dtype
         h = x.to(torch.float32)
@@ -57,16 +57,15 @@ class LayerOps:
     ) -> torch.Tensor:
         """residual += x (in place); returns rms_norm(residual) * weight."""
         if self.fused and x.dtype in FUSED_DTYPES:
-            out = torch.empty_like(x)
-            torch.ops.kvfleet_cpu.add_rms_norm.default(out, x.contiguous(), residual, weight, eps)
+            out: torch.Tensor = torch.ops.kvfleet_cpu.add_rms_norm.default(
+                x, residual, weight, eps)
             return out
         residual.add_(x)
         return self.rms_norm(residual, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused and gate_up.dtype in FUSED_DTYPES:
-            out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-            torch.ops.kvfleet_cpu.silu_and_mul.default(out, gate_up)
+            out: torch.Tensor = torch.ops.kvfleet_cpu.silu_and_mul.default(gate_up)
             return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
