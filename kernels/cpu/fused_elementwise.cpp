@@ -84,44 +84,52 @@ using kvfleet_cpu::silu_and_mul_rows;
 using kvfleet_cpu::check;
 using kvfleet_cpu::dispatch;
 
-void rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& weight, double eps) {
+// The norm and SiLU ops allocate their output here rather than take one from Python: an
+// empty_like from Python costs ~1 us a call, ~90 calls a decode step. Every element is written.
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight, double eps) {
+  const at::Tensor x = x_in.contiguous();
   const auto dtype = x.scalar_type();
-  check(out, dtype, "out");
   check(x, dtype, "x");
   check(weight, dtype, "weight");
+  at::Tensor out = at::empty_like(x);
   const int64_t hidden = x.size(-1);
   dispatch(dtype, "rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), nullptr, weight.data_ptr<T>(),
-                     x.numel() / hidden, hidden, eps);
+    rms_norm_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), nullptr,
+                     weight.data_ptr<T>(), x.numel() / hidden, hidden, eps);
   });
+  return out;
 }
 
-// residual += x; out = rmsnorm(residual) * weight.
-void add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, const at::Tensor& weight,
-                  double eps) {
+// residual += x; returns rmsnorm(residual) * weight.
+at::Tensor add_rms_norm(const at::Tensor& x_in, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  const at::Tensor x = x_in.contiguous();
   const auto dtype = x.scalar_type();
-  check(out, dtype, "out");
   check(x, dtype, "x");
   check(residual, dtype, "residual");
   check(weight, dtype, "weight");
+  at::Tensor out = at::empty_like(x);
   const int64_t hidden = x.size(-1);
   dispatch(dtype, "add_rms_norm", [&](auto tag) {
     using T = decltype(tag);
-    rms_norm_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), residual.data_ptr<T>(),
-                     weight.data_ptr<T>(), x.numel() / hidden, hidden, eps);
+    rms_norm_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(),
+                     residual.data_ptr<T>(), weight.data_ptr<T>(), x.numel() / hidden, hidden,
+                     eps);
   });
+  return out;
 }
 
-// out[t, i] = silu(x[t, i]) * x[t, I + i] for x [T, 2I].
-void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+// Returns out[t, i] = silu(x[t, i]) * x[t, I + i] for x [T, 2I].
+at::Tensor silu_and_mul(const at::Tensor& x) {
   const auto dtype = x.scalar_type();
-  check(out, dtype, "out");
   check(x, dtype, "x");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   dispatch(dtype, "silu_and_mul", [&](auto tag) {
     using T = decltype(tag);
     silu_and_mul_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), x.size(0), x.size(1) / 2);
   });
+  return out;
 }
 
 // q and k are views into one fused qkv tensor [T, (H + 2 KVH) * D] (its rows may be strided,
@@ -168,9 +176,9 @@ void rotary_qk_write_kv(at::Tensor qkv, int64_t num_heads, int64_t num_kv_heads,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_cpu, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("add_rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_qk(Tensor(a!) qkv, int num_heads, int num_kv_heads, int head_dim, Tensor cos, Tensor sin) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);

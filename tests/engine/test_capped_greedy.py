@@ -13,6 +13,7 @@ import torch
 
 from engine.models.greedy_screen import GreedyScreen, capped_greedy, screen_supported
 from engine.models.linear import pack_panels, panel_linear
+from tests.fixtures.greedy import assert_fast_greedy_matches_sampler
 
 pytestmark = pytest.mark.skipif(
     not screen_supported(torch.zeros(1, 1), "panel"),
@@ -104,21 +105,14 @@ def test_gemma2_capped_greedy_rows_match_the_sampler(
     """Plain greedy rows of the tiny Gemma 2 (final cap 1.0) take the capped screen (float32
     panel head) or the full-logits screen, and decode what the sampler's argmax over every
     capped logit decodes."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.models import greedy_screen
     from tests.fixtures.family_models import build_family_dir
 
     llm = LLM(str(build_family_dir(tmp_path, "gemma2")), dtype=dtype, linear_backend=backend)
-    model = llm.engine.runner.model
-    assert (model._greedy_screen is not None) is (backend == "panel")
+    assert (llm.engine.runner.model._greedy_screen is not None) is (backend == "panel")
     calls: list[int] = []
     real = greedy_screen.capped_argmax
     monkeypatch.setattr(greedy_screen, "capped_argmax",
                         lambda exact, ids, cap: calls.append(len(ids)) or real(exact, ids, cap))
-    prompts = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 77])]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert calls
-    monkeypatch.setattr(model, "greedy_tokens", lambda hidden: None)
-    sampled = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert fast == sampled
+    assert_fast_greedy_matches_sampler(llm, monkeypatch, calls)

@@ -109,6 +109,28 @@ def test_fused_elementwise_ops_match_pytorch_path():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_ops_allocate_a_contiguous_output_for_any_input(dtype):
+    """The ops allocate their output from the contiguous input: a transposed activation gives
+    the bits of its contiguous copy (an output shaped like the strided input, as the Python
+    side allocated before, was refused)."""
+    from engine.models.layer_ops import LayerOps
+
+    gen = torch.Generator().manual_seed(3)
+    ops = LayerOps(fused=True)
+    x = torch.randn(96, 9, generator=gen).to(dtype).t()
+    weight = torch.randn(96, generator=gen).to(dtype)
+    got = ops.rms_norm(x, weight, 1e-5)
+    assert got.is_contiguous() and torch.equal(got, ops.rms_norm(x.contiguous(), weight, 1e-5))
+    res_a = torch.randn(9, 96, generator=gen).to(dtype)
+    res_b = res_a.clone()
+    got = ops.add_rms_norm(x, res_a, weight, 1e-5)
+    assert torch.equal(got, ops.add_rms_norm(x.contiguous(), res_b, weight, 1e-5))
+    assert torch.equal(res_a, res_b)
+    gate_up = torch.randn(9, 160, generator=gen).to(dtype)
+    assert ops.silu_and_mul(gate_up).shape == (9, 80)
+
 ROW_COUNTS = [1, 7, 64, 300]  # one token, a kRowGrain remainder, a full batch, a prefill
 
 

@@ -18,6 +18,7 @@ from engine.models.greedy_screen import (
     screen_supported,
 )
 from engine.models.linear import amx_supported, pack_panels, panel_linear
+from tests.fixtures.greedy import assert_fast_greedy_matches_sampler
 
 pytestmark = pytest.mark.skipif(
     not screen_supported(torch.zeros(1, 1), "panel"),
@@ -195,19 +196,12 @@ def test_bfloat16_greedy_rows_take_the_row_argmax_and_match_the_sampler(
 ) -> None:
     """bfloat16 has no screen: plain greedy rows take the bf16 logits' row argmax, the same
     tokens as the sampler's argmax over the upcast logits."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     llm = LLM(tiny_model_dir, dtype="bfloat16")
-    model = llm.engine.runner.model
-    assert model._greedy_screen is None
-    calls = []
+    assert llm.engine.runner.model._greedy_screen is None
+    calls: list[torch.Size] = []
     real = torch.ops.kvfleet_cpu.argmax_rows
     monkeypatch.setattr(torch.ops.kvfleet_cpu, "argmax_rows",
                         lambda x: calls.append(x.shape) or real(x))
-    prompts = [{"prompt_token_ids": ids} for ids in ([5, 6, 7, 8, 9], [40, 41, 42], [100, 3, 77])]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    fast = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert calls
-    monkeypatch.setattr(model, "greedy_tokens", lambda hidden: None)
-    sampled = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert fast == sampled
+    assert_fast_greedy_matches_sampler(llm, monkeypatch, calls)
