@@ -42,6 +42,10 @@ KERNEL, PANEL, DENSE = "kernel", "panel", "dense"
 # PANEL with a bfloat16 model's Q4_0/Q4_1 segments in the factored panel (quant_panel_q4f.h:
 # exact 128 + q, the block affine applied in float32); every other case runs PANEL's op.
 PANEL_Q4 = "panel-q4"
+# PANEL_Q4 over the panel-ordered copy of the Q4_0/Q4_1 segments made at load
+# (quant_panel_q4p.h: decoded by a load, a shift and one vpternlogd inside the micro-kernel,
+# no transpose); a segment without that copy runs PANEL_Q4's op. Same outputs bit for bit.
+PANEL_Q4P = "panel-q4p"
 # (largest row count, path), in increasing row counts; more rows than the last entry: DENSE.
 Plan = tuple[tuple[int, str], ...]
 DEFAULT_PLAN: Plan = ((8, KERNEL), (64, PANEL))
@@ -54,6 +58,9 @@ class QuantTensor:
     raw: torch.Tensor
     qtype: int
     k: int
+    # Q4_0/Q4_1 only, bfloat16 models: the same blocks re-laid in panel order
+    # (quant_q4_panel_pack), beside `raw`, which the other paths read. None: not made or dropped.
+    packed: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -130,7 +137,25 @@ class QuantLinear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return sum(s.raw.numel() for s in self.segments)
+        return sum(s.raw.numel() + (0 if s.packed is None else s.packed.numel())
+                   for s in self.segments)
+
+    def pack_panels(self) -> int:
+        """Make the panel-ordered copy of each Q4_0/Q4_1 segment (PANEL_Q4P) where the op is
+        built; returns the bytes it adds (0: nothing made)."""
+        if not _kernel_ready() or not torch.ops.kvfleet_quant.quant_has_q4_panel_packed():
+            return 0
+        added = 0
+        for s in self.segments:
+            if s.qtype in (formats.Q4_0, formats.Q4_1) and s.packed is None:
+                s.packed = torch.ops.kvfleet_quant.quant_q4_panel_pack(s.raw, s.qtype)
+                added += s.packed.numel()
+        return added
+
+    def drop_panels(self) -> None:
+        """Free the panel-ordered copies (the plan does not use PANEL_Q4P)."""
+        for s in self.segments:
+            s.packed = None
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if len(self.segments) == 1:  # the usual case: no 10 MB copy through torch.cat
@@ -169,7 +194,7 @@ class QuantLinear(nn.Module):
         if path == KERNEL and self.bf16_kernel and dtype == torch.bfloat16:
             act = x  # the register kernel reads bfloat16 and rounds its output to it
         else:
-            keep_bf16 = path in (PANEL, PANEL_Q4) and dtype == torch.bfloat16 and _bf16_dot()
+            keep_bf16 = path in (PANEL, PANEL_Q4, PANEL_Q4P) and dtype == torch.bfloat16 and _bf16_dot()
             act = x if keep_bf16 or dtype == torch.float32 else x.float()
         if act.stride(-1) != 1:
             act = act.contiguous()
@@ -209,7 +234,10 @@ def _segment_gemm(out: torch.Tensor, act: torch.Tensor, segment: QuantTensor, pa
             _op("kquant_linear")(tmp, act, segment.raw, segment.qtype)
             out.copy_(tmp)
         return
-    if path == PANEL_Q4:
+    if path == PANEL_Q4P and segment.packed is not None and act.dtype == torch.bfloat16:
+        _op("quant_linear_q4p")(out, act, segment.packed, segment.qtype)
+        return
+    if path in (PANEL_Q4, PANEL_Q4P):
         _op("quant_linear_panel")(out, act, segment.raw, segment.qtype, True)
         return
     _op("quant_linear_panel" if path == PANEL else "quant_linear")(

@@ -1,8 +1,8 @@
 // The panel-ordered Q4 ops (engine/quant/qlinear.py's PANEL_Q4P path): `quant_q4_panel_pack`
 // re-lays a Q4_0 / Q4_1 weight at load into quant_panel_q4p.h's layout (same bytes as the
-// GGUF rows, the last panel zero-padded), `quant_linear_q4p` multiplies bfloat16 x by it, fused
-// (decoded inside the micro-kernel) or buffered (decoded once a panel); the start-up plan
-// times both (engine/quant/select.py). Built only with AVX512_BF16 and AVX512_VBMI
+// GGUF rows, the last panel zero-padded), `quant_linear_q4p` multiplies bfloat16 x by it, each line
+// decoded inside the micro-kernel; the start-up plan times it against the other paths
+// (engine/quant/select.py). Built only with AVX512_BF16 and AVX512_VBMI
 // (quant_has_q4_panel_packed); elsewhere the ops refuse and the plan never picks the path.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,9 +60,9 @@ at::Tensor quant_q4_panel_pack(const at::Tensor& w, int64_t qtype) {
 }
 
 // out [M, N] bfloat16 = x [M, K] bfloat16 @ W^T, W given as quant_q4_panel_pack's `packed`
-// (N = out's columns). `fused`: decode inside the micro-kernel; else once a panel.
+// (N = out's columns; out may be a column slice of a wider output).
 void quant_linear_q4p(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                      int64_t qtype, bool fused) {
+                      int64_t qtype) {
   check_q4(qtype, "quant_linear_q4p");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "quant_linear_q4p: x must be bfloat16 [M, K], unit column stride");
@@ -86,13 +86,10 @@ void quant_linear_q4p(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
   auto* op = out.data_ptr<c10::BFloat16>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t n0 = p0 * kPanelRows, n1 = std::min(n, p1 * kPanelRows);
-    auto go = [&](auto kernel) {
-      kernel(xp, ldx, sx.data(), m_rows, wp, row_bytes, nb, n0, n1, op, ldo);
-    };
     if (qtype == kQ4_1)
-      fused ? go(panels_q4p<kQ4_1, true>) : go(panels_q4p<kQ4_1, false>);
+      panels_q4p<kQ4_1>(xp, ldx, sx.data(), m_rows, wp, row_bytes, nb, n0, n1, op, ldo);
     else
-      fused ? go(panels_q4p<kQ4_0, true>) : go(panels_q4p<kQ4_0, false>);
+      panels_q4p<kQ4_0>(xp, ldx, sx.data(), m_rows, wp, row_bytes, nb, n0, n1, op, ldo);
   });
 #else
   TORCH_CHECK(false, "quant_linear_q4p: not built (needs AVX512_BF16 and AVX512_VBMI)");
@@ -103,7 +100,7 @@ void quant_linear_q4p(at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
 
 TORCH_LIBRARY_FRAGMENT(kvfleet_quant, m) {
   m.def("quant_q4_panel_pack(Tensor w, int qtype) -> Tensor");
-  m.def("quant_linear_q4p(Tensor(a!) out, Tensor x, Tensor packed, int qtype, bool fused) -> ()");
+  m.def("quant_linear_q4p(Tensor(a!) out, Tensor x, Tensor packed, int qtype) -> ()");
   m.def("quant_has_q4_panel_packed() -> bool");
 }
 

@@ -24,7 +24,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "quant_blocks.h"
 #include "quant_panel.h"
@@ -132,17 +131,20 @@ void micro_q4p(const uint16_t* x, int64_t ldx, const float* sx, int64_t nb,
 }
 
 
-// The panel over packed weights, two ways the plan can time: Fused, the micro-kernel above
-// (no buffer; decoding repeats per pass of rows); else the packed panel decoded once into
-// the factored panel's buffer by straight loads, shifts and vpternlogd (no transpose, no
-// gather), then the factored micro-kernel (quant_panel_q4f.h) over it.
-template <int64_t QT, bool Fused>
+// The panel over packed weights: nothing to decode ahead (the micro-kernel decodes as it
+// multiplies), only the next panel's prefetch spread over this one's passes. Decoding once a
+// panel into the factored panel's buffer instead (straight loads, shifts and vpternlogd, then
+// quant_panel_q4f.h's micro-kernel) was built and measured slower at 8-64 rows
+// (docs/quantization.md): the decode repeated per pass rides beside the VDPBF16PS.
+template <int64_t QT>
 struct Q4pPanel {
-  static constexpr int kRows = Fused ? 6 : 7;  // Fused: 4 x 6 accumulators + decode registers
+  static constexpr int kRows = 7;  // 4 x 7 accumulators of 32 registers, as quant_panel_q4f.h
   using Micro = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*,
                          c10::BFloat16*, int64_t, int64_t, NextPanel&);
-  static constexpr Micro kMicro[6] = {micro_q4p<QT, 1>, micro_q4p<QT, 2>, micro_q4p<QT, 3>,
-                                      micro_q4p<QT, 4>, micro_q4p<QT, 5>, micro_q4p<QT, 6>};
+  static_assert(kRows == 7, "kMicro lists one micro-kernel per row count up to 7");
+  static constexpr Micro kMicro[kRows] = {micro_q4p<QT, 1>, micro_q4p<QT, 2>, micro_q4p<QT, 3>,
+                                          micro_q4p<QT, 4>, micro_q4p<QT, 5>, micro_q4p<QT, 6>,
+                                          micro_q4p<QT, 7>};
 
   const uint16_t* x;
   int64_t ldx;
@@ -150,8 +152,6 @@ struct Q4pPanel {
   int64_t m_rows;
   c10::BFloat16* out;
   int64_t ldo, nb;
-  std::vector<uint32_t>& q;
-  std::vector<float>& dc;  // d [nb][32], then c [nb][32] (buffered only)
   const uint8_t* panel = nullptr;
   NextPanel next{nullptr, 0, 1};
 
@@ -159,55 +159,20 @@ struct Q4pPanel {
     panel = w;
     next = following;
     next.steps = (m_rows + kRows - 1) / kRows * nb;
-    if constexpr (!Fused) {
-      constexpr int64_t P = kPanelRows;
-      const auto* words = reinterpret_cast<const __m512i*>(w);
-      const auto* dh = reinterpret_cast<const uint16_t*>(w + nb * kQ4pBlockBytes);
-      for (int64_t b = 0; b < nb; ++b) {
-        for (int64_t r = 0; r < 4; ++r)
-          for (int64_t h = 0; h < 2; ++h) {
-            const __m512i word = _mm512_loadu_si512(words + (b * 4 + r) * 2 + h);
-            uint32_t* dst = q.data() + (b * 16 + 4 * r) * P + 16 * h;
-            _mm512_storeu_si512(dst, (__m512i)q4p_line<0>(word));
-            _mm512_storeu_si512(dst + P, (__m512i)q4p_line<1>(word));
-            _mm512_storeu_si512(dst + 2 * P, (__m512i)q4p_line<2>(word));
-            _mm512_storeu_si512(dst + 3 * P, (__m512i)q4p_line<3>(word));
-          }
-        for (int64_t h = 0; h < 2; ++h) {
-          __m512 d, c;
-          q4p_scales<QT>(dh, nb, b * P + 16 * h, d, c);
-          _mm512_storeu_ps(dc.data() + b * P + 16 * h, d);
-          _mm512_storeu_ps(dc.data() + (nb + b) * P + 16 * h, c);
-        }
-      }
-    }
   }
 
   void multiply(int64_t m, int64_t mr, int64_t col0, int64_t cols) {
-    if constexpr (Fused) {
-      kMicro[mr - 1](x + m * ldx, ldx, sx + m * nb, nb, panel, out + m * ldo + col0, ldo, cols,
-                     next);
-    } else {
-      const float* d = dc.data();
-      Q4fPanel<QT>::kMicro[mr - 1](x + m * ldx, ldx, sx + m * nb, nb, q.data(), d,
-                                   d + nb * kPanelRows, out + m * ldo + col0, ldo, cols, next);
-    }
+    kMicro[mr - 1](x + m * ldx, ldx, sx + m * nb, nb, panel, out + m * ldo + col0, ldo, cols,
+                   next);
   }
 };
 
 // Every row of x against weight rows [n0, n1) of the packed weight; sx from q4f_block_sums.
-template <int64_t QT, bool Fused>
+template <int64_t QT>
 void panels_q4p(const uint16_t* x, int64_t ldx, const float* sx, int64_t m_rows,
                 const uint8_t* packed, int64_t row_bytes, int64_t nb, int64_t n0, int64_t n1,
                 c10::BFloat16* out, int64_t ldo) {
-  thread_local std::vector<uint32_t> q;
-  thread_local std::vector<float> dc;
-  if constexpr (!Fused) {
-    const int64_t need = kPanelRows * nb * (kBlock / 2);
-    if (static_cast<int64_t>(q.size()) < need) q.resize(need);
-    if (static_cast<int64_t>(dc.size()) < 2 * kPanelRows * nb) dc.resize(2 * kPanelRows * nb);
-  }
-  Q4pPanel<QT, Fused> panel{x, ldx, sx, m_rows, out, ldo, nb, q, dc};
+  Q4pPanel<QT> panel{x, ldx, sx, m_rows, out, ldo, nb};
   run_panels(panel, m_rows, packed, row_bytes, nb, n0, n1);
 }
 
