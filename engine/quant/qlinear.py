@@ -194,7 +194,8 @@ class QuantLinear(nn.Module):
         if path == KERNEL and self.bf16_kernel and dtype == torch.bfloat16:
             act = x  # the register kernel reads bfloat16 and rounds its output to it
         else:
-            keep_bf16 = path in (PANEL, PANEL_Q4, PANEL_Q4P) and dtype == torch.bfloat16 and _bf16_dot()
+            keep_bf16 = (path in (PANEL, PANEL_Q4, PANEL_Q4P) and dtype == torch.bfloat16
+                         and _bf16_dot())
             act = x if keep_bf16 or dtype == torch.float32 else x.float()
         if act.stride(-1) != 1:
             act = act.contiguous()

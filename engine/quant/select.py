@@ -73,11 +73,12 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 def fit_plan(times: dict[int, dict[str, float]]) -> Plan:
     """The plan KERNEL up to t1 rows, PANEL_Q4P up to t2, PANEL_Q4 up to t3, PANEL up to t4,
     DENSE above (t1 <= .. <= t4 among the measured row counts; any range may be empty, an
-    optional path's always is where a count lacks its timing) that loses least against the fastest path at each row count,
-    summed as ratios. Contiguous ranges in that order, not each count's own winner: on a
-    shared machine a single descheduled timing must not flip one class. PANEL_Q4 comes before
-    PANEL because its advantage is at few rows (cheaper decoding, which few rows amortize
-    least); with many rows its 7-row passes lose to PANEL's 12-row ones."""
+    optional path's always is where a count lacks its timing) that loses least against the
+    fastest path at each row count, summed as ratios. Contiguous ranges in that order, not
+    each count's own winner: on a shared machine a single descheduled timing must not flip
+    one class. PANEL_Q4 comes before PANEL because its advantage is at few rows (cheaper
+    decoding, which few rows amortize least); with many rows its 7-row passes lose to PANEL's
+    12-row ones. PANEL_Q4P (the same product, cheaper decoding still) comes before PANEL_Q4."""
     rows = sorted(times)
     optional = [p for p in (PANEL_Q4P, PANEL_Q4) if all(p in times[r] for r in rows)]
     order = [KERNEL, *optional, PANEL, DENSE]
