@@ -119,6 +119,8 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
                 if t.raw.data_ptr() not in seen:
                     seen.add(t.raw.data_ptr())
                     total += t.raw.numel()
+                    # The load-time panel-ordered copy, where the plan kept it.
+                    total += 0 if getattr(t, "packed", None) is None else t.packed.numel()
         return total
 
 
