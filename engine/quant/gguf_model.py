@@ -120,7 +120,8 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
                     seen.add(t.raw.data_ptr())
                     total += t.raw.numel()
                     # The load-time panel-ordered copy, where the plan kept it.
-                    total += 0 if getattr(t, "packed", None) is None else t.packed.numel()
+                    packed = getattr(t, "packed", None)
+                    total += 0 if packed is None else packed.numel()
         return total
 
 
