@@ -119,6 +119,10 @@ class QuantLinear(nn.Module):
     # Which path a batch of how many rows takes; set for every layer at start
     # (engine.quant.select). (): always DENSE.
     plan: Plan = DEFAULT_PLAN
+    # The plan fitted without PANEL_Q4P, for a layer with no panel-ordered copy (a Q8_0 LM
+    # head beside Q4 projections): PANEL_Q4P would run it on PANEL_Q4's op at rows where the
+    # measured plan without that path takes another (the register kernel at batch 1).
+    plan_unpacked: Plan = DEFAULT_PLAN
 
     def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -162,10 +166,18 @@ class QuantLinear(nn.Module):
             return self.segments[0].dequantize(dtype)
         return torch.cat([s.dequantize(dtype) for s in self.segments])
 
+    def active_plan(self) -> Plan:
+        """`plan`, or `plan_unpacked` where `plan` takes PANEL_Q4P and no segment holds a
+        panel-ordered copy."""
+        if any(s.packed is not None for s in self.segments) or all(
+                path != PANEL_Q4P for _, path in self.plan):
+            return self.plan
+        return self.plan_unpacked
+
     def path_for(self, rows: int) -> str:
         if not self.use_kernel or not _kernel_ready():
             return DENSE
-        for limit, path in self.plan:
+        for limit, path in self.active_plan():
             if rows <= limit:
                 return path
         return DENSE
@@ -174,7 +186,7 @@ class QuantLinear(nn.Module):
         # A batch-1 decode step makes ~120 of these calls: where the plan's first path is
         # KERNEL and the layer is one plain segment, the op straight away, without path_for
         # and run()'s general case (~3 us a call).
-        plan, rows = self.plan, x.shape[0]
+        plan, rows = self.active_plan(), x.shape[0]
         if (self._direct and plan and rows <= plan[0][0] and plan[0][1] == KERNEL
                 and x.dtype in _OP_DTYPES and x.stride(-1) == 1):
             single = self.segments[0]

@@ -144,9 +144,11 @@ def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
     linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.use_kernel]
     if requested == "dense" or not linears or not load():
         _keep_panels(model, ())
+        _set_unpacked(model, ())
         return ()
     if requested != "auto":
         _keep_panels(model, DEFAULT_PLAN)
+        _set_unpacked(model, DEFAULT_PLAN)
         return DEFAULT_PLAN
     # Each layer's projections (qkv, o, gate_up, down): four consecutive QuantLinears.
     layers = [linears[i:i + 4] for i in range(0, len(linears) - 3, 4)] or [linears]
@@ -158,6 +160,12 @@ def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
                  for rows in ROWS}
     plan = fit_plan(times)
     _keep_panels(model, plan)
+    unpacked = fit_plan({r: {p: t for p, t in ts.items() if p != PANEL_Q4P}
+                         for r, ts in times.items()})
+    _set_unpacked(model, unpacked)
+    if unpacked != plan:
+        logger.info("quantized GEMM plan for layers without a panel-ordered copy: %s",
+                    ", ".join(f"<={rows} {path}" for rows, path in unpacked) or "dense always")
     timed = list(times[ROWS[0]])
     logger.info("quantized GEMM plan (%s): %s, dense above (ms per layer, %s: %s)", dtype,
                 ", ".join(f"<={rows} {path}" for rows, path in plan) or "dense always",
@@ -173,3 +181,10 @@ def _keep_panels(model: nn.Module, plan: Plan) -> None:
         for m in model.modules():
             if isinstance(m, QuantLinear):
                 m.drop_panels()
+
+
+def _set_unpacked(model: nn.Module, plan: Plan) -> None:
+    """Every layer's plan_unpacked (its plan where it holds no panel-ordered copy)."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.plan_unpacked = plan

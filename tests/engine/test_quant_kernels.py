@@ -186,6 +186,20 @@ def test_plan_frees_the_packed_copies_unless_it_takes_them():
 
 
 @needs_kernel
+def test_a_layer_without_packed_copies_takes_the_plan_fitted_without_them():
+    # A Q8_0 LM head beside packed Q4 projections: PANEL_Q4P in the plan must not send it to
+    # the panel kernel at rows where the register kernel was measured faster.
+    head = QuantLinear([_weight(formats.Q8_0, 32, seed=2)])
+    head.plan = ((64, PANEL_Q4P),)
+    head.plan_unpacked = ((4, KERNEL), (64, PANEL))
+    assert [head.path_for(r) for r in (1, 4, 8)] == [KERNEL, KERNEL, PANEL]
+    q4 = QuantLinear([_weight(formats.Q4_1, 32, seed=1)])
+    q4.plan, q4.plan_unpacked = head.plan, head.plan_unpacked
+    if q4.pack_panels():
+        assert q4.path_for(1) == PANEL_Q4P
+
+
+@needs_kernel
 def test_plan_times_the_factored_panel_only_for_bfloat16_q4():
     q4 = [[QuantLinear([_weight(formats.Q4_1, 32, seed=1)])]]
     q8 = [[QuantLinear([_weight(formats.Q8_0, 32, seed=1)])]]
