@@ -184,15 +184,22 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A batch-1 decode step makes ~120 of these calls: where the plan's first path is
-        # KERNEL and the layer is one plain segment, the op straight away, without path_for
-        # and run()'s general case (~3 us a call).
+        # KERNEL (or PANEL_Q4P on a packed bfloat16 segment) and the layer is one plain
+        # segment, the op straight away, without path_for and run()'s general case (~3 us a
+        # call).
         plan, rows = self.active_plan(), x.shape[0]
-        if (self._direct and plan and rows <= plan[0][0] and plan[0][1] == KERNEL
-                and x.dtype in _OP_DTYPES and x.stride(-1) == 1):
+        if (self._direct and plan and rows <= plan[0][0] and x.dtype in _OP_DTYPES
+                and x.stride(-1) == 1):
             single = self.segments[0]
-            out = x.new_empty(rows, self.out_features)
-            _op("quant_linear")(out, x, single.raw, single.qtype)
-            return out
+            if plan[0][1] == KERNEL:
+                out = x.new_empty(rows, self.out_features)
+                _op("quant_linear")(out, x, single.raw, single.qtype)
+                return out
+            if (plan[0][1] == PANEL_Q4P and single.packed is not None
+                    and x.dtype == torch.bfloat16):
+                out = x.new_empty(rows, self.out_features)
+                _op("quant_linear_q4p")(out, x, single.packed, single.qtype)
+                return out
         return self.run(x, self.path_for(rows))
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:

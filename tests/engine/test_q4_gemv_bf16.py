@@ -223,3 +223,15 @@ def test_panel_q4p_path_on_a_fused_layer_of_mixed_formats():
     layer.drop_panels()
     assert layer.segments[0].packed is None
     assert torch.equal(layer.run(x, PANEL_Q4P), got)
+
+
+@needs_packed
+def test_forward_takes_the_packed_panel_where_the_plan_starts_with_it():
+    # forward's direct call (one plain segment, the plan's first path PANEL_Q4P) and run()'s
+    # general case give the same bits; a float32 x never takes the packed op.
+    layer = QuantLinear([_weight(formats.Q4_0, 40, 288, seed=4)])
+    layer.pack_panels()
+    layer.plan = ((64, PANEL_Q4P),)
+    x = torch.randn(3, 288, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert torch.equal(layer(x), layer.run(x, PANEL_Q4))
+    assert layer(x.float()).dtype == torch.float32
