@@ -13,6 +13,10 @@ engine.quant.select):
   op there, the plan measured at start decides whether that pays); PANEL_Q4, the same for a
   bfloat16 model but with its Q4_0/Q4_1 segments in the factored panel (quant_panel_q4f.h:
   exact 128 + q, the block's scale and minimum applied in float32), the plan picks one;
+  PANEL_Q4P, the same product bit for bit over a panel-ordered copy of those segments made at
+  load (quant_panel_q4p.h: no transpose, decoded inside the micro-kernel; the plan frees the
+  copies where it does not take the path, and a layer without one, such as a Q8_0 LM head,
+  follows `plan_unpacked`);
 - DENSE: the whole weight dequantized (bit-equal to gguf-py) and F.linear, whose BLAS wins
   once the weight is reused over many rows (prefill), and wherever the kernels are missing.
 
