@@ -6,6 +6,9 @@ same shape, weights larger than the last-level cache (what a decode step reads).
 [--dtype bfloat16]`; one line per format and row count, and a JSON file. With `--dtype
 bfloat16` the activations (and F.linear's weight) are bfloat16: a bfloat16 model's register
 kernel, whose one-row Q4_0/Q4_1 case is the factored kernel (quant_gemv_bf16.h).
+`--paths kernel panel panel-q4 panel-q4p` times those QuantLinear paths too (panel-q4 and
+panel-q4p: bfloat16 Q4_0/Q4_1 only; panel-q4p over the panel-ordered copy, GB/s counted on
+the quantized bytes once).
 Threads: torch's setting (OMP_NUM_THREADS).
 Weights are random valid blocks (the kernel's speed does not depend on their values).
 """
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.quant import formats
-from engine.quant.qlinear import KERNEL, QuantLinear, QuantTensor
+from engine.quant.qlinear import KERNEL, PANEL, PANEL_Q4, PANEL_Q4P, QuantLinear, QuantTensor
 from kernels.cpu.quant import load
 
 FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--formats", nargs="+", default=FORMATS)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--paths", nargs="+", default=[KERNEL],
+                        choices=[KERNEL, PANEL, PANEL_Q4, PANEL_Q4P])
     parser.add_argument("--out", type=Path, default=Path("bench_results/quant_kernels.json"))
     args = parser.parse_args(argv)
     if not load():
@@ -78,9 +83,16 @@ def main(argv: list[str] | None = None) -> None:
             results.append(_row(label, rows, dense.numel() * dense.element_size(), args, t))
             for name in args.formats:
                 layer = QuantLinear([random_weight(name, args.n, args.k)])
-                t = best_seconds(lambda layer=layer, x=x: layer.run(x, KERNEL),
-                                 args.repeats)
-                results.append(_row(name, rows, layer.weight_bytes, args, t))
+                raw_bytes = layer.segments[0].raw.numel()
+                for path in args.paths:
+                    if path in (PANEL_Q4, PANEL_Q4P) and not _q4_bf16(name, dtype):
+                        continue
+                    if path == PANEL_Q4P and not layer.pack_panels():
+                        continue
+                    t = best_seconds(lambda layer=layer, x=x, p=path: layer.run(x, p),
+                                     args.repeats)
+                    label = name if path == KERNEL else f"{name} {path}"
+                    results.append(_row(label, rows, raw_bytes, args, t))
     load_avg = os.getloadavg()[0]
     print(f"threads {torch.get_num_threads()}, {args.dtype}, load average {load_avg:.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -88,11 +100,15 @@ def main(argv: list[str] | None = None) -> None:
         {"load_average": load_avg, "dtype": args.dtype, "results": results}, indent=2))
 
 
+def _q4_bf16(name: str, dtype: torch.dtype) -> bool:
+    return name in ("Q4_0", "Q4_1") and dtype == torch.bfloat16
+
+
 def _row(name: str, rows: int, weight_bytes: int, args: argparse.Namespace,
          seconds: float) -> dict[str, object]:
     gbs = weight_bytes / seconds / 1e9
     gflops = 2 * rows * args.n * args.k / seconds / 1e9
-    print(f"{name:>12} rows {rows:>3}: {seconds * 1e3:8.3f} ms  {gbs:6.1f} GB/s weights  "
+    print(f"{name:>18} rows {rows:>3}: {seconds * 1e3:8.3f} ms  {gbs:6.1f} GB/s weights  "
           f"{gflops:6.1f} GFLOP/s", flush=True)
     return {"format": name, "rows": rows, "ms": seconds * 1e3, "weight_gb_s": gbs,
             "gflop_s": gflops}

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks.quant_kernel_bench import random_weight
 from engine.models.linear import apply_linear, backend_supported, pack_weight
-from engine.quant.qlinear import KERNEL, PANEL, PANEL_Q4, QuantLinear
+from engine.quant.qlinear import KERNEL, PANEL, PANEL_Q4, PANEL_Q4P, QuantLinear
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 
@@ -38,6 +38,9 @@ def _paths(fmt: str, layers: list[list[QuantLinear]], dense: list[list[torch.Ten
     }
     if fmt != "Q8_0":
         paths[f"{fmt} panel-q4"] = lambda i, j: layers[i][j].run(xs[SHAPES[j][1]], PANEL_Q4)
+        if all(s.packed is not None for layer in layers for m in layer for s in m.segments):
+            paths[f"{fmt} panel-q4p"] = lambda i, j: layers[i][j].run(xs[SHAPES[j][1]],
+                                                                       PANEL_Q4P)
     for b in packed:
         paths[f"dense bf16 {b}"] = functools.partial(_dense_call, xs, dense, b, packed[b])
     return paths
@@ -60,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     layers = [[QuantLinear([random_weight(args.format, n, k, seed=4 * i + j)])
                for j, (n, k) in enumerate(SHAPES)] for i in range(args.layers)]
+    if args.format != "Q8_0":
+        for layer in layers:
+            for m in layer:
+                m.pack_panels()
     dense = [[m.dequantized_weight(torch.bfloat16) for m in layer] for layer in layers]
     backends = [b for b in ("panel", "onednn") if backend_supported(b, torch.bfloat16)]
     packed = {b: [[pack_weight(w, b) for w in layer] for layer in dense] for b in backends}

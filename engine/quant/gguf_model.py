@@ -119,6 +119,9 @@ class QuantLlamaForCausalLM(LlamaForCausalLM):
                 if t.raw.data_ptr() not in seen:
                     seen.add(t.raw.data_ptr())
                     total += t.raw.numel()
+                    # The load-time panel-ordered copy, where the plan kept it.
+                    packed = getattr(t, "packed", None)
+                    total += 0 if packed is None else packed.numel()
         return total
 
 
@@ -147,6 +150,13 @@ def load_gguf_model(path: str | Path, config: ModelConfig, dtype: torch.dtype,
     model.requires_grad_(False)
     logger.info("GGUF %s: weights %.1f MiB as loaded (%s)", Path(path).name,
                 model.weight_bytes / 2**20, _type_counts(model))
+    if dtype == torch.bfloat16:
+        # The panel-ordered Q4 copies (PANEL_Q4P) beside the rows; prepack's plan frees them
+        # unless it takes that path.
+        added = sum(m.pack_panels() for m in model.modules() if isinstance(m, QuantLinear))
+        if added:
+            logger.info("GGUF %s: panel-ordered Q4 copies %.1f MiB (kept only if the GEMM plan "
+                        "takes panel-q4p)", Path(path).name, added / 2**20)
     return model
 
 

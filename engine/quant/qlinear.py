@@ -13,6 +13,10 @@ engine.quant.select):
   op there, the plan measured at start decides whether that pays); PANEL_Q4, the same for a
   bfloat16 model but with its Q4_0/Q4_1 segments in the factored panel (quant_panel_q4f.h:
   exact 128 + q, the block's scale and minimum applied in float32), the plan picks one;
+  PANEL_Q4P, the same product bit for bit over a panel-ordered copy of those segments made at
+  load (quant_panel_q4p.h: no transpose, decoded inside the micro-kernel; the plan frees the
+  copies where it does not take the path, and a layer without one, such as a Q8_0 LM head,
+  follows `plan_unpacked`);
 - DENSE: the whole weight dequantized (bit-equal to gguf-py) and F.linear, whose BLAS wins
   once the weight is reused over many rows (prefill), and wherever the kernels are missing.
 
@@ -42,6 +46,10 @@ KERNEL, PANEL, DENSE = "kernel", "panel", "dense"
 # PANEL with a bfloat16 model's Q4_0/Q4_1 segments in the factored panel (quant_panel_q4f.h:
 # exact 128 + q, the block affine applied in float32); every other case runs PANEL's op.
 PANEL_Q4 = "panel-q4"
+# PANEL_Q4 over the panel-ordered copy of the Q4_0/Q4_1 segments made at load
+# (quant_panel_q4p.h: decoded by a load, a shift and one vpternlogd inside the micro-kernel,
+# no transpose); a segment without that copy runs PANEL_Q4's op. Same outputs bit for bit.
+PANEL_Q4P = "panel-q4p"
 # (largest row count, path), in increasing row counts; more rows than the last entry: DENSE.
 Plan = tuple[tuple[int, str], ...]
 DEFAULT_PLAN: Plan = ((8, KERNEL), (64, PANEL))
@@ -54,6 +62,9 @@ class QuantTensor:
     raw: torch.Tensor
     qtype: int
     k: int
+    # Q4_0/Q4_1 only, bfloat16 models: the same blocks re-laid in panel order
+    # (quant_q4_panel_pack), beside `raw`, which the other paths read. None: not made or dropped.
+    packed: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -112,6 +123,10 @@ class QuantLinear(nn.Module):
     # Which path a batch of how many rows takes; set for every layer at start
     # (engine.quant.select). (): always DENSE.
     plan: Plan = DEFAULT_PLAN
+    # The plan fitted without PANEL_Q4P, for a layer with no panel-ordered copy (a Q8_0 LM
+    # head beside Q4 projections): PANEL_Q4P would run it on PANEL_Q4's op at rows where the
+    # measured plan without that path takes another (the register kernel at batch 1).
+    plan_unpacked: Plan = DEFAULT_PLAN
 
     def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -130,32 +145,65 @@ class QuantLinear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return sum(s.raw.numel() for s in self.segments)
+        return sum(s.raw.numel() + (0 if s.packed is None else s.packed.numel())
+                   for s in self.segments)
+
+    def pack_panels(self) -> int:
+        """Make the panel-ordered copy of each Q4_0/Q4_1 segment (PANEL_Q4P) where the op is
+        built; returns the bytes it adds (0: nothing made)."""
+        if not _kernel_ready() or not torch.ops.kvfleet_quant.quant_has_q4_panel_packed():
+            return 0
+        added = 0
+        for s in self.segments:
+            if s.qtype in (formats.Q4_0, formats.Q4_1) and s.packed is None:
+                s.packed = torch.ops.kvfleet_quant.quant_q4_panel_pack(s.raw, s.qtype)
+                added += s.packed.numel()
+        return added
+
+    def drop_panels(self) -> None:
+        """Free the panel-ordered copies (the plan does not use PANEL_Q4P)."""
+        for s in self.segments:
+            s.packed = None
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if len(self.segments) == 1:  # the usual case: no 10 MB copy through torch.cat
             return self.segments[0].dequantize(dtype)
         return torch.cat([s.dequantize(dtype) for s in self.segments])
 
+    def active_plan(self) -> Plan:
+        """`plan`, or `plan_unpacked` where `plan` takes PANEL_Q4P and no segment holds a
+        panel-ordered copy."""
+        if any(s.packed is not None for s in self.segments) or all(
+                path != PANEL_Q4P for _, path in self.plan):
+            return self.plan
+        return self.plan_unpacked
+
     def path_for(self, rows: int) -> str:
         if not self.use_kernel or not _kernel_ready():
             return DENSE
-        for limit, path in self.plan:
+        for limit, path in self.active_plan():
             if rows <= limit:
                 return path
         return DENSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A batch-1 decode step makes ~120 of these calls: where the plan's first path is
-        # KERNEL and the layer is one plain segment, the op straight away, without path_for
-        # and run()'s general case (~3 us a call).
-        plan, rows = self.plan, x.shape[0]
-        if (self._direct and plan and rows <= plan[0][0] and plan[0][1] == KERNEL
-                and x.dtype in _OP_DTYPES and x.stride(-1) == 1):
+        # KERNEL (or PANEL_Q4P on a packed bfloat16 segment) and the layer is one plain
+        # segment, the op straight away, without path_for and run()'s general case (~3 us a
+        # call).
+        plan, rows = self.active_plan(), x.shape[0]
+        if (self._direct and plan and rows <= plan[0][0] and x.dtype in _OP_DTYPES
+                and x.stride(-1) == 1):
             single = self.segments[0]
-            out = x.new_empty(rows, self.out_features)
-            _op("quant_linear")(out, x, single.raw, single.qtype)
-            return out
+            if plan[0][1] == KERNEL:
+                out = x.new_empty(rows, self.out_features)
+                _op("quant_linear")(out, x, single.raw, single.qtype)
+                return out
+            if (plan[0][1] == PANEL_Q4P and single.packed is not None
+                    and x.dtype == torch.bfloat16):
+                out = x.new_empty(rows, self.out_features)
+                _op("quant_linear_q4p")(out, x, single.packed, single.qtype)
+                return out
         return self.run(x, self.path_for(rows))
 
     def run(self, x: torch.Tensor, path: str) -> torch.Tensor:
@@ -169,7 +217,8 @@ class QuantLinear(nn.Module):
         if path == KERNEL and self.bf16_kernel and dtype == torch.bfloat16:
             act = x  # the register kernel reads bfloat16 and rounds its output to it
         else:
-            keep_bf16 = path in (PANEL, PANEL_Q4) and dtype == torch.bfloat16 and _bf16_dot()
+            keep_bf16 = (path in (PANEL, PANEL_Q4, PANEL_Q4P) and dtype == torch.bfloat16
+                         and _bf16_dot())
             act = x if keep_bf16 or dtype == torch.float32 else x.float()
         if act.stride(-1) != 1:
             act = act.contiguous()
@@ -209,7 +258,10 @@ def _segment_gemm(out: torch.Tensor, act: torch.Tensor, segment: QuantTensor, pa
             _op("kquant_linear")(tmp, act, segment.raw, segment.qtype)
             out.copy_(tmp)
         return
-    if path == PANEL_Q4:
+    if path == PANEL_Q4P and segment.packed is not None and act.dtype == torch.bfloat16:
+        _op("quant_linear_q4p")(out, act, segment.packed, segment.qtype)
+        return
+    if path in (PANEL_Q4, PANEL_Q4P):
         _op("quant_linear_panel")(out, act, segment.raw, segment.qtype, True)
         return
     _op("quant_linear_panel" if path == PANEL else "quant_linear")(

@@ -19,7 +19,11 @@ kernel; any other backend name keeps DEFAULT_PLAN without measuring (tests).
 
 A bfloat16 model's Q4_0/Q4_1 layers have two panel kernels: PANEL (weights rounded to bfloat16)
 and PANEL_Q4 (the factored panel, exact 128 + q with the block affine in float32). Both are
-timed at every count; the fitted plan may give each a range (PANEL_Q4 the lower one).
+timed at every count; the fitted plan may give each a range (PANEL_Q4 the lower one). Where
+the loader made the panel-ordered copies (QuantLinear.pack_panels), PANEL_Q4P (the same
+product bit for bit, decoded without a transpose) is timed too and ranks before PANEL_Q4; a
+plan without it frees the copies (QuantLinear.drop_panels), so they cost memory only where
+they win.
 
 Invariant: the choice depends on measured speed only; every path computes the same product
 (up to rounding: in bfloat16 PANEL and the dense path multiply the weights rounded to
@@ -37,7 +41,16 @@ from torch import nn
 
 from engine.models.gemm_select import sweep_layers
 from engine.quant import formats
-from engine.quant.qlinear import DEFAULT_PLAN, DENSE, KERNEL, PANEL, PANEL_Q4, Plan, QuantLinear
+from engine.quant.qlinear import (
+    DEFAULT_PLAN,
+    DENSE,
+    KERNEL,
+    PANEL,
+    PANEL_Q4,
+    PANEL_Q4P,
+    Plan,
+    QuantLinear,
+)
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -58,15 +71,17 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 
 
 def fit_plan(times: dict[int, dict[str, float]]) -> Plan:
-    """The plan KERNEL up to t1 rows, PANEL_Q4 up to t2, PANEL up to t3, DENSE above (t1 <= t2
-    <= t3 among the measured row counts; any range may be empty, PANEL_Q4's always is where a
-    count lacks its timing) that loses least against the fastest path at each row count,
-    summed as ratios. Contiguous ranges in that order, not each count's own winner: on a
-    shared machine a single descheduled timing must not flip one class. PANEL_Q4 comes before
-    PANEL because its advantage is at few rows (cheaper decoding, which few rows amortize
-    least); with many rows its 7-row passes lose to PANEL's 12-row ones."""
+    """The plan KERNEL up to t1 rows, PANEL_Q4P up to t2, PANEL_Q4 up to t3, PANEL up to t4,
+    DENSE above (t1 <= .. <= t4 among the measured row counts; any range may be empty, an
+    optional path's always is where a count lacks its timing) that loses least against the
+    fastest path at each row count, summed as ratios. Contiguous ranges in that order, not
+    each count's own winner: on a shared machine a single descheduled timing must not flip
+    one class. PANEL_Q4 comes before PANEL because its advantage is at few rows (cheaper
+    decoding, which few rows amortize least); with many rows its 7-row passes lose to PANEL's
+    12-row ones. PANEL_Q4P (the same product, cheaper decoding still) comes before PANEL_Q4."""
     rows = sorted(times)
-    order = [KERNEL, *[p for p in (PANEL_Q4,) if all(p in times[r] for r in rows)], PANEL, DENSE]
+    optional = [p for p in (PANEL_Q4P, PANEL_Q4) if all(p in times[r] for r in rows)]
+    order = [KERNEL, *optional, PANEL, DENSE]
     best_loss = float("inf")
     best: list[str] = []
     for cuts in itertools.combinations_with_replacement(range(len(rows) + 1), len(order) - 1):
@@ -100,6 +115,8 @@ def _measure(layers: list[list[QuantLinear]], rows: int,
     paths = [p for p in PATHS if p != KERNEL or rows <= KERNEL_MAX_ROWS]
     if _factored_applies(layers, dtype):
         paths.append(PANEL_Q4)
+        if any(s.packed is not None for layer in layers for m in layer for s in m.segments):
+            paths.append(PANEL_Q4P)
     best = dict.fromkeys(paths, float("inf"))
     rounds = SWEEP_REPEATS if len(layers) > 1 else REPEATS
     for _ in range(rounds + 1):  # the first round warms up and counts like the others
@@ -126,8 +143,12 @@ def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
 
     linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.use_kernel]
     if requested == "dense" or not linears or not load():
+        _keep_panels(model, ())
+        _set_unpacked(model, ())
         return ()
     if requested != "auto":
+        _keep_panels(model, DEFAULT_PLAN)
+        _set_unpacked(model, DEFAULT_PLAN)
         return DEFAULT_PLAN
     # Each layer's projections (qkv, o, gate_up, down): four consecutive QuantLinears.
     layers = [linears[i:i + 4] for i in range(0, len(linears) - 3, 4)] or [linears]
@@ -138,6 +159,13 @@ def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
         times = {rows: _measure(swept if rows <= SWEEP_MAX_ROWS else layers[:1], rows, dtype)
                  for rows in ROWS}
     plan = fit_plan(times)
+    _keep_panels(model, plan)
+    unpacked = fit_plan({r: {p: t for p, t in ts.items() if p != PANEL_Q4P}
+                         for r, ts in times.items()})
+    _set_unpacked(model, unpacked)
+    if unpacked != plan:
+        logger.info("quantized GEMM plan for layers without a panel-ordered copy: %s",
+                    ", ".join(f"<={rows} {path}" for rows, path in unpacked) or "dense always")
     timed = list(times[ROWS[0]])
     logger.info("quantized GEMM plan (%s): %s, dense above (ms per layer, %s: %s)", dtype,
                 ", ".join(f"<={rows} {path}" for rows, path in plan) or "dense always",
@@ -145,3 +173,18 @@ def choose_plan(model: nn.Module, requested: str = "auto") -> Plan:
                     f"{r}: " + " / ".join(f"{t[p] * 1e3:.2f}" for p in timed)
                     for r, t in times.items()))
     return plan
+
+
+def _keep_panels(model: nn.Module, plan: Plan) -> None:
+    """Free the panel-ordered copies unless `plan` takes PANEL_Q4P somewhere."""
+    if all(path != PANEL_Q4P for _, path in plan):
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.drop_panels()
+
+
+def _set_unpacked(model: nn.Module, plan: Plan) -> None:
+    """Every layer's plan_unpacked (its plan where it holds no panel-ordered copy)."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.plan_unpacked = plan

@@ -2,7 +2,9 @@
 dequantization (never rounded to bfloat16): the batch-1 kernel (kernels/cpu/quant/
 quant_gemv_bf16.h, the op `quant_gemv_bf16`, also what `quant_linear` runs for one bfloat16 row
 of a Q4 format) and the factored panel (quant_panel_q4f.h, `quant_linear_panel(...,
-factored=True)`, the PANEL_Q4 path) at any row count.
+factored=True)`, the PANEL_Q4 path) at any row count; the panel-ordered layout's kernel
+(quant_panel_q4p.h, `quant_linear_q4p`, the PANEL_Q4P path) equals the factored panel bit for
+bit (same integers, same pair order, same float32 scale arithmetic).
 
 Tolerance, stated: |got - ref| <= 2^-8 |ref| + 2^-14 (|x| @ |W|^T). The first term is the
 output's one bfloat16 rounding (half an ulp is 2^-9 relative); the second bounds float32
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from engine.quant import formats
-from engine.quant.qlinear import PANEL, PANEL_Q4, QuantLinear, QuantTensor
+from engine.quant.qlinear import PANEL, PANEL_Q4, PANEL_Q4P, QuantLinear, QuantTensor
 from kernels.cpu.quant import load
 
 needs_gemv = pytest.mark.skipif(
@@ -150,3 +152,86 @@ def test_panel_q4_path_on_a_fused_layer_of_mixed_formats():
     bound = 2**-8 * ref.abs() + 2**-14 * (x.double().abs() @ q4.abs().T)
     assert bool(((got[:, :37] - ref).abs() <= bound).all())
     assert torch.equal(got[:, 37:], layer.run(x, PANEL).double()[:, 37:])
+
+
+needs_packed = pytest.mark.skipif(
+    not load() or not torch.ops.kvfleet_quant.quant_has_q4_panel_packed(),
+    reason="panel-ordered Q4 kernel not built (needs AVX512_BF16 and AVX512_VBMI)")
+
+
+@needs_packed
+@pytest.mark.parametrize("qtype", Q4, ids=formats.type_name)
+@pytest.mark.parametrize(("n", "k"), [(5, 32), (37, 288), (64, 576), (33, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 13, 32, 33])
+def test_packed_panel_equals_the_factored_panel(qtype, n, k, rows):
+    # n: a padded last panel, whole panels, a panel plus one row; rows: one and several passes
+    # of the 7-row micro-kernel. Bit for bit, hence within _check_panel's bound as well.
+    seed = n + k + rows
+    w = _weight(qtype, n, k, seed)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed + 100)).bfloat16()
+    ref = torch.empty(rows, n, dtype=torch.bfloat16)
+    torch.ops.kvfleet_quant.quant_linear_panel(ref, x, w.raw, qtype, True)
+    packed = torch.ops.kvfleet_quant.quant_q4_panel_pack(w.raw, qtype)
+    assert packed.numel() == (n + 31) // 32 * 32 * w.raw.shape[1]  # the GGUF bytes, padded
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    torch.ops.kvfleet_quant.quant_linear_q4p(out, x, packed, qtype)
+    assert torch.equal(out, ref)
+
+
+@needs_packed
+def test_packed_panel_every_nibble_reaches_its_weight():
+    # x one-hot: each output is the selected weight d * q (+ m), rounded once to bfloat16; a
+    # wrong nibble or lane order would pick another weight.
+    k = 64
+    w = _weight(formats.Q4_1, 40, k, seed=3)
+    dense = w.dequantize()
+    packed = torch.ops.kvfleet_quant.quant_q4_panel_pack(w.raw, w.qtype)
+    x = torch.eye(k, dtype=torch.bfloat16)
+    out = torch.empty(k, 40, dtype=torch.bfloat16)
+    torch.ops.kvfleet_quant.quant_linear_q4p(out, x, packed, w.qtype)
+    assert torch.equal(out, dense.T.bfloat16())
+
+
+@needs_packed
+def test_packed_panel_refuses_bad_input_naming_it():
+    w = _weight(formats.Q4_1, 40, 64, seed=1)
+    ops = torch.ops.kvfleet_quant
+    packed = ops.quant_q4_panel_pack(w.raw, w.qtype)
+    x = torch.randn(3, 64).bfloat16()
+    out = torch.empty(3, 40, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="qtype must be Q4_0 or Q4_1"):
+        ops.quant_q4_panel_pack(w.raw, formats.Q8_0)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        ops.quant_linear_q4p(out, x.float(), packed, w.qtype)
+    with pytest.raises(RuntimeError, match="packed must be quant_q4_panel_pack's output"):
+        ops.quant_linear_q4p(out, x, w.raw, w.qtype)  # the row-ordered bytes: wrong size
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        ops.quant_linear_q4p(out, x[:, :48].contiguous(), packed, w.qtype)
+
+
+@needs_packed
+def test_panel_q4p_path_on_a_fused_layer_of_mixed_formats():
+    # The packed Q4_1 segment writes its column slice of the output as PANEL_Q4 does; the
+    # Q8_0 segment has no copy and runs PANEL_Q4's op; dropping the copies changes nothing.
+    parts = [_weight(formats.Q4_1, 37, 288, seed=1), _weight(formats.Q8_0, 30, 288, seed=2)]
+    layer = QuantLinear(parts)
+    assert layer.pack_panels() == 64 * 288 // 32 * 20  # 37 rows padded to two panels
+    assert layer.segments[1].packed is None
+    x = torch.randn(17, 288, generator=torch.Generator().manual_seed(5)).bfloat16()
+    got = layer.run(x, PANEL_Q4P)
+    assert torch.equal(got, layer.run(x, PANEL_Q4))
+    layer.drop_panels()
+    assert layer.segments[0].packed is None
+    assert torch.equal(layer.run(x, PANEL_Q4P), got)
+
+
+@needs_packed
+def test_forward_takes_the_packed_panel_where_the_plan_starts_with_it():
+    # forward's direct call (one plain segment, the plan's first path PANEL_Q4P) and run()'s
+    # general case give the same bits; a float32 x never takes the packed op.
+    layer = QuantLinear([_weight(formats.Q4_0, 40, 288, seed=4)])
+    layer.pack_panels()
+    layer.plan = ((64, PANEL_Q4P),)
+    x = torch.randn(3, 288, generator=torch.Generator().manual_seed(6)).bfloat16()
+    assert torch.equal(layer(x), layer.run(x, PANEL_Q4))
+    assert layer(x.float()).dtype == torch.float32

@@ -19,6 +19,7 @@ from engine.quant.qlinear import (
     KERNEL,
     PANEL,
     PANEL_Q4,
+    PANEL_Q4P,
     QuantEmbedding,
     QuantLinear,
     QuantTensor,
@@ -160,6 +161,44 @@ def test_fit_plan_gives_the_factored_panel_the_rows_below_the_rounded_one():
     assert fit_plan(times) == ((1, KERNEL), (128, PANEL))
 
 
+def test_fit_plan_ranks_the_packed_panel_before_the_factored_one():
+    def t(kernel: float, panel: float, q4: float, q4p: float) -> dict[str, float]:
+        return {KERNEL: kernel, PANEL: panel, DENSE: 99.0, PANEL_Q4: q4, PANEL_Q4P: q4p}
+
+    times = {1: t(1, 3, 3, 2), 8: t(9, 5, 4, 3), 32: t(30, 9, 9, 6), 128: t(99, 40, 50, 45)}
+    assert fit_plan(times) == ((1, KERNEL), (32, PANEL_Q4P), (128, PANEL))
+    times[8] = t(9, 5, 3, 4)  # one faster PANEL_Q4 timing does not split PANEL_Q4P's range
+    assert fit_plan(times) == ((1, KERNEL), (32, PANEL_Q4P), (128, PANEL))
+    del times[8][PANEL_Q4P]  # a count without its timing: the path gets no range
+    assert PANEL_Q4P not in {p for _, p in fit_plan(times)}
+
+
+@needs_kernel
+def test_plan_frees_the_packed_copies_unless_it_takes_them():
+    layer = QuantLinear([_weight(formats.Q4_1, 32, seed=1)])
+    if not layer.pack_panels():
+        pytest.skip("panel-ordered Q4 kernel not built")
+    model = torch.nn.Sequential(layer)
+    select._keep_panels(model, ((1, KERNEL), (32, PANEL_Q4P)))
+    assert layer.segments[0].packed is not None
+    select._keep_panels(model, ((1, KERNEL), (32, PANEL_Q4)))
+    assert layer.segments[0].packed is None
+
+
+@needs_kernel
+def test_a_layer_without_packed_copies_takes_the_plan_fitted_without_them():
+    # A Q8_0 LM head beside packed Q4 projections: PANEL_Q4P in the plan must not send it to
+    # the panel kernel at rows where the register kernel was measured faster.
+    head = QuantLinear([_weight(formats.Q8_0, 32, seed=2)])
+    head.plan = ((64, PANEL_Q4P),)
+    head.plan_unpacked = ((4, KERNEL), (64, PANEL))
+    assert [head.path_for(r) for r in (1, 4, 8)] == [KERNEL, KERNEL, PANEL]
+    q4 = QuantLinear([_weight(formats.Q4_1, 32, seed=1)])
+    q4.plan, q4.plan_unpacked = head.plan, head.plan_unpacked
+    if q4.pack_panels():
+        assert q4.path_for(1) == PANEL_Q4P
+
+
 @needs_kernel
 def test_plan_times_the_factored_panel_only_for_bfloat16_q4():
     q4 = [[QuantLinear([_weight(formats.Q4_1, 32, seed=1)])]]
@@ -168,6 +207,9 @@ def test_plan_times_the_factored_panel_only_for_bfloat16_q4():
     assert PANEL_Q4 not in select._measure(q8, 8, torch.bfloat16)
     if torch.ops.kvfleet_quant.quant_has_q4_panel_factored():
         assert select._measure(q4, 8, torch.bfloat16)[PANEL_Q4] < float("inf")
+        assert PANEL_Q4P not in select._measure(q4, 8, torch.bfloat16)  # no copies made
+        q4[0][0].pack_panels()
+        assert select._measure(q4, 8, torch.bfloat16)[PANEL_Q4P] < float("inf")
 
 
 def test_unpermute_matches_transformers():

@@ -1,5 +1,6 @@
 """Builds and loads the GGUF quantized-GEMM kernels (`torch.ops.kvfleet_quant.*`) on first use:
-quant_gemm.cpp (Q8_0, Q4_0, Q4_1) and kquant_gemm.cpp (Q5_0, Q4_K, Q5_K, Q6_K), one library.
+quant_gemm.cpp (Q8_0, Q4_0, Q4_1), quant_panel.cpp, quant_panel_q4p.cpp (panel-ordered Q4)
+and kquant_gemm.cpp (Q5_0, Q4_K, Q5_K, Q6_K), one library.
 
 A library of its own beside `kernels.cpu`'s: editing this kernel rebuilds only it, and the
 quantized path can be missing (no compiler) while the other CPU ops work, or the reverse.
@@ -24,12 +25,13 @@ _SOURCES = [
     Path(__file__).with_name("quant_gemm.cpp"),
     Path(__file__).with_name("quant_panel.cpp"),
     Path(__file__).with_name("kquant_gemm.cpp"),
+    Path(__file__).with_name("quant_panel_q4p.cpp"),
 ]
 # Part of the build's cache key: kernels.cpu hashes only its own directory's headers (../simd.h
 # and ../panel_layout.h among them), not these.
 _HEADERS = [Path(__file__).with_name(h)
             for h in ("quant_blocks.h", "quant_gemv_bf16.h", "quant_panel.h",
-                      "quant_panel_bf16.h", "quant_panel_q4f.h")]
+                      "quant_panel_bf16.h", "quant_panel_q4f.h", "quant_panel_q4p.h")]
 _NAME = "kvfleet_quant_ops"
 _lock = threading.Lock()
 _state: dict[str, bool] = {}

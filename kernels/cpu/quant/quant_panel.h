@@ -9,8 +9,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#ifdef __AVX512BF16__
+#include <c10/util/BFloat16.h>
 #endif
 
 #include "../panel_layout.h"
@@ -57,6 +61,38 @@ void run_panels(Panel& panel, int64_t m_rows, const uint8_t* w, int64_t row_byte
     }
   }
 }
+
+#ifdef __AVX512BF16__
+// The bfloat16 micro-kernels' one step (quant_panel_bf16.h, quant_panel_q4f.h,
+// quant_panel_q4p.h): each of MR rows' k-pair at x + i * ldx broadcast into two VDPBF16PS
+// against the panel's two 16-column lines b0, b1.
+template <int MR>
+__attribute__((always_inline)) inline void pair_step(const uint16_t* x, int64_t ldx,
+                                                     __m512bh b0, __m512bh b1, __m512 s0[MR],
+                                                     __m512 s1[MR]) {
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i) {
+    uint32_t pair;
+    std::memcpy(&pair, x + i * ldx, sizeof pair);
+    const __m512bh xi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+    s0[i] = _mm512_dpbf16_ps(s0[i], xi, b0);
+    s1[i] = _mm512_dpbf16_ps(s1[i], xi, b1);
+  }
+}
+
+// MR rows of 32 float32 sums rounded once to bfloat16, the first `cols` of each stored.
+template <int MR>
+inline void store_rows_bf16(const __m512 acc0[MR], const __m512 acc1[MR], c10::BFloat16* out,
+                            int64_t ldo, int64_t cols) {
+  for (int i = 0; i < MR; ++i) {
+    c10::BFloat16 tmp[kPanelRows];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp), (__m256i)_mm512_cvtneps_pbh(acc0[i]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + 16),
+                        (__m256i)_mm512_cvtneps_pbh(acc1[i]));
+    std::memcpy(out + i * ldo, tmp, sizeof(c10::BFloat16) * cols);
+  }
+}
+#endif
 
 #ifdef __AVX512F__
 // r[i] lane j -> r[j] lane i (16 x 16 32-bit lanes): 32-bit then 64-bit interleaves within

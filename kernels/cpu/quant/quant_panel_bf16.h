@@ -82,22 +82,9 @@ void micro_bcast(const uint16_t* x, int64_t ldx, const uint32_t* panel, int64_t 
   for (int64_t j = 0; j < pairs; ++j) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + j * P);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + j * P + 16);
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      uint32_t pair;
-      std::memcpy(&pair, x + i * ldx + 2 * j, sizeof pair);
-      const __m512bh xi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      acc0[i] = _mm512_dpbf16_ps(acc0[i], xi, b0);
-      acc1[i] = _mm512_dpbf16_ps(acc1[i], xi, b1);
-    }
+    pair_step<MR>(x + 2 * j, ldx, b0, b1, acc0, acc1);
   }
-  for (int i = 0; i < MR; ++i) {
-    c10::BFloat16 tmp[P];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp), (__m256i)_mm512_cvtneps_pbh(acc0[i]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + 16),
-                        (__m256i)_mm512_cvtneps_pbh(acc1[i]));
-    std::memcpy(out + i * ldo, tmp, sizeof(c10::BFloat16) * cols);
-  }
+  store_rows_bf16<MR>(acc0, acc1, out, ldo, cols);
 }
 
 // The panel: pair j of weight row n at buf[j * 32 + n]; rows past the panel's are zero. Each

@@ -75,6 +75,21 @@ struct Q4fIndex {
   }
 };
 
+// One block's per-row sums folded into the accumulators: acc += d * s + c * X_b, X_b the
+// row's block sum (sx[i * nb]).
+template <int MR>
+__attribute__((always_inline)) inline void q4f_fold(const float* sx, int64_t nb,
+                                                    const __m512 s0[MR], const __m512 s1[MR],
+                                                    __m512 d0, __m512 d1, __m512 c0, __m512 c1,
+                                                    __m512 acc0[MR], __m512 acc1[MR]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    const __m512 xs = _mm512_set1_ps(sx[i * nb]);
+    acc0[i] = _mm512_fmadd_ps(s0[i], d0, _mm512_fmadd_ps(xs, c0, acc0[i]));
+    acc1[i] = _mm512_fmadd_ps(s1[i], d1, _mm512_fmadd_ps(xs, c1, acc1[i]));
+  }
+}
+
 // MR rows of x x the panel's 32 columns: per block, VDPBF16PS of each row's k-pairs (broadcast)
 // against the panel's 128 + q into per-block sums, then out += d * sums + c * X_b.
 template <int MR>
@@ -96,31 +111,13 @@ void micro_q4f(const uint16_t* x, int64_t ldx, const float* sx, int64_t nb, cons
     for (int64_t j = 0; j < kBlock / 2; ++j) {
       const __m512bh b0 = (__m512bh)_mm512_loadu_si512(qb + j * P);
       const __m512bh b1 = (__m512bh)_mm512_loadu_si512(qb + j * P + 16);
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; ++i) {
-        uint32_t pair;
-        std::memcpy(&pair, xb + i * ldx + 2 * j, sizeof pair);
-        const __m512bh xi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        s0[i] = _mm512_dpbf16_ps(s0[i], xi, b0);
-        s1[i] = _mm512_dpbf16_ps(s1[i], xi, b1);
-      }
+      pair_step<MR>(xb + 2 * j, ldx, b0, b1, s0, s1);
     }
     const __m512 d0 = _mm512_loadu_ps(d + b * P), d1 = _mm512_loadu_ps(d + b * P + 16);
     const __m512 c0 = _mm512_loadu_ps(c + b * P), c1 = _mm512_loadu_ps(c + b * P + 16);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xs = _mm512_set1_ps(sx[i * nb + b]);
-      acc0[i] = _mm512_fmadd_ps(s0[i], d0, _mm512_fmadd_ps(xs, c0, acc0[i]));
-      acc1[i] = _mm512_fmadd_ps(s1[i], d1, _mm512_fmadd_ps(xs, c1, acc1[i]));
-    }
+    q4f_fold<MR>(sx + b, nb, s0, s1, d0, d1, c0, c1, acc0, acc1);
   }
-  for (int i = 0; i < MR; ++i) {
-    c10::BFloat16 tmp[P];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp), (__m256i)_mm512_cvtneps_pbh(acc0[i]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + 16),
-                        (__m256i)_mm512_cvtneps_pbh(acc1[i]));
-    std::memcpy(out + i * ldo, tmp, sizeof(c10::BFloat16) * cols);
-  }
+  store_rows_bf16<MR>(acc0, acc1, out, ldo, cols);
 }
 
 // A panel of 128 + q in the dense bfloat16 panel layout (pair j of weight row n at
