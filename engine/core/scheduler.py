@@ -72,6 +72,8 @@ import time
 from engine.core.decode_prefill_cap import PrefillCap, is_prefilling
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import HostHit, KVCacheManager
+from engine.core.long_prefill_limit import LongPrefillLimit, default_threshold
+from engine.core.long_prefill_limit import for_step as long_prefill_limit
 from engine.core.prompt_logprobs import store_prompt_logprobs, take_prompt_logprobs
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import (
@@ -152,6 +154,8 @@ class Scheduler:
         deferred = (self.fair_share.deferred(self.running, self.waiting)
                     if self.fair_share is not None else set())
         cap = self.prefill_cap()
+        longs = long_prefill_limit(self.config.max_long_partial_prefills, self._long_threshold,
+                                   self.kv, computing)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -170,6 +174,8 @@ class Scheduler:
                               cap.limit(request, budget))
                 if not self._allocate_or_preempt(request, num_new, out):
                     break
+                if longs is not None and prefilling:
+                    longs.note_running(request, request.num_tokens - request.num_computed_tokens)
             out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             self.note_computing(request, num_new, computing)
             cap.take(request, num_new, prefilling)
@@ -189,11 +195,14 @@ class Scheduler:
                     self._recompute_swapped()
             admits = not self.swapped
             if admits:
-                budget = self._admit_waiting(out, budget, computing, cap, lora, first_deferred)
+                budget = self._admit_waiting(out, budget, computing, cap, lora, first_deferred,
+                                             longs)
         if deferred:
             budget = self._schedule_deferred(out, budget, deferred, computing, cap)
             if admits and first_deferred is not None:
-                budget = self._admit_waiting(out, budget, computing, cap, lora)
+                budget = self._admit_waiting(out, budget, computing, cap, lora, longs=longs)
+        if longs is not None:
+            longs.passed_over(self.waiting)
         if self.fair_share is not None:
             self.fair_share.charge((s.request, s.num_new_tokens) for s in out.scheduled)
         return out
@@ -274,6 +283,11 @@ class Scheduler:
                 return False
         return True
 
+    @property
+    def _long_threshold(self) -> int:
+        return (self.config.long_prefill_token_threshold
+                or default_threshold(self.config.max_model_len))
+
     def prefill_cap(self) -> PrefillCap:
         """The decode-role prompt cap of a step scheduled now (engine.core.decode_prefill_cap)."""
         return PrefillCap.for_step(self.config.max_prefill_tokens_per_decode_step,
@@ -281,11 +295,15 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash],
                        cap: PrefillCap, lora: LoRAAdmissionPass | None = None,
-                       before: Request | None = None) -> int:
+                       before: Request | None = None,
+                       longs: LongPrefillLimit | None = None) -> int:
         """Admit waiting requests in order while budget and seats last (and, with `before`,
-        while they sort before it in fair-share order); the budget left."""
+        while they sort before it in fair-share order; with `longs`, short prompts first and
+        long ones within its limit); the budget left."""
         order = (self.fair_share.admission_order(self.waiting)
                  if self.fair_share is not None else list(self.waiting))
+        if longs is not None:
+            order = longs.order(order)
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -296,10 +314,14 @@ class Scheduler:
                 continue  # a step holds at most max_loras adapters; it keeps its place
             if cap.limit(request, budget) <= 0:
                 continue  # the step's prompt tokens are spent; an imported one may still go
+            if longs is not None and not longs.admits(request, self.waiting):
+                continue  # next step, after the prefix its followers wait on has landed
             prefilling = is_prefilling(request)
             admitted = self.admit_one(request, cap.limit(request, budget), computing, out)
             if admitted is None:
                 break
+            if admitted and longs is not None:
+                longs.admitted(request)
             cap.take(request, admitted, prefilling)
             budget -= admitted
         return budget
