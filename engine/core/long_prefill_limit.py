@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request
+from engine.core.scheduler_output import SchedulerConfig
 from kvfleet.contracts.block_hash import BlockHash
 
 # Steps a long prompt may be passed over before it is treated as short (the starvation bound).
@@ -45,12 +46,14 @@ def default_threshold(max_model_len: int) -> int:
     return max(1, max_model_len * 4 // 100)
 
 
-def for_step(limit: int | None, threshold: int, kv: KVCacheManager,
+def for_step(config: SchedulerConfig, kv: KVCacheManager,
              computing: set[BlockHash]) -> LongPrefillLimit | None:
     """The limit of a step whose blocks being computed are `computing` (filled as the step is
     scheduled); None when there is no limit."""
+    limit = config.max_long_partial_prefills
     if not limit:
         return None
+    threshold = config.long_prefill_token_threshold or default_threshold(config.max_model_len)
 
     def looked_up(request: Request) -> tuple[int, int]:
         """(cached blocks, those plus the ones this step computes) of a waiting request."""

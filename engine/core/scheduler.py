@@ -53,6 +53,11 @@ Structured outputs (engine.structured): each appended token advances the request
 matcher; a complete grammar allows only EOS, which then finishes the request with "stop"
 even under ignore_eos or min_tokens (vLLM stops on the EOS the grammar allows, too).
 
+Long-prompt limit (`max_long_partial_prefills`, engine.core.long_prefill_limit): short prompts
+are admitted ahead of long ones, and while waiting requests follow a prefix that the step
+computes, the step starts at most that many long prompts, so followers start a step later
+rather than after every other prefix too.
+
 Decode-role prompt cap (`max_prefill_tokens_per_decode_step`, engine.core.decode_prefill_cap):
 in a step that decodes, prompts get at most that many tokens between them; decodes and imported
 requests are never held back by it.
@@ -72,10 +77,11 @@ import time
 from engine.core.decode_prefill_cap import PrefillCap, is_prefilling
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import HostHit, KVCacheManager
-from engine.core.long_prefill_limit import LongPrefillLimit, default_threshold
+from engine.core.long_prefill_limit import LongPrefillLimit
 from engine.core.long_prefill_limit import for_step as long_prefill_limit
 from engine.core.prompt_logprobs import store_prompt_logprobs, take_prompt_logprobs
 from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_integrity import check_scheduler
 from engine.core.scheduler_output import (
     RequestUpdate,
     ScheduledRequest,
@@ -154,8 +160,7 @@ class Scheduler:
         deferred = (self.fair_share.deferred(self.running, self.waiting)
                     if self.fair_share is not None else set())
         cap = self.prefill_cap()
-        longs = long_prefill_limit(self.config.max_long_partial_prefills, self._long_threshold,
-                                   self.kv, computing)
+        longs = long_prefill_limit(self.config, self.kv, computing)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -282,11 +287,6 @@ class Scheduler:
             if victim is request:
                 return False
         return True
-
-    @property
-    def _long_threshold(self) -> int:
-        return (self.config.long_prefill_token_threshold
-                or default_threshold(self.config.max_model_len))
 
     def prefill_cap(self) -> PrefillCap:
         """The decode-role prompt cap of a step scheduled now (engine.core.decode_prefill_cap)."""
@@ -503,16 +503,7 @@ class Scheduler:
         return len(self.swapped)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        ids = [r.request_id for r in self.waiting + self.running + self.swapped]
-        if len(ids) != len(set(ids)) or set(ids) != set(self.requests):
-            raise AssertionError("a request is lost or queued twice")
-        for queue in (self.waiting, self.swapped):
-            if [r.sort_key for r in queue] != sorted(r.sort_key for r in queue):
-                raise AssertionError("waiting or swapped queue is out of order")
-        swap_records = set() if self.kv.swap is None else set(self.kv.swap.records)
-        if swap_records != {r.request_id for r in self.swapped}:
-            raise AssertionError("swap records disagree with the swapped queue")
+        check_scheduler(self.kv, self.requests, self.waiting, self.running, self.swapped)
 
 
 def _insert_sorted(queue: list[Request], request: Request) -> None:

@@ -110,3 +110,25 @@ def test_default_threshold_is_four_percent_of_the_context():
 def test_negative_settings_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="m", **{field: value})
+
+
+BASE_ARGV = ["--model", "m", "--engine-id", "e", "--redis-url", "redis://127.0.0.1:1"]
+
+
+def test_engine_flags_reach_the_config():
+    from engine.service.server import build_parser, options_from_args
+
+    args = build_parser().parse_args(
+        [*BASE_ARGV, "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "64"])
+    engine = options_from_args(args).engine
+    assert (engine.max_long_partial_prefills, engine.long_prefill_token_threshold) == (1, 64)
+    default = options_from_args(build_parser().parse_args(BASE_ARGV)).engine
+    assert (default.max_long_partial_prefills, default.long_prefill_token_threshold) == (None, 0)
+
+
+def test_a_negative_flag_is_refused(capsys):
+    from engine.service.server import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*BASE_ARGV, "--max-long-partial-prefills", "-1"])
+    assert "--max-long-partial-prefills" in capsys.readouterr().err
