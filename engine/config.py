@@ -96,6 +96,9 @@ class EngineConfig:
     # and short prompts go first. None or 0: no limit.
     max_long_partial_prefills: int | None = None
     long_prefill_token_threshold: int = 0
+    # A step that admits short prompts starts no long prompt (it starts a step later), so
+    # the short ones' first tokens do not wait for its compute; off by default.
+    short_prefill_steps: bool = False
     # Speculative decoding (engine.spec_decode): vLLM's speculative_config; a dict or a JSON
     # string is parsed (and validated) into a SpeculativeConfig here.
     speculative_config: SpeculativeConfig | None = None

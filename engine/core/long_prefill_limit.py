@@ -3,7 +3,8 @@
 vLLM's names: a prompt is *long* when more than `long_prefill_token_threshold` of its tokens
 are left to compute (prefix-cache hits, and blocks that the step itself computes, are free);
 a step starts at most `max_long_partial_prefills` long prompts, and short prompts are admitted
-ahead of long ones.
+ahead of long ones. With `short_prefill_steps`, a step that admits short prompts starts no
+long one: it waits a step, and the short prompts' first tokens do not wait for its compute.
 
 Why: in a step every prompt gets its first token only when the whole step ends, and a request
 whose prefix another request computes in that step must wait for the next step anyway
@@ -12,7 +13,9 @@ used to make step 1 compute the 4 prefixes (2,048 tokens) and step 2 every suffi
 48 first tokens came after both. With one long prompt a step, step 1 computes prefix A, step 2
 A's 11 suffixes (32 tokens each) beside prefix B, and so on: each prefix's followers get their
 first token one prefix-time after it instead of after all four (docs/architecture.md has the
-measured TTFT).
+measured TTFT). Under Poisson arrivals the worst TTFTs are of requests whose step also
+started another prefix's 512 tokens: with short-prefill steps they get their first token after
+a step of ~32-token prompts instead.
 
 Invariants:
 - The limit binds only in a step with followers: some waiting request whose first uncached
@@ -50,8 +53,8 @@ def for_step(config: SchedulerConfig, kv: KVCacheManager,
              computing: set[BlockHash]) -> LongPrefillLimit | None:
     """The limit of a step whose blocks being computed are `computing` (filled as the step is
     scheduled); None when there is no limit."""
-    limit = config.max_long_partial_prefills
-    if not limit:
+    limit = config.max_long_partial_prefills or None
+    if limit is None and not config.short_prefill_steps:
         return None
     threshold = config.long_prefill_token_threshold or default_threshold(config.max_model_len)
 
@@ -75,7 +78,7 @@ def for_step(config: SchedulerConfig, kv: KVCacheManager,
         cached, end = looked_up(request)
         return end > cached
 
-    return LongPrefillLimit(limit, threshold, cost, follows)
+    return LongPrefillLimit(limit, threshold, cost, follows, config.short_prefill_steps)
 
 
 class LongPrefillLimit:
@@ -86,13 +89,15 @@ class LongPrefillLimit:
     its first uncached block is being computed this step.
     """
 
-    def __init__(self, limit: int, threshold: int, cost: Callable[[Request], int],
-                 follows: Callable[[Request], bool]) -> None:
+    def __init__(self, limit: int | None, threshold: int, cost: Callable[[Request], int],
+                 follows: Callable[[Request], bool], short_steps: bool = False) -> None:
         self.limit = limit
         self.threshold = threshold
         self._cost = cost
         self._follows = follows
+        self.short_steps = short_steps
         self.num_long = 0
+        self.num_short = 0
         self._long: dict[int, bool] = {}
 
     def is_long(self, request: Request) -> bool:
@@ -114,13 +119,19 @@ class LongPrefillLimit:
 
     def admits(self, request: Request, waiting: Sequence[Request]) -> bool:
         """Whether `request` may start now; False keeps it waiting for the next step."""
-        if not self.is_long(request) or self.num_long < self.limit:
+        if not self.is_long(request):
+            return True
+        if self.short_steps and self.num_short:
+            return False  # the short prompts' first tokens do not wait for its compute
+        if self.limit is None or self.num_long < self.limit:
             return True
         return not any(r is not request and self._follows(r) for r in waiting[:WINDOW])
 
     def admitted(self, request: Request) -> None:
         if self.is_long(request):
             self.num_long += 1
+        else:
+            self.num_short += 1
 
     def passed_over(self, requests: Sequence[Request]) -> None:
         """The step ends with these still waiting: long ones age toward the bound."""

@@ -35,6 +35,8 @@ class SchedulerConfig:
     # than the threshold of tokens left to compute (0: 4% of max_model_len).
     max_long_partial_prefills: int | None = None
     long_prefill_token_threshold: int = 0
+    # A step that admits short prompts starts no long one (engine.core.long_prefill_limit).
+    short_prefill_steps: bool = False
 
 
 @dataclass(frozen=True)

@@ -383,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
                         help="a prompt with more tokens than this left to compute is long "
                              "(0: 4%% of --max-model-len; default: %(default)s)")
+    parser.add_argument("--short-prefill-steps", action=argparse.BooleanOptionalAction,
+                        default=False, help="a step that starts short prompts starts no long "
+                        "one, so their first tokens do not wait for it (default: %(default)s)")
     parser.add_argument("--preempt-steps-for-new-tenants",
                         action=argparse.BooleanOptionalAction, default=True,
                         help="pause a step between layers to serve a newly arrived tenant's "
@@ -421,6 +424,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         scheduling_policy=args.scheduling_policy,
         max_long_partial_prefills=args.max_long_partial_prefills,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        short_prefill_steps=args.short_prefill_steps,
         preempt_steps_for_new_tenants=args.preempt_steps_for_new_tenants,
         attention_backend=args.attention_backend,
         device=args.device,

@@ -1,6 +1,7 @@
 """Greedy output equals transformers' `generate` with the long-prompt limit on
 (engine.core.long_prefill_limit), on prompts that share prefixes, so the limit binds: followers
-wait for their prefix, short prompts jump long ones, chunks are reordered.
+wait for their prefix, short prompts jump long ones (and, with short-prefill steps, keep long
+ones out of their step), chunks are reordered.
 """
 
 from __future__ import annotations
@@ -22,10 +23,19 @@ def prompts(tiny_model_dir) -> list[list[int]]:
     return [prefixes[i % 3] + suffix for i, suffix in enumerate(suffixes)]
 
 
-@pytest.mark.parametrize("budget", [2048, 32])
-def test_greedy_matches_transformers_with_long_prefill_limit(tiny_model_dir, prompts, budget):
+LIMIT = {"max_long_partial_prefills": 1}
+SHORT_STEPS = {"short_prefill_steps": True}
+
+
+@pytest.mark.parametrize("budget,policy", [
+    pytest.param(2048, LIMIT, id="limit-whole"),
+    pytest.param(32, LIMIT, id="limit-chunked"),
+    pytest.param(2048, {**LIMIT, **SHORT_STEPS}, id="limit-short-steps"),
+])
+def test_greedy_matches_transformers_with_long_prefill_limit(tiny_model_dir, prompts, budget,
+                                                            policy):
     llm = LLM(tiny_model_dir, dtype="float32", max_num_batched_tokens=budget,
-              max_long_partial_prefills=1, long_prefill_token_threshold=8)
+              long_prefill_token_threshold=8, **policy)
     got, _ = run_checked(llm.engine, prompts, GREEDY)
     assert got == transformers_greedy(tiny_model_dir, prompts, NEW_TOKENS)
     # Every follower hit its prefix's full blocks (none was computed twice); the first of

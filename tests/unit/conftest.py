@@ -43,6 +43,7 @@ class Harness:
         max_prefill_tokens_per_decode_step: int | None = None,
         max_long_partial_prefills: int | None = None,
         long_prefill_token_threshold: int = 0,
+        short_prefill_steps: bool = False,
     ) -> None:
         # Host ids as the engine lays them out: swap space first, then the host tier.
         self.kv = KVCacheManager(
@@ -60,6 +61,7 @@ class Harness:
             max_prefill_tokens_per_decode_step=max_prefill_tokens_per_decode_step,
             max_long_partial_prefills=max_long_partial_prefills,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            short_prefill_steps=short_prefill_steps,
         )
         # The copies planned by the last schedule() (the engine runs them before the step).
         self.last_plan = TransferPlan()

@@ -100,6 +100,33 @@ def test_a_long_prompt_passed_over_too_often_goes_in_arrival_order(make_harness)
     assert h.waiting == ["late"]
 
 
+def test_short_prefill_steps_start_no_long_prompt_beside_short_ones(make_harness):
+    h = make_harness(max_num_batched_tokens=32, num_blocks=20, short_prefill_steps=True,
+                     long_prefill_token_threshold=4)
+    h.add("a1", P + [1, 2], max_tokens=1)
+    h.step()
+    h.add("long", list(range(10, 20)))
+    h.add("a2", P + [5, 6])  # 8 of its 10 tokens are cached: short
+    out, _ = h.step()
+    assert h.scheduled(out) == [("a2", 2)]
+    assert h.block_ids("a2")[:2] == [0, 1]
+    out, _ = h.step()
+    assert h.scheduled(out) == [("a2", 1), ("long", 10)]
+
+
+def test_short_prefill_steps_let_a_long_prompt_go_after_the_bound(make_harness):
+    h = make_harness(max_num_batched_tokens=16, max_num_seqs=64, num_blocks=64,
+                     short_prefill_steps=True, long_prefill_token_threshold=4)
+    h.add("long", list(range(10, 22)))
+    for step in range(MAX_WAITS):
+        h.add(f"s{step}", [1000 + 3 * step, 1001 + 3 * step, 1002 + 3 * step], max_tokens=1)
+        out, _ = h.step()
+        assert h.scheduled(out) == [(f"s{step}", 3)]
+    h.add("late", [7, 8, 9], max_tokens=1)
+    out, _ = h.step()
+    assert h.scheduled(out) == [("long", 12), ("late", 3)]
+
+
 def test_default_threshold_is_four_percent_of_the_context():
     assert default_threshold(2048) == 81
     assert default_threshold(10) == 1
@@ -122,8 +149,11 @@ def test_engine_flags_reach_the_config():
         [*BASE_ARGV, "--max-long-partial-prefills", "1", "--long-prefill-token-threshold", "64"])
     engine = options_from_args(args).engine
     assert (engine.max_long_partial_prefills, engine.long_prefill_token_threshold) == (1, 64)
+    assert not engine.short_prefill_steps
     default = options_from_args(build_parser().parse_args(BASE_ARGV)).engine
     assert (default.max_long_partial_prefills, default.long_prefill_token_threshold) == (None, 0)
+    short = options_from_args(build_parser().parse_args([*BASE_ARGV, "--short-prefill-steps"]))
+    assert short.engine.short_prefill_steps
 
 
 def test_a_negative_flag_is_refused(capsys):
