@@ -4,7 +4,8 @@ vLLM's names: a prompt is *long* when more than `long_prefill_token_threshold` o
 are left to compute (prefix-cache hits, and blocks that the step itself computes, are free);
 a step starts at most `max_long_partial_prefills` long prompts, and short prompts are admitted
 ahead of long ones. With `short_prefill_steps`, a step that admits short prompts starts no
-long one: it waits a step, and the short prompts' first tokens do not wait for its compute.
+long prompt that has not waited yet: it waits one step, once, and the short prompts' first
+tokens do not wait for its compute.
 
 Why: in a step every prompt gets its first token only when the whole step ends, and a request
 whose prefix another request computes in that step must wait for the next step anyway
@@ -23,8 +24,9 @@ Invariants:
   first, so the step batches prompts exactly as without the limit (same throughput).
 - Short prompts go first within a priority; the base order (fair share or FCFS) is kept
   within short and within long ones.
-- No starvation: a long prompt passed over (by the limit, or by short prompts that used the
-  budget) in `MAX_WAITS` steps is from then on ordered and admitted as a short one.
+- No starvation: short-prefill steps hold a long prompt back once; a long prompt passed over
+  (by the limit, or by short prompts that used the budget) in `MAX_WAITS` steps is from then
+  on ordered and admitted as a short one.
 - Prompts already running are never held back: the limit counts their long chunks and only
   delays admissions.
 """
@@ -121,7 +123,7 @@ class LongPrefillLimit:
         """Whether `request` may start now; False keeps it waiting for the next step."""
         if not self.is_long(request):
             return True
-        if self.short_steps and self.num_short:
+        if self.short_steps and self.num_short and not request.long_prefill_waits:
             return False  # the short prompts' first tokens do not wait for its compute
         if self.limit is None or self.num_long < self.limit:
             return True

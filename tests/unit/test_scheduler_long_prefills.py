@@ -114,17 +114,16 @@ def test_short_prefill_steps_start_no_long_prompt_beside_short_ones(make_harness
     assert h.scheduled(out) == [("a2", 1), ("long", 10)]
 
 
-def test_short_prefill_steps_let_a_long_prompt_go_after_the_bound(make_harness):
+def test_short_prefill_steps_hold_a_long_prompt_back_once(make_harness):
     h = make_harness(max_num_batched_tokens=16, max_num_seqs=64, num_blocks=64,
                      short_prefill_steps=True, long_prefill_token_threshold=4)
     h.add("long", list(range(10, 22)))
-    for step in range(MAX_WAITS):
-        h.add(f"s{step}", [1000 + 3 * step, 1001 + 3 * step, 1002 + 3 * step], max_tokens=1)
-        out, _ = h.step()
-        assert h.scheduled(out) == [(f"s{step}", 3)]
-    h.add("late", [7, 8, 9], max_tokens=1)
+    h.add("s0", [1000, 1001, 1002], max_tokens=1)
     out, _ = h.step()
-    assert h.scheduled(out) == [("long", 12), ("late", 3)]
+    assert h.scheduled(out) == [("s0", 3)]
+    h.add("s1", [2000, 2001, 2002], max_tokens=1)
+    out, _ = h.step()
+    assert h.scheduled(out) == [("s1", 3), ("long", 12)]
 
 
 def test_default_threshold_is_four_percent_of_the_context():
