@@ -13,8 +13,9 @@ whose prefix another request computes in that step must wait for the next step a
 used to make step 1 compute the 4 prefixes (2,048 tokens) and step 2 every suffix, so 45 of the
 48 first tokens came after both. With one long prompt a step, step 1 computes prefix A, step 2
 A's 11 suffixes (32 tokens each) beside prefix B, and so on: each prefix's followers get their
-first token one prefix-time after it instead of after all four (docs/architecture.md has the
-measured TTFT). Under Poisson arrivals the worst TTFTs are of requests whose step also
+first token one prefix-time after it instead of after all four. Both policies are opt-in: at
+rate inf every request ends near the run's end anyway, so TTFT gained is TPOT lost
+(docs/architecture.md, with the measured pairs). Under Poisson arrivals the worst TTFTs are of requests whose step also
 started another prefix's 512 tokens: with short-prefill steps they get their first token after
 a step of ~32-token prompts instead.
 
