@@ -15,9 +15,9 @@ used to make step 1 compute the 4 prefixes (2,048 tokens) and step 2 every suffi
 A's 11 suffixes (32 tokens each) beside prefix B, and so on: each prefix's followers get their
 first token one prefix-time after it instead of after all four. Both policies are opt-in: at
 rate inf every request ends near the run's end anyway, so TTFT gained is TPOT lost
-(docs/architecture.md, with the measured pairs). Under Poisson arrivals the worst TTFTs are of requests whose step also
-started another prefix's 512 tokens: with short-prefill steps they get their first token after
-a step of ~32-token prompts instead.
+(docs/architecture.md, with the measured pairs). Under Poisson arrivals the worst TTFTs are
+of requests whose step also started another prefix's 512 tokens: with short-prefill steps they
+get their first token after a step of ~32-token prompts instead.
 
 Invariants:
 - The limit binds only in a step with followers: some waiting request whose first uncached
