@@ -95,6 +95,15 @@ class EngineConfig:
     # step stays near decode size (engine.core.decode_prefill_cap). None or 0: no cap; the
     # engine server sets it for --role decode.
     max_prefill_tokens_per_decode_step: int | None = None
+    # vLLM's names (engine.core.long_prefill_limit): while waiting requests follow a prefix
+    # that a step computes, the step starts at most max_long_partial_prefills prompts with
+    # more than long_prefill_token_threshold tokens to compute (0: 4% of max_model_len),
+    # and short prompts go first. None or 0: no limit.
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int = 0
+    # A step that admits short prompts starts no long prompt (it starts a step later), so
+    # the short ones' first tokens do not wait for its compute; off by default.
+    short_prefill_steps: bool = False
     # Speculative decoding (engine.spec_decode): vLLM's speculative_config; a dict or a JSON
     # string is parsed (and validated) into a SpeculativeConfig here.
     speculative_config: SpeculativeConfig | None = None
@@ -125,6 +134,13 @@ class EngineConfig:
         if cap is not None and cap < 0:
             raise ValueError(f"max_prefill_tokens_per_decode_step must be 0 (no cap) or "
                              f"positive, got {cap}")
+        longs = self.max_long_partial_prefills
+        if longs is not None and longs < 0:
+            raise ValueError(f"max_long_partial_prefills must be 0 (no limit) or positive, "
+                             f"got {longs}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be 0 (4% of max_model_len) "
+                             f"or positive, got {self.long_prefill_token_threshold}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.attention_backend == "kernel":  # the earlier name

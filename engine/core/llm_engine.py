@@ -180,6 +180,9 @@ class LLMEngine:
                 preemption_mode=config.preemption_mode,
                 swap_min_computed_tokens=config.swap_min_computed_tokens,
                 max_prefill_tokens_per_decode_step=config.max_prefill_tokens_per_decode_step,
+                max_long_partial_prefills=config.max_long_partial_prefills or None,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                short_prefill_steps=config.short_prefill_steps,
                 spec_disable_by_batch_size=(
                     config.speculative_config.disable_by_batch_size
                     if config.speculative_config is not None else None

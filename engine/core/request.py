@@ -112,6 +112,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Steps this request, waiting as a long prompt, was passed over (the starvation bound of
+    # engine.core.long_prefill_limit).
+    long_prefill_waits: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     # time.monotonic() when the request entered the engine / was first scheduled (metrics,
     # tracing: queue time = first_scheduled_time - arrival_time).

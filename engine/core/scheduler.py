@@ -53,6 +53,11 @@ Structured outputs (engine.structured): each appended token advances the request
 matcher; a complete grammar allows only EOS, which then finishes the request with "stop"
 even under ignore_eos or min_tokens (vLLM stops on the EOS the grammar allows, too).
 
+Long-prompt limit (`max_long_partial_prefills`, engine.core.long_prefill_limit): short prompts
+are admitted ahead of long ones, and while waiting requests follow a prefix that the step
+computes, the step starts at most that many long prompts, so followers start a step later
+rather than after every other prefix too.
+
 Decode-role prompt cap (`max_prefill_tokens_per_decode_step`, engine.core.decode_prefill_cap):
 in a step that decodes, prompts get at most that many tokens between them; decodes and imported
 requests are never held back by it.
@@ -72,8 +77,11 @@ import time
 from engine.core.decode_prefill_cap import PrefillCap, is_prefilling
 from engine.core.fair_share import FairShare
 from engine.core.kv_cache_manager import HostHit, KVCacheManager
+from engine.core.long_prefill_limit import LongPrefillLimit
+from engine.core.long_prefill_limit import for_step as long_prefill_limit
 from engine.core.prompt_logprobs import store_prompt_logprobs, take_prompt_logprobs
 from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_integrity import check_scheduler
 from engine.core.scheduler_output import (
     RequestUpdate,
     ScheduledRequest,
@@ -152,6 +160,7 @@ class Scheduler:
         deferred = (self.fair_share.deferred(self.running, self.waiting)
                     if self.fair_share is not None else set())
         cap = self.prefill_cap()
+        longs = long_prefill_limit(self.config, self.kv, computing)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -170,6 +179,8 @@ class Scheduler:
                               cap.limit(request, budget))
                 if not self._allocate_or_preempt(request, num_new, out):
                     break
+                if longs is not None and prefilling:
+                    longs.note_running(request, request.num_tokens - request.num_computed_tokens)
             out.scheduled.append(ScheduledRequest(request, num_new, drafts))
             self.note_computing(request, num_new, computing)
             cap.take(request, num_new, prefilling)
@@ -189,11 +200,14 @@ class Scheduler:
                     self._recompute_swapped()
             admits = not self.swapped
             if admits:
-                budget = self._admit_waiting(out, budget, computing, cap, lora, first_deferred)
+                budget = self._admit_waiting(out, budget, computing, cap, lora, first_deferred,
+                                             longs)
         if deferred:
             budget = self._schedule_deferred(out, budget, deferred, computing, cap)
             if admits and first_deferred is not None:
-                budget = self._admit_waiting(out, budget, computing, cap, lora)
+                budget = self._admit_waiting(out, budget, computing, cap, lora, longs=longs)
+        if longs is not None:
+            longs.passed_over(self.waiting)
         if self.fair_share is not None:
             self.fair_share.charge((s.request, s.num_new_tokens) for s in out.scheduled)
         return out
@@ -281,11 +295,15 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, computing: set[BlockHash],
                        cap: PrefillCap, lora: LoRAAdmissionPass | None = None,
-                       before: Request | None = None) -> int:
+                       before: Request | None = None,
+                       longs: LongPrefillLimit | None = None) -> int:
         """Admit waiting requests in order while budget and seats last (and, with `before`,
-        while they sort before it in fair-share order); the budget left."""
+        while they sort before it in fair-share order; with `longs`, short prompts first and
+        long ones within its limit); the budget left."""
         order = (self.fair_share.admission_order(self.waiting)
                  if self.fair_share is not None else list(self.waiting))
+        if longs is not None:
+            order = longs.order(order)
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -296,10 +314,14 @@ class Scheduler:
                 continue  # a step holds at most max_loras adapters; it keeps its place
             if cap.limit(request, budget) <= 0:
                 continue  # the step's prompt tokens are spent; an imported one may still go
+            if longs is not None and not longs.admits(request, self.waiting):
+                continue  # next step, after the prefix its followers wait on has landed
             prefilling = is_prefilling(request)
             admitted = self.admit_one(request, cap.limit(request, budget), computing, out)
             if admitted is None:
                 break
+            if admitted and longs is not None:
+                longs.admitted(request)
             cap.take(request, admitted, prefilling)
             budget -= admitted
         return budget
@@ -481,16 +503,7 @@ class Scheduler:
         return len(self.swapped)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        ids = [r.request_id for r in self.waiting + self.running + self.swapped]
-        if len(ids) != len(set(ids)) or set(ids) != set(self.requests):
-            raise AssertionError("a request is lost or queued twice")
-        for queue in (self.waiting, self.swapped):
-            if [r.sort_key for r in queue] != sorted(r.sort_key for r in queue):
-                raise AssertionError("waiting or swapped queue is out of order")
-        swap_records = set() if self.kv.swap is None else set(self.kv.swap.records)
-        if swap_records != {r.request_id for r in self.swapped}:
-            raise AssertionError("swap records disagree with the swapped queue")
+        check_scheduler(self.kv, self.requests, self.waiting, self.running, self.swapped)
 
 
 def _insert_sorted(queue: list[Request], request: Request) -> None:

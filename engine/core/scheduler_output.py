@@ -30,6 +30,13 @@ class SchedulerConfig:
     # In a step that decodes, prompts get at most this many tokens between them (None or 0:
     # no cap; a decode-role engine's default, engine.core.decode_prefill_cap).
     max_prefill_tokens_per_decode_step: int | None = None
+    # vLLM's names (engine.core.long_prefill_limit): a step starts at most this many long
+    # prompts while others wait on a prefix it computes (None or 0: no limit); long means more
+    # than the threshold of tokens left to compute (0: 4% of max_model_len).
+    max_long_partial_prefills: int | None = None
+    long_prefill_token_threshold: int = 0
+    # A step that admits short prompts starts no long one (engine.core.long_prefill_limit).
+    short_prefill_steps: bool = False
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ from engine.spec_decode.spec_config import speculative_config_arg
 from kvfleet.contracts.adapter_paths import AdapterRoots
 from kvfleet.contracts.redis_schema import ROLE_BOTH, ROLES
 from kvfleet.runtime import event_loop
-from kvfleet.runtime.arg_types import positive_int, seconds
+from kvfleet.runtime.arg_types import non_negative_int, positive_int, seconds
 from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
@@ -377,6 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="order among tenants: fair (weighted fair share of tokens, "
                              "docs/tenants.md) or fcfs (priority, then arrival) "
                              "(default: %(default)s)")
+    parser.add_argument("--max-long-partial-prefills", type=non_negative_int, default=None,
+                        help="while waiting requests follow a prefix a step computes, start at "
+                             "most this many long prompts in that step, short ones first "
+                             "(vLLM's name; 0: no limit; default: %(default)s)")
+    parser.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
+                        help="a prompt with more tokens than this left to compute is long "
+                             "(0: 4%% of --max-model-len; default: %(default)s)")
+    parser.add_argument("--short-prefill-steps", action=argparse.BooleanOptionalAction,
+                        default=False, help="a step that starts short prompts starts no long "
+                        "one, so their first tokens do not wait for it (default: %(default)s)")
     parser.add_argument("--preempt-steps-for-new-tenants",
                         action=argparse.BooleanOptionalAction, default=True,
                         help="pause a step between layers to serve a newly arrived tenant's "
@@ -413,6 +423,9 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         linear_backend=args.linear_backend,
         quantization=args.quantization,
         scheduling_policy=args.scheduling_policy,
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        short_prefill_steps=args.short_prefill_steps,
         preempt_steps_for_new_tenants=args.preempt_steps_for_new_tenants,
         attention_backend=args.attention_backend,
         device=args.device,

@@ -41,6 +41,9 @@ class Harness:
         preemption_mode: str = "recompute",
         swap_min_computed_tokens: int = 0,
         max_prefill_tokens_per_decode_step: int | None = None,
+        max_long_partial_prefills: int | None = None,
+        long_prefill_token_threshold: int = 0,
+        short_prefill_steps: bool = False,
     ) -> None:
         # Host ids as the engine lays them out: swap space first, then the host tier.
         self.kv = KVCacheManager(
@@ -56,6 +59,9 @@ class Harness:
             preemption_mode=preemption_mode,
             swap_min_computed_tokens=swap_min_computed_tokens,
             max_prefill_tokens_per_decode_step=max_prefill_tokens_per_decode_step,
+            max_long_partial_prefills=max_long_partial_prefills,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            short_prefill_steps=short_prefill_steps,
         )
         # The copies planned by the last schedule() (the engine runs them before the step).
         self.last_plan = TransferPlan()

@@ -54,9 +54,16 @@ def check_request_state(harness):
         assert request.num_computed_tokens <= request.num_tokens
 
 
+# engine.core.long_prefill_limit's policies, with a threshold that makes shared-prefix
+# followers short and fresh prompts long.
+LONG_PREFILLS = {"max_long_partial_prefills": 1, "short_prefill_steps": True,
+                 "long_prefill_token_threshold": 6}
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("chunked", [True, False])
-def test_random_soak_runs_to_completion(make_harness, seed, chunked):
+@pytest.mark.parametrize("policy", [{}, LONG_PREFILLS], ids=["fcfs", "long-prefills"])
+def test_random_soak_runs_to_completion(make_harness, seed, chunked, policy):
     rng = random.Random(seed)
     num_blocks = 10  # the longest request (20 + 12 tokens) needs 8
     h = make_harness(
@@ -65,6 +72,7 @@ def test_random_soak_runs_to_completion(make_harness, seed, chunked):
         max_num_batched_tokens=32 if not chunked else 12,
         max_model_len=64,
         enable_chunked_prefill=chunked,
+        **policy,
     )
     shadow = ShadowKV(num_blocks)
     pending = list(range(30))
