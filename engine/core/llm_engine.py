@@ -50,13 +50,10 @@ from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.models.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import load_model, resolve_dtype
+from engine.models.loader import resolve_dtype
 from engine.models.registry import check_features, supports_cuda_graphs
 from engine.quant.gguf_file import companion_dir, is_gguf
-from engine.quant.gguf_model import load_gguf_model
-from engine.quant.int4 import quantize_int4
-from engine.quant.int8 import quantize_int8
-from engine.quant.prequant_model import load_prequant_model, prequant_config_of
+from engine.quant.load_weights import load_engine_model
 from engine.spec_decode.build import build_speculator
 from engine.spec_decode.speculator import Speculator
 from engine.structured.backend import GrammarBackend
@@ -227,25 +224,9 @@ class LLMEngine:
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         try:
-            if self.gguf_file is not None:
-                return load_gguf_model(self.gguf_file, self.model_config, self.dtype, self.device)
-            method = self.config.quantization
-            prequant = prequant_config_of(model_dir)
-            if prequant is not None or method in ("awq", "gptq"):
-                if prequant is None or method not in (None, prequant.method):
-                    raise ValueError(
-                        f"quantization={method!r} does not match the checkpoint at {model_dir} "
-                        f"(its quantization_config.quant_method: "
-                        f"{None if prequant is None else prequant.method!r})")
-                return load_prequant_model(
-                    model_dir, self.model_config, prequant, self.dtype, self.device,
-                    triton=self.attention_backend == "triton")
-            model = load_model(model_dir, self.dtype, self.device)[0]
-            if self.config.quantization == "int8":
-                return quantize_int8(model)
-            if self.config.quantization == "int4":
-                return quantize_int4(model)
-            return model
+            return load_engine_model(model_dir, self.gguf_file, self.model_config,
+                                     self.config.quantization, self.dtype, self.device,
+                                     triton=self.attention_backend == "triton")
         except torch.OutOfMemoryError as exc:
             itemsize = torch.empty((), dtype=self.dtype).element_size()
             raise out_of_memory(

@@ -53,10 +53,7 @@ Structured outputs (engine.structured): each appended token advances the request
 matcher; a complete grammar allows only EOS, which then finishes the request with "stop"
 even under ignore_eos or min_tokens (vLLM stops on the EOS the grammar allows, too).
 
-Long-prompt limit (`max_long_partial_prefills`, engine.core.long_prefill_limit): short prompts
-are admitted ahead of long ones, and while waiting requests follow a prefix that the step
-computes, the step starts at most that many long prompts, so followers start a step later
-rather than after every other prefix too.
+Long-prompt limit and short-prefill steps: engine.core.long_prefill_limit (opt-in).
 
 Decode-role prompt cap (`max_prefill_tokens_per_decode_step`, engine.core.decode_prefill_cap):
 in a step that decodes, prompts get at most that many tokens between them; decodes and imported
@@ -490,17 +487,9 @@ class Scheduler:
         self.requests.pop(request.request_id, None)
 
     # ------------------------------------------------------------------ introspection
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self.swapped)
+    num_running = property(lambda self: len(self.running))
+    num_waiting = property(lambda self: len(self.waiting))
+    num_swapped = property(lambda self: len(self.swapped))
 
     def check_integrity(self) -> None:
         check_scheduler(self.kv, self.requests, self.waiting, self.running, self.swapped)

@@ -56,6 +56,7 @@ from engine.service.lora_flags import (
 )
 from engine.service.metrics import EngineMetrics
 from engine.service.redis_publisher import EngineRegistration, RedisPublisher, validate_engine_id
+from engine.service.scheduling_flags import add_scheduling_arguments, scheduling_config
 from engine.service.servicer import EngineIdentity, EngineServicer
 from engine.service.step_watchdog import DEFAULT_TIMEOUT_S as DEFAULT_WATCHDOG_TIMEOUT_S
 from engine.service.step_watchdog import StepWatchdog
@@ -63,7 +64,7 @@ from engine.spec_decode.spec_config import speculative_config_arg
 from kvfleet.contracts.adapter_paths import AdapterRoots
 from kvfleet.contracts.redis_schema import ROLE_BOTH, ROLES
 from kvfleet.runtime import event_loop
-from kvfleet.runtime.arg_types import non_negative_int, positive_int, seconds
+from kvfleet.runtime.arg_types import positive_int, seconds
 from kvfleet.runtime.grpc_server import GrpcServer, format_address, write_port_file
 from kvfleet.runtime.metrics import MetricsEndpoint, start_metrics_endpoint
 from kvfleet.runtime.options import ServerOptions, add_server_arguments, start_service_process
@@ -373,25 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-secret-file", type=Path, default=None,
                         help="file holding the secret routers must present; every Engine RPC "
                              "without it is UNAUTHENTICATED (none: anyone may call)")
-    parser.add_argument("--scheduling-policy", choices=["fair", "fcfs"], default="fair",
-                        help="order among tenants: fair (weighted fair share of tokens, "
-                             "docs/tenants.md) or fcfs (priority, then arrival) "
-                             "(default: %(default)s)")
-    parser.add_argument("--max-long-partial-prefills", type=non_negative_int, default=None,
-                        help="while waiting requests follow a prefix a step computes, start at "
-                             "most this many long prompts in that step, short ones first "
-                             "(vLLM's name; 0: no limit; default: %(default)s)")
-    parser.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
-                        help="a prompt with more tokens than this left to compute is long "
-                             "(0: 4%% of --max-model-len; default: %(default)s)")
-    parser.add_argument("--short-prefill-steps", action=argparse.BooleanOptionalAction,
-                        default=False, help="a step that starts short prompts starts no long "
-                        "one, so their first tokens do not wait for it (default: %(default)s)")
-    parser.add_argument("--preempt-steps-for-new-tenants",
-                        action=argparse.BooleanOptionalAction, default=True,
-                        help="pause a step between layers to serve a newly arrived tenant's "
-                             "request in a step of its own (CPU, fair share; docs/tenants.md) "
-                             "(default: %(default)s)")
+    add_scheduling_arguments(parser)
     parser.add_argument("--role", choices=ROLES, default=ROLE_BOTH,
                         help="prefill: routers send it prompts to compute and hand off; "
                              "decode: routers send it handed-off requests and short prompts; "
@@ -422,11 +405,6 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
         enable_chunked_prefill=args.enable_chunked_prefill,
         linear_backend=args.linear_backend,
         quantization=args.quantization,
-        scheduling_policy=args.scheduling_policy,
-        max_long_partial_prefills=args.max_long_partial_prefills,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        short_prefill_steps=args.short_prefill_steps,
-        preempt_steps_for_new_tenants=args.preempt_steps_for_new_tenants,
         attention_backend=args.attention_backend,
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -436,6 +414,7 @@ def options_from_args(args: argparse.Namespace) -> EngineServerOptions:
            # A KV handoff moves one block table per request (engine.disagg).
            **({"disable_hybrid_kv_cache_manager": True} if args.role != ROLE_BOTH else {})},
         **lora_config(args),
+        **scheduling_config(args),
         **role_scheduling_config(args),
     )
     parse_url(args.redis_url)  # ValueError now rather than after the model loaded
