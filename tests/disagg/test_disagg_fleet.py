@@ -12,7 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 
+from kvfleet.contracts import redis_schema
 from kvfleet.fleet import Fleet
 from kvfleet.router_client import build_request
 from tests.fixtures.fleets import FleetOptions, running_fleet
@@ -65,10 +67,24 @@ def _all_free(fleet: Fleet) -> None:
         assert wait_until(idle)
 
 
+def _wait_published(fleet: Fleet, engine_id: str, blocks: int) -> None:
+    """Until Redis shows `engine_id` caching `blocks` blocks: the router learns which blocks a
+    decode engine holds (and so which a transfer may skip) only from what it published."""
+    client = redis.Redis.from_url(fleet.redis_url, socket_timeout=5)
+    try:
+        def held() -> bool:
+            keys = client.scan_iter(match=redis_schema.blocks_key_pattern(engine_id))
+            return sum(client.scard(key) for key in keys) >= blocks
+        assert wait_until(held)
+    finally:
+        client.close()
+
+
 def test_long_prompt_is_prefilled_then_decoded_exactly(fleet, client, reference):
     ids, engine, _ = _ids(client, LONG)
     assert ids == reference[0]
     assert engine == "engine-1"  # the decode engine finished it
+    _wait_published(fleet, "engine-1", len(LONG) // 16)
     ids, _, cached = _ids(client, LONG)  # again: the prefill engine's prefix cache hits
     assert ids == reference[0]
     assert cached == 64
